@@ -1,0 +1,137 @@
+"""The `k3rl` command line (typer). Each command imports its module only when it runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+
+from k3rl.config import ConfigError, JobConfig
+
+app = typer.Typer(
+    name="k3rl",
+    help="Agentic RL post-training for Kimi K3-architecture models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+config_app = typer.Typer(help="Inspect job configs.", no_args_is_help=True)
+envs_app = typer.Typer(help="List and check the registered tool environments.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(envs_app, name="envs")
+
+console = Console()
+err = Console(stderr=True)
+
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config value: a.b.c=value (repeatable)")]
+
+
+def _load(config: Optional[Path], overrides: Optional[list[str]]) -> JobConfig:
+    try:
+        return JobConfig.load(config, overrides or [])
+    except ConfigError as e:
+        err.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[Optional[Path], typer.Argument(help="job YAML (omit for the defaults)")] = None,
+    set_: SetOpt = None,
+    save: Annotated[Optional[Path], typer.Option(help="also write the resolved config here")] = None,
+) -> None:
+    """Print the resolved config (defaults + file + --set overrides)."""
+    cfg = _load(config, set_)
+    console.print(Syntax(cfg.to_yaml(), "yaml", theme="ansi_dark", background_color="default"))
+    if save:
+        cfg.save(save)
+        console.print(f"saved to {save}")
+
+
+@app.command()
+def train(
+    config: Annotated[Optional[Path], typer.Argument(help="job YAML (omit for the embedded defaults)")] = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run from its last checkpoint")] = False,
+) -> None:
+    """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
+    cfg = _load(config, set_)
+    from k3rl.job import run_job
+
+    result = run_job(cfg, resume=resume)
+    raise typer.Exit(0 if result.get("completed", True) else 1)
+
+
+@app.command()
+def replay(
+    run: Annotated[str, typer.Argument(help="run directory (runs/<name>) or MLflow run id")],
+    episode: Annotated[Optional[str], typer.Option(help="episode id (prefix is enough)")] = None,
+    step: Annotated[Optional[int], typer.Option(help="pick episodes of this training step")] = None,
+    html: Annotated[Optional[Path], typer.Option(help="write the episode as HTML with its images")] = None,
+    re_execute: Annotated[bool, typer.Option("--re-execute", help="replay the tool calls in a fresh sandbox")] = False,
+) -> None:
+    """Show an episode turn by turn (and optionally re-run its tool calls)."""
+    from k3rl.replay import replay_command
+
+    raise typer.Exit(replay_command(run, episode=episode, step=step, html=html, re_execute=re_execute))
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[str], typer.Argument(help="run names or ids")],
+    out: Annotated[Path, typer.Option(help="PNG of the reward curves")] = Path("runs/compare.png"),
+    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] = "sqlite:///runs/mlflow.db",
+    metric: Annotated[str, typer.Option(help="metric to plot")] = "reward/mean",
+) -> None:
+    """Reward curves of several runs side by side, read from MLflow."""
+    from k3rl.compare import compare_runs
+
+    compare_runs(runs, out=out, tracking_uri=tracking_uri, metric=metric)
+
+
+@app.command()
+def ui(
+    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] = "sqlite:///runs/mlflow.db",
+    port: Annotated[int, typer.Option()] = 5000,
+) -> None:
+    """Start the MLflow UI on the run store (loopback only)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1", "--port", str(port)]
+    console.print(f"MLflow UI on http://127.0.0.1:{port}  ({' '.join(cmd)})")
+    raise typer.Exit(subprocess.call(cmd))
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Registered environments under the k3rl namespace (and third-party entry points)."""
+    from k3rl.envs.cli import list_envs
+
+    list_envs(console)
+
+
+@envs_app.command("check")
+def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v0")], seed: int = 0) -> None:
+    """Run Gymnasium's env checker and one oracle episode, printing the transcript."""
+    from k3rl.envs.cli import check_env_command
+
+    raise typer.Exit(check_env_command(env_id, seed=seed, console=console))
+
+
+def _mount_sandbox() -> None:
+    try:
+        from k3rl.sandboxes.cli import app as sandbox_app
+    except ImportError as e:  # the sandbox CLI needs the docker SDK
+        sandbox_app = typer.Typer(help=f"Sandbox tools (unavailable: {e}).")
+    app.add_typer(sandbox_app, name="sandbox", help="Build, check and clean up the sandboxes.")
+
+
+_mount_sandbox()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,268 @@
+"""One job configuration: `JobConfig`, loaded from YAML with `--set a.b.c=value` overrides.
+
+Unknown keys and bad values are rejected with the dotted path of the field and what was
+expected (`ConfigError`). `resolve()` gives the fully defaulted config, which is what gets
+printed, saved next to a run and logged to MLflow as params.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    preset: Literal["k3", "k3-small", "k3-tiny"] = "k3-tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields replacing the preset's")
+    checkpoint: str | None = Field(None, description="HF-layout directory to load the weights from")
+    tokenizer: str = Field("byte", description="'byte' or a directory holding tokenizer.json")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    thinking: bool = Field(False, description="thinking mode of the chat template")
+    seed: int = 0
+
+    def k3_config(self):
+        """The K3Config this section describes (preset + overrides), validated."""
+        from k3rl.learner.model import K3Config
+
+        cfg = K3Config.preset(self.preset)
+        if self.overrides:
+            try:
+                cfg = K3Config.model_validate({**cfg.model_dump(), **self.overrides})
+            except ValidationError as e:
+                raise ConfigError(_format(e, prefix="model.overrides")) from None
+        return cfg
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens_per_turn: int = Field(64, ge=1)
+
+
+class RolloutSection(_Section):
+    engine: Literal["embedded", "vllm"] = "embedded"
+    num_inference_workers: int = Field(1, ge=1)
+    num_rollout_workers: int = Field(1, ge=1)
+    episodes_per_worker: int = Field(8, ge=1, description="episodes one rollout worker runs at once")
+    group_size: int = Field(4, ge=1, description="samples per prompt (GRPO group)")
+    prompts_per_step: int = Field(8, ge=1)
+    max_policy_lag: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    partial_rollouts: bool = True
+    max_context_tokens: int = Field(2048, ge=16)
+    max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")
+    gpus_per_inference_worker: float = Field(0.0, ge=0.0)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    weight_transport: Literal["object_store", "nccl", "cuda_ipc"] = "object_store"
+
+
+class LearnerSection(_Section):
+    algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    optimizer: Literal["muon", "adamw"] = "muon"
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_ratio: float = Field(0.01, ge=0, lt=1)
+    weight_decay: float = Field(0.1, ge=0)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0)
+    tis_cap: float = Field(2.0, gt=0, description="truncated importance sampling cap")
+    tis_level: Literal["token", "sequence", "none"] = "token"
+    ratio_mask_low: float = Field(0.0, ge=0)
+    ratio_mask_high: float = Field(10.0, gt=0)
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    micro_batch_tokens: int = Field(4096, ge=16)
+    grad_clip: float = Field(1.0, gt=0)
+    bf16: bool = False
+    activation_checkpointing: bool = False
+    routing_replay: bool = True
+    qb_frozen: bool = True
+    steps: int = Field(20, ge=0)
+    checkpoint_every: int = Field(10, ge=0)
+    sft_steps: int = Field(0, ge=0, description="SFT warm start on oracle demonstrations")
+    sft_lr: float = Field(3e-3, gt=0)
+    sft_episodes: int = Field(64, ge=0)
+    data_parallel: Literal["none", "fsdp"] = "none"
+    world_size: int = Field(1, ge=1)
+    gpus: float = Field(0.0, ge=0.0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _ratio_bounds(self):
+        if self.ratio_mask_low >= self.ratio_mask_high:
+            raise ValueError(f"ratio_mask_low ({self.ratio_mask_low}) must be below ratio_mask_high ({self.ratio_mask_high})")
+        return self
+
+
+class EnvSpec(_Section):
+    id: str = Field(description="a registered Gymnasium id, e.g. k3rl/KeyLookup-v0")
+    weight: float = Field(1.0, gt=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvsSection(_Section):
+    train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")])
+    max_turns: int = Field(4, ge=1)
+    episode_time_budget_s: float = Field(120.0, gt=0)
+
+
+class SandboxSection(_Section):
+    backend: Literal["auto", "docker", "bwrap"] = "auto"
+    image: str | None = Field(None, description="defaults to the k3rl-sandbox image of this version")
+    memory_mb: int = Field(512, ge=16)
+    cpus: float = Field(1.0, gt=0)
+    pids: int = Field(128, ge=8)
+    exec_timeout_s: float = Field(10.0, gt=0)
+    pool_size: int = Field(4, ge=0, description="warm sandboxes kept ready")
+    max_concurrency: int = Field(16, ge=1)
+    starts_per_second: float = Field(4.0, gt=0)
+
+
+class TrackingSection(_Section):
+    uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI (sqlite:///... or http://server)")
+    experiment: str = "k3rl"
+    run_name: str | None = None
+    runs_dir: str = "runs"
+    log_every: int = Field(1, ge=1)
+    sample_episodes: int = Field(4, ge=0, description="episodes rendered as HTML artifacts per logging step")
+
+
+class RaySection(_Section):
+    address: str | None = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
+    num_cpus: int | None = Field(None, ge=1)
+    namespace: str = "k3rl"
+    include_dashboard: bool = False
+
+
+class JobConfig(_Section):
+    name: str = "k3rl-job"
+    model: ModelSection = Field(default_factory=ModelSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
+    envs: EnvsSection = Field(default_factory=EnvsSection)
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    ray: RaySection = Field(default_factory=RaySection)
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+        data: dict[str, Any] = {}
+        if path is not None:
+            path = Path(path)
+            if not path.exists():
+                raise ConfigError(f"config file {path} does not exist")
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
+        for item in overrides or []:
+            apply_override(data, item)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_format(e)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values (MLflow params)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for i, v in enumerate(value):
+                    walk(f"{prefix}.{i}", v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad field by its dotted path."""
+
+
+def _format(error: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        path = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "<root>")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key (check the spelling; `k3rl config show` prints every valid key)")
+        else:
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"{path}: {err['msg']}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (numbers, bools, lists)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = _index(part, node, key)
+            node = node[idx]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(last, node, key)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override {item!r}: {'.'.join(parts[:-1])} is a value, not a section")
+
+
+def _index(part: str, node: list, key: str) -> int:
+    if not part.isdigit():
+        raise ConfigError(f"override {key!r}: {part!r} must be a list index")
+    idx = int(part)
+    if idx == len(node):
+        node.append({})
+    if idx >= len(node):
+        raise ConfigError(f"override {key!r}: index {idx} is past the end of a list of {len(node)}")
+    return idx
