@@ -1,0 +1,58 @@
+"""Backend choice shared by every kernel dispatcher.
+
+Each public op takes ``backend="auto"|"torch"|"triton"``:
+
+- ``"torch"``  the pure-PyTorch reference (any device, any float dtype, autograd by PyTorch);
+- ``"triton"`` the Triton kernel (CUDA tensors; on the CPU only under ``TRITON_INTERPRET=1``,
+  which is how the tests run the kernels without a GPU);
+- ``"auto"``   Triton when every tensor is on CUDA and the op has a Triton kernel, the
+  reference otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - triton is a Linux dependency of the project
+        return False
+    return True
+
+
+def interpreter_on() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, op: str, *tensors: torch.Tensor | None, has_triton: bool = True) -> str:
+    """Return ``"torch"`` or ``"triton"`` for ``op`` given the requested ``backend``.
+
+    Raises ``ValueError`` for an unknown backend name, or when ``"triton"`` is asked for
+    tensors the Triton path cannot run on.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    present = [t for t in tensors if t is not None]
+    on_cuda = bool(present) and all(t.is_cuda for t in present)
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if (has_triton and on_cuda and triton_importable()) else "torch"
+    # explicit "triton"
+    if not has_triton:
+        raise ValueError(f"{op}: there is no Triton kernel for this op; use backend='torch' or 'auto'")
+    if not triton_importable():
+        raise ValueError(f"{op}: backend='triton' needs the triton package; install it or use backend='torch'")
+    if not on_cuda and not interpreter_on():
+        raise ValueError(
+            f"{op}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "
+            "triton, for CPU tests); move the inputs to CUDA or use backend='torch'"
+        )
+    return "triton"

@@ -1,0 +1,26 @@
+"""Kimi Delta Attention (KDA): naive loop, chunkwise reference, recurrent form, dispatchers.
+
+- ``chunk_kda``             training / prefill entry point (Triton on CUDA, reference elsewhere)
+- ``fused_recurrent_kda``   decode entry point (Triton on CUDA, per-token loop elsewhere)
+- ``naive_recurrent_kda``   per-token loop of K3_SPEC §2.4 (ground truth)
+- ``chunk_kda_reference``   chunkwise algorithm of K3_SPEC §2.5 in PyTorch
+- ``kda_chunk_transition`` / ``kda_transition``  M_chunk of §2.5 step 7 and its product (§9.3)
+- ``kda_gate``, ``l2norm``  the gate and q/k normalisation the kernels fuse in
+"""
+
+from .chunk import chunk_kda
+from .chunk_reference import chunk_kda_reference, kda_chunk_transition, kda_transition
+from .fused_recurrent import fused_recurrent_kda
+from .gate import kda_gate, l2norm
+from .naive import naive_recurrent_kda
+
+__all__ = [
+    "chunk_kda",
+    "chunk_kda_reference",
+    "fused_recurrent_kda",
+    "kda_chunk_transition",
+    "kda_gate",
+    "kda_transition",
+    "l2norm",
+    "naive_recurrent_kda",
+]

@@ -1,0 +1,51 @@
+"""``fused_recurrent_kda``: token-by-token KDA for decoding (state in, state out).
+
+Picks the Triton kernel (``triton_recurrent.py``) on CUDA and the per-token PyTorch
+loop (``naive.py``) elsewhere.
+"""
+
+from __future__ import annotations
+
+from .._backend import resolve_backend
+from .naive import naive_recurrent_kda
+
+HAS_TRITON_RECURRENT = False
+
+
+def fused_recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    backend="auto",
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=-5.0,
+):
+    """Kimi Delta Attention, recurrent form (decode: usually T = 1 with a carried state).
+
+    Same layouts, arguments and returns as ``chunk_kda`` (without ``chunk_size``):
+    q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V] fp32.
+    Returns ``(o [B, T, H, V] in v's dtype, final_state fp32 or None)``.
+    """
+    path = resolve_backend(backend, "fused_recurrent_kda", q, k, v, g, beta, has_triton=HAS_TRITON_RECURRENT)
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    kwargs = dict(
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+    )
+    if path == "triton":
+        from .triton_recurrent import fused_recurrent_kda_triton
+
+        return fused_recurrent_kda_triton(*args, **kwargs)
+    return naive_recurrent_kda(*args, **kwargs)
