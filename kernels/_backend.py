@@ -49,7 +49,9 @@ def resolve_backend(backend: str, op: str, *tensors: torch.Tensor | None, has_tr
     if not has_triton:
         raise ValueError(f"{op}: there is no Triton kernel for this op; use backend='torch' or 'auto'")
     if not triton_importable():
-        raise ValueError(f"{op}: backend='triton' needs the triton package; install it or use backend='torch'")
+        raise ValueError(
+            f"{op}: backend='triton' needs the triton package; install it or use backend='torch'"
+        )
     if not on_cuda and not interpreter_on():
         raise ValueError(
             f"{op}: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .._backend import resolve_backend
 from .reference import attention_mask, causal_attention_reference
 
@@ -23,12 +21,18 @@ def _check(q, k, v, cu_seqlens, kv_lengths):
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if S < T:
-        raise ValueError(f"causal_attention: need at least as many keys as queries (S >= T), got S={S}, T={T}")
+        raise ValueError(
+            f"causal_attention: need at least as many keys as queries (S >= T), got S={S}, T={T}"
+        )
     if cu_seqlens is not None:
         if B != 1 or S != T:
-            raise ValueError(f"causal_attention: cu_seqlens needs a packed batch (B=1) with S == T; got B={B}, T={T}, S={S}")
+            raise ValueError(
+                f"causal_attention: cu_seqlens needs a packed batch (B=1) with S == T; got B={B}, T={T}, S={S}"
+            )
         if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-            raise ValueError(f"causal_attention: cu_seqlens must start at 0 and end at T={T}; got {cu_seqlens.tolist()}")
+            raise ValueError(
+                f"causal_attention: cu_seqlens must start at 0 and end at T={T}; got {cu_seqlens.tolist()}"
+            )
     if kv_lengths is not None and kv_lengths.shape != (B,):
         raise ValueError(f"causal_attention: kv_lengths must be [B={B}], got {tuple(kv_lengths.shape)}")
 

@@ -37,7 +37,9 @@ def chunk_factors(q, k, g, beta):
     G = g.cumsum(-2)  # step 1
     diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., i, j, K] = G_i - G_j
     incl = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()  # j <= i
-    decay = torch.where(incl[..., None], diff, torch.full_like(diff, float("-inf"))).exp()  # exp(G_i - G_j), 0 above
+    decay = torch.where(
+        incl[..., None], diff, torch.full_like(diff, float("-inf"))
+    ).exp()  # exp(G_i - G_j), 0 above
     kdec = decay * k.unsqueeze(-3)  # K_jc exp(G_ic - G_jc)
     A_kk = torch.einsum("...ijc,...ic->...ij", kdec, k).tril(-1) * beta.unsqueeze(-1)  # step 2
     A_qk = torch.einsum("...ijc,...ic->...ij", kdec, q) if q is not None else None  # step 5
@@ -131,7 +133,9 @@ def kda_chunk_transition(
     GC = G[..., -1:, :]
     k_to_end = (GC - G).exp() * ks  # (Gamma_C / Gamma) * K
     eye = torch.eye(K, dtype=ks.dtype, device=ks.device)
-    return GC.squeeze(-2).exp().unsqueeze(-1) * eye - k_to_end.transpose(-1, -2) @ W  # Diag(Gamma_C) - (...)^T W
+    return (
+        GC.squeeze(-2).exp().unsqueeze(-1) * eye - k_to_end.transpose(-1, -2) @ W
+    )  # Diag(Gamma_C) - (...)^T W
 
 
 def kda_transition(k, g, beta, chunk_size=64, **gate_kwargs):

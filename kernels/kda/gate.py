@@ -13,7 +13,9 @@ L2NORM_EPS = 1e-6  # inside the square root: x / sqrt(sum x^2 + eps)
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """fp64 when any input is fp64 (exactness tests), fp32 otherwise."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return (
+        torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    )
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -48,7 +50,9 @@ def kda_gate(
     zf = z.to(dt)
     if dt_bias is not None:
         if dt_bias.numel() != H * K:
-            raise ValueError(f"kda_gate: dt_bias must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}")
+            raise ValueError(
+                f"kda_gate: dt_bias must have H*K={H * K} elements, got shape {tuple(dt_bias.shape)}"
+            )
         zf = zf + dt_bias.to(dt).reshape(H, K)  # z = z~ + dt_bias
     a = A_log.to(dt).reshape(H, 1).exp()  # e^{A_h}, broadcast over channels
     if lower_bound is None:

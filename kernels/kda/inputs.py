@@ -22,7 +22,9 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, op: str) -> No
             f"{op}: q, k and g must share shape [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}"
         )
     if v.shape[:3] != (B, T, H):
-        raise ValueError(f"{op}: v must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}; got {tuple(v.shape)}")
+        raise ValueError(
+            f"{op}: v must be [B, T, H, V] with B, T, H of q {tuple(q.shape)}; got {tuple(v.shape)}"
+        )
     if beta.shape != (B, T, H):
         raise ValueError(f"{op}: beta must be [B, T, H] = {(B, T, H)}; got {tuple(beta.shape)}")
     n_states = B
@@ -32,8 +34,10 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, op: str) -> No
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
             raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1]; got {cu_seqlens}")
         cs = cu_seqlens.tolist()
-        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError(f"{op}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}")
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:], strict=False)):
+            raise ValueError(
+                f"{op}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}"
+            )
         n_states = len(cs) - 1
     if initial_state is not None and initial_state.shape != (n_states, H, K, v.shape[-1]):
         raise ValueError(
@@ -42,7 +46,9 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, op: str) -> No
         )
 
 
-def prepare_qkgb(q, k, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound):
+def prepare_qkgb(
+    q, k, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound
+):
     """Apply the in-kernel pre-processing in the compute dtype (fp32, or fp64 for fp64 inputs).
 
     Returns (q * scale, k, g, beta) with q, k L2-normalised when asked and g the log-decay.
@@ -61,7 +67,7 @@ def document_bounds(cu_seqlens, T: int) -> list[tuple[int, int]]:
     if cu_seqlens is None:
         return [(0, T)]
     cs = cu_seqlens.tolist()
-    return list(zip(cs[:-1], cs[1:]))
+    return list(zip(cs[:-1], cs[1:], strict=True))
 
 
 def run_reference(
@@ -105,7 +111,12 @@ def run_reference(
         else:
             S0 = initial_state.to(dt) if cu_seqlens is None else initial_state[i : i + 1].to(dt)
         o_i, S_i = core(
-            hf(qs[:, bos:eos]), hf(ks[:, bos:eos]), hf(vs[:, bos:eos]), hf(gs[:, bos:eos]), bs[:, bos:eos].transpose(1, 2), S0
+            hf(qs[:, bos:eos]),
+            hf(ks[:, bos:eos]),
+            hf(vs[:, bos:eos]),
+            hf(gs[:, bos:eos]),
+            bs[:, bos:eos].transpose(1, 2),
+            S0,
         )
         outs.append(o_i.transpose(1, 2))
         states.append(S_i)

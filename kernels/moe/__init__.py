@@ -21,20 +21,22 @@ GROUP_ALIGN = 16  # rows per expert group are padded to a multiple of this for _
 def _check(z, topk_idx, topk_weight, w1, w3, w2):
     if z.dim() != 2:
         raise ValueError(f"latent_experts: z must be [N, l], got {tuple(z.shape)}")
-    N, l = z.shape
+    N, dim = z.shape
     if topk_idx.dim() != 2 or topk_idx.shape[0] != N or topk_idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"latent_experts: topk_idx must be integer [N={N}, k], got {tuple(topk_idx.shape)} {topk_idx.dtype}")
+        raise ValueError(
+            f"latent_experts: topk_idx must be integer [N={N}, k], got {tuple(topk_idx.shape)} {topk_idx.dtype}"
+        )
     if topk_weight.shape != topk_idx.shape:
         raise ValueError(
             f"latent_experts: topk_weight must have topk_idx's shape {tuple(topk_idx.shape)}, got {tuple(topk_weight.shape)}"
         )
-    if w1.dim() != 3 or w1.shape[2] != l or w3.shape != w1.shape:
+    if w1.dim() != 3 or w1.shape[2] != dim or w3.shape != w1.shape:
         raise ValueError(
-            f"latent_experts: w1 and w3 must be [E, f, l={l}]; got {tuple(w1.shape)} and {tuple(w3.shape)}"
+            f"latent_experts: w1 and w3 must be [E, f, l={dim}]; got {tuple(w1.shape)} and {tuple(w3.shape)}"
         )
     E, f, _ = w1.shape
-    if w2.shape != (E, l, f):
-        raise ValueError(f"latent_experts: w2 must be [E={E}, l={l}, f={f}], got {tuple(w2.shape)}")
+    if w2.shape != (E, dim, f):
+        raise ValueError(f"latent_experts: w2 must be [E={E}, l={dim}, f={f}], got {tuple(w2.shape)}")
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
         raise ValueError(f"latent_experts: topk_idx values must lie in [0, {E}); got range "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")  # fmt: skip
@@ -81,7 +83,7 @@ def latent_experts_loop(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, bet
 
 def latent_experts_grouped(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=25.0):
     """Grouped-GEMM path: every expert's rows padded to GROUP_ALIGN inside one static-size buffer."""
-    N, l = z.shape
+    N, dim = z.shape
     E = w1.shape[0]
     order, token_of_route, counts = permute_by_expert(topk_idx, E)
     R = order.numel()
@@ -94,7 +96,7 @@ def latent_experts_grouped(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, 
     pos = starts[expert_sorted] + rank
     M = R + E * (GROUP_ALIGN - 1)  # static upper bound: no host sync on the routing
     M = (M + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-    x = z.new_zeros(M, l).index_copy(0, pos, z[token_of_route])
+    x = z.new_zeros(M, dim).index_copy(0, pos, z[token_of_route])
     offs = ends.to(torch.int32)
     h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [M, f] = x w1_e^T per group
     h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)

@@ -10,7 +10,9 @@ from .reference import SiTUGLUTorch, situ_glu_formula, situ_glu_grads
 HAS_TRITON_SITU = False
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0, backend="auto"):
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta_gate: float = 4.0, beta_up: float = 25.0, backend="auto"
+):
     """``[b1 tanh(gate/b1) sigmoid(gate)] * [b2 tanh(up/b2)]`` element-wise, any shape.
 
     ``gate`` and ``up`` have the same shape and dtype; computed in fp32 (fp64 for fp64),

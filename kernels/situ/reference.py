@@ -33,7 +33,9 @@ def situ_glu_grads(gate, up, grad_out, beta_gate, beta_up):
     sg = torch.sigmoid(g)
     tu = torch.tanh(u / beta_up)
     a = beta_gate * tg * sg
-    da_dg = (1 - tg * tg) * sg + beta_gate * tg * sg * (1 - sg)  # (1 - tanh^2) sigma + b1 tanh sigma (1 - sigma)
+    da_dg = (1 - tg * tg) * sg + beta_gate * tg * sg * (
+        1 - sg
+    )  # (1 - tanh^2) sigma + b1 tanh sigma (1 - sigma)
     dgate = go * beta_up * tu * da_dg  # u~ * da/dg
     dup = go * a * (1 - tu * tu)  # a(g) (1 - tanh^2(u/b2))
     return dgate.to(gate.dtype), dup.to(up.dtype)

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from k3rl.kernels.attention import causal_attention
 
 

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from k3rl.kernels.kda import (
     chunk_kda,
     chunk_kda_reference,
@@ -38,7 +37,9 @@ def test_chunk_equals_naive_fp64(T, chunk_size, with_state):
     q, k, v, g, beta, S0 = make_inputs(T=T, seed=T)
     init = S0 if with_state else None
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=init, output_final_state=True)
-    o, s = chunk_kda_reference(q, k, v, g, beta, initial_state=init, output_final_state=True, chunk_size=chunk_size)
+    o, s = chunk_kda_reference(
+        q, k, v, g, beta, initial_state=init, output_final_state=True, chunk_size=chunk_size
+    )
     assert (o - o_ref).abs().max() < 1e-10
     assert (s - s_ref).abs().max() < 1e-10
 
@@ -50,7 +51,9 @@ def test_naive_is_eq1_matrix_form():
     S = S0[0, 0]
     for t in range(5):
         kt, vt, qt, bt = k[0, t, 0], v[0, t, 0], q[0, t, 0], beta[0, t, 0]
-        S = (torch.eye(8, dtype=F64) - bt * torch.outer(kt, kt)) @ torch.diag(g[0, t, 0].exp()) @ S + bt * torch.outer(kt, vt)
+        S = (torch.eye(8, dtype=F64) - bt * torch.outer(kt, kt)) @ torch.diag(
+            g[0, t, 0].exp()
+        ) @ S + bt * torch.outer(kt, vt)
         assert torch.allclose(o[0, t, 0], S.T @ qt, atol=1e-12)
     assert torch.allclose(s[0, 0], S, atol=1e-12)
 
@@ -70,9 +73,11 @@ def test_varlen_equals_separate_sequences():
     S0 = torch.randn(len(lens), 2, 8, 6, dtype=F64)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     o, s = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu)
-    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        sl = lambda x: x[:, a:b]
-        o_i, s_i = naive_recurrent_kda(sl(q), sl(k), sl(v), sl(g), sl(beta), initial_state=S0[i : i + 1], output_final_state=True)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        sl = lambda x, a=a, b=b: x[:, a:b]
+        o_i, s_i = naive_recurrent_kda(
+            sl(q), sl(k), sl(v), sl(g), sl(beta), initial_state=S0[i : i + 1], output_final_state=True
+        )
         assert (o[:, a:b] - o_i).abs().max() < 1e-10
         assert (s[i] - s_i[0]).abs().max() < 1e-10
 
@@ -82,7 +87,9 @@ def test_gate_and_l2norm_in_kernel_match_explicit():
     q, k, v, _, beta, S0 = make_inputs(B=B, T=T, H=H, K=K)
     z = torch.randn(B, T, H, K, dtype=F64)
     A_log, dt_bias = torch.randn(H, dtype=F64), torch.randn(H * K, dtype=F64)
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    kw = dict(
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0
+    )
     o, _ = chunk_kda(q * 3, k * 2, v, z, beta, **kw)
     qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6 / 9)  # l2norm(3q) = 3q / sqrt(9|q|^2 + 1e-6)
     kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6 / 4)
@@ -149,7 +156,11 @@ def test_chunk_transition_is_product_of_token_transitions():
         P = torch.eye(8, dtype=F64)
         for t in range(16):
             kt = k[0, t, h]
-            P = (torch.eye(8, dtype=F64) - beta[0, t, h] * torch.outer(kt, kt)) @ torch.diag(g[0, t, h].exp()) @ P
+            P = (
+                (torch.eye(8, dtype=F64) - beta[0, t, h] * torch.outer(kt, kt))
+                @ torch.diag(g[0, t, h].exp())
+                @ P
+            )
         assert (M[0, h, 0] - P).abs().max() < 1e-12
 
 
@@ -158,7 +169,7 @@ def test_segment_composition_for_context_parallelism():
     _, s_full = naive_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     S = S0
     for a, b in [(0, 33), (33, 70), (70, 90)]:  # three "ranks"
-        sl = lambda x: x[:, a:b]
+        sl = lambda x, a=a, b=b: x[:, a:b]
         M = kda_transition(sl(k), sl(g), sl(beta), chunk_size=16)
         _, s_zero = chunk_kda(sl(q), sl(k), sl(v), sl(g), sl(beta), output_final_state=True, chunk_size=16)
         S = M @ S + s_zero  # S <- M_[j] S + S~_[j]
@@ -182,7 +193,7 @@ def test_reference_backward_matches_naive():
     w_o, w_s = torch.randn_like(o1), torch.randn_like(s1)
     ((o1 * w_o).sum() + (s1 * w_s).sum()).backward()
     ((o2 * w_o).sum() + (s2 * w_s).sum()).backward()
-    for a, b in zip(xs, ys):
+    for a, b in zip(xs, ys, strict=True):
         assert (a.grad - b.grad).abs().max() < 1e-10
 
 

@@ -2,20 +2,21 @@
 
 import pytest
 import torch
-
 from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop
 from k3rl.kernels.situ import situ_glu
 
 
-def make(N=24, l=16, f=8, E=6, k=3, dtype=torch.float64, seed=0):
+def make(N=24, dim=16, f=8, E=6, k=3, dtype=torch.float64, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(N, l, generator=gen, dtype=dtype)
+    z = torch.randn(N, dim, generator=gen, dtype=dtype)
     idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
     idx[:, 0] = torch.where(torch.arange(N) % 2 == 0, 0, idx[:, 0])  # skewed: expert 0 popular ...
     idx = torch.where(idx == E - 1, 0, idx)  # ... and expert E-1 gets nothing
-    idx = torch.stack([torch.unique(r) if len(torch.unique(r)) == k else torch.randperm(E - 1)[:k] for r in idx])
+    idx = torch.stack(
+        [torch.unique(r) if len(torch.unique(r)) == k else torch.randperm(E - 1)[:k] for r in idx]
+    )
     w = torch.rand(N, k, generator=gen, dtype=torch.float32)
-    ws = [torch.randn(E, *s, generator=gen, dtype=dtype) * 0.3 for s in ((f, l), (f, l), (l, f))]
+    ws = [torch.randn(E, *s, generator=gen, dtype=dtype) * 0.3 for s in ((f, dim), (f, dim), (dim, f))]
     return z, idx, w, *ws
 
 
@@ -58,7 +59,7 @@ def test_gradients_match_per_token():
             acc = acc + wr[t, j] * (qs[3][e] @ situ_glu(qs[1][e] @ qs[0][t], qs[2][e] @ qs[0][t]))
         per_token_autograd = per_token_autograd.index_put((torch.tensor([t]),), acc[None])
     per_token_autograd.square().sum().backward()
-    for a, b in zip(ps, qs):
+    for a, b in zip(ps, qs, strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-5)
     assert torch.allclose(wq.grad, wr.grad, atol=1e-5)
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop
 
 
@@ -10,9 +9,9 @@ from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop
 def test_singular_values_near_one(shape):
     torch.manual_seed(0)
     G = torch.randn(shape)
-    O = newton_schulz(G)
-    assert O.shape == G.shape and O.dtype == G.dtype
-    sv = torch.linalg.svdvals(O.reshape(-1, *shape[-2:]))
+    out = newton_schulz(G)
+    assert out.shape == G.shape and out.dtype == G.dtype
+    sv = torch.linalg.svdvals(out.reshape(-1, *shape[-2:]))
     assert sv.min() > 0.5 and sv.max() < 1.3  # NS5 with these coefficients lands in ~[0.7, 1.2]
 
 

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from k3rl.kernels.qb_histogram import qb_histogram, qb_quantile
 
 
@@ -27,7 +26,9 @@ def test_sharded_histograms_add_up():
 def test_token_mask_excludes_padding():
     r = torch.randn(50, 3)
     mask = torch.arange(50) < 30
-    assert torch.equal(qb_histogram(r, -4.0, 0.01, 800, token_mask=mask), qb_histogram(r[:30], -4.0, 0.01, 800))
+    assert torch.equal(
+        qb_histogram(r, -4.0, 0.01, 800, token_mask=mask), qb_histogram(r[:30], -4.0, 0.01, 800)
+    )
 
 
 def test_quantile_within_one_bin_of_order_statistic():

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from k3rl.kernels.situ import situ_glu, situ_glu_formula
 
 F64 = torch.float64
@@ -41,7 +40,9 @@ def test_analytic_gradients_equal_autograd():
     g2, u2 = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
     (situ_glu_formula(g2, u2) * w).sum().backward()
     assert torch.allclose(g.grad, g2.grad, atol=1e-12) and torch.allclose(u.grad, u2.grad, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b), (g[:20].detach().requires_grad_(), u[:20].detach().requires_grad_()))
+    assert torch.autograd.gradcheck(
+        lambda a, b: situ_glu(a, b), (g[:20].detach().requires_grad_(), u[:20].detach().requires_grad_())
+    )
 
 
 def test_da_dg_at_zero_is_half():
@@ -61,7 +62,11 @@ def test_bf16_io_fp32_island():
 
 def test_shared_expert_split_equivalence():
     x = torch.randn(5, 16, dtype=F64)
-    wg, wu, wd = torch.randn(12, 16, dtype=F64), torch.randn(12, 16, dtype=F64), torch.randn(16, 12, dtype=F64)
+    wg, wu, wd = (
+        torch.randn(12, 16, dtype=F64),
+        torch.randn(12, 16, dtype=F64),
+        torch.randn(16, 12, dtype=F64),
+    )
     full = situ_glu(x @ wg.T, x @ wu.T) @ wd.T
     halves = sum(situ_glu(x @ wg[s].T, x @ wu[s].T) @ wd[:, s].T for s in (slice(0, 6), slice(6, 12)))
     assert torch.allclose(full, halves, atol=1e-12)
