@@ -1,0 +1,51 @@
+# k3rl: the two-command quick start is `make demo` and `make test`; both set up what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PYTEST_ARGS ?=
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export PYTHONUNBUFFERED := 1
+export MPLBACKEND := Agg
+
+.PHONY: setup venv host demo test test-fast bench lint clean
+
+setup: venv host
+
+# The venv: torch 2.13.0 first (the CPU wheel on CPU-only machines, so pip does not pull a
+# multi-GB CUDA build), triton 3.6 (the version the GPU image runs, so the interpreter tests
+# exercise the same compiler front end), then the package with its dev extra.
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q "triton==3.6.0"
+	$(PIP) install -q -e ".[dev]"
+	@touch $@
+
+# Host services the tests and the demo use: Docker daemon (no bridge network), bubblewrap,
+# debootstrap and the offline-built sandbox image. Installs only when root on Debian.
+host: venv
+	@bash sandboxes/host_setup.sh
+
+demo: setup
+	$(PY) -m k3rl.cli train examples/demo.yaml
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/sandboxes.py
+	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/learner.py
+	$(PY) benchmarks/pipeline.py
+
+lint: venv
+	$(VENV)/bin/ruff check k3rl envs rollout learner kernels sandboxes tests benchmarks examples
+
+clean:
+	rm -rf runs .pytest_cache
