@@ -1,0 +1,28 @@
+"""The Kimi K3 model in plain PyTorch (K3_SPEC.md §1-§7): KDA, Gated MLA, Block AttnRes,
+Stable LatentMoE with Quantile Balancing, MoonViT-V2, incremental decoding, HF checkpoints."""
+
+from .cache import K3Cache
+from .checkpoint import load_hf, load_state_into, save_hf
+from .config import K3Config, LinearAttnConfig, VisionConfig
+from .model import K3ForCausalLM
+from .params import count_parameters, count_vision_parameters
+from .quantile_balance import bias_from_histogram, quantile_balance, required_bias_histogram
+from .vision_preprocess import MediaBatch, preprocess_media
+
+__all__ = [
+    "K3Cache",
+    "K3Config",
+    "K3ForCausalLM",
+    "LinearAttnConfig",
+    "MediaBatch",
+    "VisionConfig",
+    "bias_from_histogram",
+    "count_parameters",
+    "count_vision_parameters",
+    "load_hf",
+    "load_state_into",
+    "preprocess_media",
+    "quantile_balance",
+    "required_bias_histogram",
+    "save_hf",
+]

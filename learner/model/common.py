@@ -1,0 +1,71 @@
+"""Small shared pieces: RMSNorm, fp32 islands, the SiTU-GLU MLP, initialisation helpers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from k3rl.kernels.situ import situ_glu
+
+
+@contextlib.contextmanager
+def fp32_island(x: torch.Tensor):
+    """Disable autocast for the device of `x`, so code inside really runs in fp32.
+
+    Under `torch.autocast(bfloat16)` a linear or conv with fp32 inputs would otherwise be
+    downcast to bf16; the router, the KDA gate/conv and the AttnRes scores must stay fp32.
+    """
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        yield
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps), statistic in fp32, result in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm_eps(x; gamma) = gamma * x / sqrt(mean(x^2) + eps).
+
+    The statistic is fp32; gamma multiplies after the downcast to the input dtype (§0, [P]).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with fp32_island(x):
+            normed = rms_normalize(x, self.eps).to(x.dtype)
+        return self.weight.to(x.dtype) * normed
+
+
+class SiTUGLUMLP(nn.Module):
+    """down( SiTU-GLU(gate(x), up(x)) ): the dense layer-0 MLP and the fused shared experts.
+
+    SiTU-GLU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)] (§5.4), computed by the
+    kernels op. Two shared experts of width f equal one expert of width 2f (§5.3 step 5),
+    so they are stored fused at full width.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, beta_gate: float, beta_up: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.beta_gate, self.beta_up = beta_gate, beta_up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = situ_glu(self.gate_proj(x), self.up_proj(x), beta_gate=self.beta_gate, beta_up=self.beta_up)
+        return self.down_proj(act)
+
+
+def init_normal_(module: nn.Module, std: float) -> None:
+    """N(0, std) for every nn.Linear / nn.Embedding weight directly inside `module` (§11 choice)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)

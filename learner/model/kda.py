@@ -1,0 +1,165 @@
+"""Kimi Delta Attention token mixer (K3_SPEC §2).
+
+    q~, k~, v~ = x Wq^T, x Wk^T, x Wv^T                        [B, T, H*D]
+    q, k, v    = SiLU(causal depthwise conv_4(.))  (fp32 weights, reset at documents)
+    q, k       = L2-normalised per head (eps inside the sqrt), q * D^-1/2      (in the op)
+    beta       = sigmoid(x Wb^T)                                 fp32
+    g          = -5 sigmoid(exp(A) (f_b(f_a(x)) + dt_bias))      fp32            (in the op)
+    o~         = KDA recurrence (chunk form for prefill/training, recurrent for decode)
+    y          = Wo [ sigmoid(x Wg^T) * RMSNorm_head(o~) ]       fp32 island, cast at o_proj
+
+The recurrence, the L2 norm and the gate live in `k3rl.kernels.kda` (the in-kernel flags of
+the K3 training call, §2.5); this module owns the parameters, the short convolution, the
+decode caches and the output path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3rl.kernels.kda import chunk_kda, fused_recurrent_kda
+
+from .common import fp32_island, rms_normalize
+from .config import K3Config
+
+# Parameter names (suffixes) that must stay fp32 whatever the model dtype (§1.5).
+KDA_FP32_PARAMS = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias", "o_norm.weight")
+
+
+@dataclass
+class KDACacheEntry:
+    """Decode state of one KDA layer for B sequences.
+
+    state  [B, H, K, V] fp32 recurrent state (K-first, the kernels' layout)
+    conv   [B, W-1, 3*P] the last W-1 *pre-conv* projections of q | k | v (activation dtype)
+    """
+
+    state: torch.Tensor
+    conv: torch.Tensor
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
+    """Causal depthwise conv + SiLU, in fp32 with fp32 weights, result in x's dtype.
+
+    y_t[c] = SiLU( sum_{j=0..W-1} w[c, j] * x_{t-W+1+j}[c] ), zero left context at every
+    document start (or `left` [B, W-1, C], the cached previous projections, for decoding).
+    x [B, T, C], weight [C, 1, W]. Returns (y [B, T, C], the new left context [B, W-1, C]).
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if left is None:
+        left = x.new_zeros(B, W - 1, C)
+    with fp32_island(x):
+        xx = torch.cat([left.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+        w = weight.float()
+        if cu_seqlens is None:
+            y = F.conv1d(xx.float().transpose(1, 2), w, groups=C).transpose(1, 2)
+        else:  # packed documents: each starts from a zero left context
+            pieces = []
+            bounds = cu_seqlens.tolist()
+            for bos, eos in zip(bounds[:-1], bounds[1:]):
+                doc = F.pad(x[:, bos:eos].float().transpose(1, 2), (W - 1, 0))
+                pieces.append(F.conv1d(doc, w, groups=C).transpose(1, 2))
+            y = torch.cat(pieces, dim=1)
+        y = F.silu(y).to(x.dtype)
+    return y, xx[:, xx.shape[1] - (W - 1) :]
+
+
+def init_dt_bias(P: int, dt_min: float = 1e-3, dt_max: float = 1e-1, floor: float = 1e-4) -> torch.Tensor:
+    """Mamba-2 / GDN recipe: dt ~ log-uniform[dt_min, dt_max], clamp >= floor, store softplus^-1(dt)."""
+    u = torch.rand(P)
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt) = dt + log(1 - e^-dt)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        la = config.linear_attn_config
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = la.num_heads, la.head_dim
+        self.conv_size = la.short_conv_kernel_size
+        self.lower_bound = la.gate_lower_bound
+        self.chunk_size = la.chunk_size
+        self.norm_eps = config.rms_norm_eps
+        self.backend = config.kernel_backend
+        P = self.num_heads * self.head_dim
+        self.proj_dim = P
+        self.q_proj = nn.Linear(d, P, bias=False)
+        self.k_proj = nn.Linear(d, P, bias=False)
+        self.v_proj = nn.Linear(d, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(d, self.head_dim, bias=False)  # forget-gate rank = head_dim
+        self.f_b_proj = nn.Linear(self.head_dim, P, bias=False)
+        self.b_proj = nn.Linear(d, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(d, P, bias=False)  # full-rank output gate
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))  # A_h = 0 at init [R]
+        self.dt_bias = nn.Parameter(init_dt_bias(P))
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(self.head_dim))  # shared by every head
+        self.o_proj = nn.Linear(P, d, bias=False)
+
+    def new_cache(self, batch_size: int, dtype: torch.dtype, device) -> KDACacheEntry:
+        H, D = self.num_heads, self.head_dim
+        return KDACacheEntry(
+            state=torch.zeros(batch_size, H, D, D, dtype=torch.float32, device=device),
+            conv=torch.zeros(batch_size, self.conv_size - 1, 3 * self.proj_dim, dtype=dtype, device=device),
+        )
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACacheEntry | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, D, P = self.num_heads, self.head_dim, self.proj_dim
+        if cache is not None and cu_seqlens is not None:
+            raise ValueError("KDA: packed cu_seqlens and a decode cache cannot be combined; decode unpacked batches")
+
+        # 1-2. projections and short convolutions (fp32 weights, SiLU)
+        left_q = left_k = left_v = None
+        if cache is not None:
+            left_q, left_k, left_v = cache.conv.split(P, dim=-1)
+        q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens)
+        k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens)
+        v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens)
+        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))  # channel c = h*D + d
+
+        with fp32_island(x):
+            beta = torch.sigmoid(F.linear(x.float(), self.b_proj.weight.float()))  # [B, T, H] fp32
+        z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)  # raw decay logit z~ (dt_bias added in the op)
+
+        # 3-8. recurrence with the in-kernel L2 norm of q, k, the q scale and the decay gate
+        kda_args = dict(
+            scale=D**-0.5,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound,
+            backend=self.backend,
+        )
+        initial = cache.state if cache is not None else None
+        if cache is not None and T == 1:
+            o, final = fused_recurrent_kda(q, k, v, z, beta, initial_state=initial, output_final_state=True, **kda_args)
+        else:
+            o, final = chunk_kda(
+                q, k, v, z, beta, initial_state=initial, output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, **kda_args,
+            )
+        if cache is not None:
+            cache.state = final
+            cache.conv = torch.cat([cq, ck, cv], dim=-1)
+
+        # 9. y = Wo [ sigmoid(x Wg^T) * RMSNorm_head(o) ], the norm and gate in fp32
+        gate = self.g_proj(x).reshape(B, T, H, D)
+        with fp32_island(x):
+            normed = rms_normalize(o, self.norm_eps) * self.o_norm.weight.float()
+            y = (normed * torch.sigmoid(gate.float())).reshape(B, T, P)
+        return self.o_proj(y.to(self.o_proj.weight.dtype))

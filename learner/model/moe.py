@@ -1,0 +1,137 @@
+"""Stable LatentMoE (K3_SPEC §5): fp32 sigmoid router, latent routed experts, shared experts.
+
+    s  = sigmoid(x W_r^T)                    fp32 [N, E]
+    T  = argtop_k(s + b)                     b (QB bias) only selects; top-(k+1) gives QB's cutoff
+    p  = s_T / (sum_{r in T} s_r + 1e-20) * routed_scaling_factor      fp32, bias-free
+    z  = x W_down^T                          [N, l], once per token before dispatch
+    u  = sum_{e in T} p_e W2_e SiTU-GLU(W1_e z, W3_e z)                (the kernels op; fp32 combine)
+    y  = W_shared_down SiTU-GLU(W_sg x, W_su x)  +  W_up RMSNorm(u)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3rl.kernels.moe import latent_experts
+
+from .common import RMSNorm, SiTUGLUMLP, fp32_island
+from .config import K3Config
+from .quantile_balance import QuantileBalancer
+
+
+@dataclass
+class Routing:
+    """What the router decided for N tokens (all detached)."""
+
+    topk_idx: torch.Tensor  # [N, k] int64, the experts used
+    scores: torch.Tensor  # [N, E] fp32 sigmoid scores
+    cutoff: torch.Tensor  # [N] fp32, the (k+1)-th largest biased score (QB's alpha)
+
+
+class MoEGate(nn.Module):
+    """`mlp.gate`: router weight [E, d] (used in fp32) and `e_score_correction_bias` [E] fp32.
+
+    The bias is a parameter with requires_grad=False: it is part of the checkpoint and of the
+    parameter count, but only Quantile Balancing sets it (no optimizer group owns it).
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.top_k = config.num_experts_per_token
+        self.renormalize = config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, replay_idx: torch.Tensor | None = None):
+        """x [N, d] -> (weights p [N, k] fp32, Routing). `replay_idx` [N, k] routes to recorded experts."""
+        with fp32_island(x):
+            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E]
+            bias = self.e_score_correction_bias.float()
+            top = torch.topk((scores + bias).detach(), self.top_k + 1, dim=-1)  # selection only
+            cutoff = top.values[:, self.top_k]
+            if replay_idx is None:
+                idx = top.indices[:, : self.top_k]
+            else:
+                if replay_idx.shape != (x.shape[0], self.top_k):
+                    raise ValueError(
+                        f"routing replay: expected recorded experts of shape [{x.shape[0]}, {self.top_k}], "
+                        f"got {tuple(replay_idx.shape)}"
+                    )
+                if bool(((replay_idx < 0) | (replay_idx >= scores.shape[-1])).any()):
+                    raise ValueError(f"routing replay: expert ids must lie in [0, {scores.shape[-1]})")
+                idx = replay_idx.to(device=x.device, dtype=torch.int64)
+            p = scores.gather(-1, idx)  # weights from the raw scores: the bias never enters p
+            if self.renormalize:
+                p = p / (p.sum(-1, keepdim=True) + 1e-20)
+            p = p * self.scaling
+        return p, Routing(topk_idx=idx.detach(), scores=scores.detach(), cutoff=cutoff.detach())
+
+
+class RoutedExperts(nn.Module):
+    """`mlp.experts`: E SiTU-GLU experts in the latent width, stored stacked.
+
+    w1 (gate), w3 (up) [E, f, l]; w2 (down) [E, l, f]. The checkpoint adapter splits them
+    into the official per-expert `experts.{e}.w{1,2,3}.weight` tensors.
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        E, f, l = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
+        self.w1 = nn.Parameter(torch.empty(E, f, l))
+        self.w3 = nn.Parameter(torch.empty(E, f, l))
+        self.w2 = nn.Parameter(torch.empty(E, l, f))
+        self.beta_gate, self.beta_up = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.backend = config.kernel_backend
+
+    def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if torch.is_autocast_enabled(z.device.type):  # the op is not an autocast op: cast like one
+            dt = torch.get_autocast_dtype(z.device.type)
+            z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
+        elif z.dtype != w1.dtype:
+            z = z.to(w1.dtype)
+        return latent_experts(z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, backend=self.backend)
+
+
+class StableLatentMoE(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        d, l = config.hidden_size, config.routed_expert_hidden_size
+        self.gate = MoEGate(config)
+        self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
+        self.experts = RoutedExperts(config)
+        self.routed_expert_norm = RMSNorm(l, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
+        self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
+        self.shared_experts = SiTUGLUMLP(
+            d, config.num_shared_experts * config.moe_intermediate_size,
+            config.activation_situ_beta, config.activation_situ_linear_beta,
+        )
+        self.qb = QuantileBalancer(config.num_experts, config.num_experts_per_token, config.qb_num_bins)
+
+    def forward(self, x: torch.Tensor, replay_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        p, routing = self.gate(flat, replay_idx)
+        z = self.routed_expert_down_proj(flat)  # once per token, before dispatch
+        u = self.experts(z, routing.topk_idx, p)  # [N, l], fp32 combine inside the op
+        routed = self.routed_expert_up_proj(self.routed_expert_norm(u))
+        y = self.shared_experts(flat) + routed
+        return y.reshape(shape), routing
+
+    @torch.no_grad()
+    def qb_accumulate(self, routing: Routing) -> None:
+        self.qb.accumulate(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
+
+    @torch.no_grad()
+    def qb_apply(self) -> bool:
+        """Set the bias from the accumulated counts; True when it changed."""
+        new = self.qb.new_bias(self.gate.e_score_correction_bias)
+        if new is None:
+            return False
+        self.gate.e_score_correction_bias.copy_(new)
+        return True
