@@ -1,0 +1,420 @@
+"""The job driver: `k3rl train` — one Ray job running the asynchronous agentic RL loop.
+
+    InferencePool (engines)  <- versioned weights --  Learner (K3 + Per-Head Muon)
+          ^  token ids / log-probs                          ^ batches of prompt groups
+    RolloutWorkers (asyncio episodes, envs, sandboxes) -> TrajectoryBuffer -> TrajectoryStore
+
+Staleness admission (bounded policy lag): with P prompt groups per step and the learner at
+version v, at most (v + 1 + max_policy_lag) * P groups may have been issued. With
+max_policy_lag = 0 a step's episodes start only after the previous step's weights are in
+every engine, which is the synchronous on-policy algorithm exactly. Episodes that straddle
+a weight update (partial rollouts) carry a version per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from k3rl.config import JobConfig
+from k3rl.types import Trajectory
+
+console = Console()
+
+
+# --------------------------------------------------------------------------------------
+# Learner actor
+# --------------------------------------------------------------------------------------
+class LearnerActor:
+    """Owns the model, the optimizer and the checkpoints; runs in its own Ray process."""
+
+    def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
+        import torch
+
+        from k3rl.learner.model import K3ForCausalLM
+        from k3rl.learner.trainer import Trainer
+
+        torch.set_num_threads(max(1, int(os.environ.get("K3RL_LEARNER_THREADS", "1"))))
+        self.cfg = JobConfig.model_validate(cfg)
+        self.run_dir = Path(run_dir)
+        torch.manual_seed(self.cfg.model.seed)
+        mcfg = self.cfg.model.k3_config()
+        if self.cfg.model.checkpoint:
+            from k3rl.learner.model import load_hf
+
+            model = load_hf(self.cfg.model.checkpoint)
+        else:
+            model = K3ForCausalLM(mcfg)
+        device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.trainer = Trainer(model.to(device), self.cfg.learner)
+
+    def sft(self, trajectories: list[Trajectory], steps: int) -> list[dict[str, float]]:
+        out = []
+        rng = random.Random(self.cfg.learner.seed)
+        for _ in range(steps):
+            batch = rng.sample(trajectories, k=min(len(trajectories), max(4, self.cfg.rollout.prompts_per_step)))
+            out.append(self.trainer.sft_step(batch))
+        return out
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        return self.trainer.train_step(trajectories)
+
+    def export_weights(self, version: int):
+        return self.trainer.export_weights(version)
+
+    def save(self, step: int, extra: dict[str, Any]) -> str:
+        path = self.run_dir / "checkpoints" / f"step-{step:06d}"
+        self.trainer.save_checkpoint(path, extra=extra)
+        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        return str(path)
+
+    def load(self, path: str) -> dict[str, Any]:
+        return self.trainer.load_checkpoint(path)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    marker = run_dir / "checkpoints" / "latest"
+    if marker.exists():
+        p = run_dir / "checkpoints" / marker.read_text().strip()
+        if p.exists():
+            return p
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# Episode issuing and worker supervision
+# --------------------------------------------------------------------------------------
+def episode_specs(cfg: JobConfig, run_name: str, group_index: int, version: int) -> list[dict[str, Any]]:
+    """The group_size specs of one prompt group. Ids and seeds depend only on the group index."""
+    rng = random.Random(f"{cfg.learner.seed}:{group_index}")
+    envs = cfg.envs.train
+    env = rng.choices(envs, weights=[e.weight for e in envs])[0]
+    seed = rng.randrange(2**31)
+    gid = f"{run_name}-g{group_index:07d}"
+    return [
+        {"id": f"{gid}-s{k}", "env_id": env.id, "seed": seed, "group_id": gid, "env_kwargs": dict(env.kwargs),
+         "issued_version": version}
+        for k in range(cfg.rollout.group_size)
+    ]
+
+
+class WorkerSupervisor:
+    """Submits episodes to rollout workers; restarts a dead worker and re-submits its episodes."""
+
+    def __init__(self, make_worker, n: int) -> None:
+        self.make_worker = make_worker
+        self.workers = [make_worker(i) for i in range(n)]
+        self.outstanding: dict[int, int] = dict.fromkeys(range(n), 0)
+        self.tasks: set[asyncio.Task] = set()
+        self.restarts = 0
+        self.done: list[dict[str, Any]] = []
+
+    def submit(self, spec: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(spec))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, spec: dict[str, Any]) -> None:
+        import ray
+
+        attempts = 0
+        while True:
+            i = min(self.outstanding, key=self.outstanding.get)
+            worker = self.workers[i]
+            self.outstanding[i] += 1
+            try:
+                summary = await worker.run_episode.remote(spec)
+                self.done.append(summary)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                attempts += 1
+                if self.workers[i] is worker:  # first to notice: replace the worker
+                    console.log(f"[yellow]rollout worker {i} died ({type(e).__name__}); restarting it and re-running its episodes")
+                    self.workers[i] = self.make_worker(i)
+                    self.restarts += 1
+                if attempts > 5:
+                    raise RuntimeError(f"episode {spec['id']} failed on 5 restarted workers") from e
+            finally:
+                self.outstanding[i] -= 1
+
+    def kill(self, i: int) -> None:
+        import ray
+
+        ray.kill(self.workers[i], no_restart=True)
+
+    async def drain(self) -> None:
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+
+
+# --------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------
+def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    m: dict[str, float] = {}
+    rewards = [t.reward for t in trajs]
+    m["reward/mean"] = sum(rewards) / len(rewards)
+    m["reward/std"] = math.sqrt(sum((r - m["reward/mean"]) ** 2 for r in rewards) / len(rewards))
+    m["episodes/success_rate"] = sum(1 for t in trajs if t.reward >= 1.0 - 1e-6) / len(trajs)
+    m["episodes/error_rate"] = sum(1 for t in trajs if t.error) / len(trajs)
+    m["episodes/turns"] = sum(t.num_turns for t in trajs) / len(trajs)
+    m["episodes/tokens"] = sum(len(t.token_ids) for t in trajs) / len(trajs)
+    m["episodes/generated_tokens"] = sum(t.num_generated for t in trajs) / len(trajs)
+    gen_versions = [v for t in trajs for v, mk in zip(t.versions, t.loss_mask) if mk]
+    if gen_versions:
+        m["staleness/mean"] = sum(version - v for v in gen_versions) / len(gen_versions)
+        m["staleness/max"] = float(max(version - v for v in gen_versions))
+    by_env: dict[str, list[float]] = {}
+    for t in trajs:
+        by_env.setdefault(t.env_id, []).append(t.reward)
+    for env_id, rs in by_env.items():
+        name = env_id.replace("/", "_")
+        mean = sum(rs) / len(rs)
+        m[f"reward/{name}/mean"] = mean
+        m[f"reward/{name}/std"] = math.sqrt(sum((r - mean) ** 2 for r in rs) / len(rs))
+    return m
+
+
+def _table(step: int, total: int, m: dict[str, float], extra: dict[str, Any]) -> Table:
+    t = Table(title=f"k3rl train — step {step}/{total}", show_header=True, header_style="bold")
+    for col in ("reward", "success", "turns", "gen tok/s", "train tok/s", "staleness", "sync s", "loss", "restarts"):
+        t.add_column(col, justify="right")
+    t.add_row(
+        f"{m.get('reward/mean', float('nan')):.3f}", f"{m.get('episodes/success_rate', float('nan')):.2f}",
+        f"{m.get('episodes/turns', float('nan')):.2f}", f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}",
+        f"{m.get('throughput/train_tokens_per_s', 0):.0f}", f"{m.get('staleness/mean', 0):.2f}",
+        f"{m.get('time/weight_sync_s', 0):.2f}", f"{m.get('loss/total', m.get('loss', float('nan'))):.4f}",
+        str(extra.get("restarts", 0)),
+    )
+    return t
+
+
+# --------------------------------------------------------------------------------------
+# The job
+# --------------------------------------------------------------------------------------
+def init_ray(cfg: JobConfig) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.ray.namespace,
+                 include_dashboard=cfg.ray.include_dashboard, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}})
+
+
+def run_job(cfg: JobConfig, resume: bool = False, *, kill_worker_at_step: int | None = None,
+            quiet: bool = False) -> dict[str, Any]:
+    return asyncio.run(_run_job(cfg, resume=resume, kill_worker_at_step=kill_worker_at_step, quiet=quiet))
+
+
+async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None, quiet: bool) -> dict[str, Any]:
+    import ray
+
+    from k3rl.rollout.buffer import TrajectoryBuffer
+    from k3rl.rollout.pool import InferencePool
+    from k3rl.rollout.worker import RolloutWorker
+    from k3rl.tracking import Tracker
+
+    run_name = cfg.tracking.run_name or cfg.name
+    run_dir = Path(cfg.tracking.runs_dir) / run_name
+    if run_dir.exists() and not resume and latest_checkpoint(run_dir) is not None:
+        raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
+                         f"or set tracking.run_name to start a new one")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.save(run_dir / "config.yaml")
+    meta_file = run_dir / "run.json"
+    meta = json.loads(meta_file.read_text()) if (resume and meta_file.exists()) else {}
+
+    init_ray(cfg)
+    tracker = Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_name=run_name,
+                      run_id=meta.get("mlflow_run_id"), artifact_root=str(Path(cfg.tracking.runs_dir) / "artifacts"))
+    meta["mlflow_run_id"] = tracker.run_id
+    meta_file.write_text(json.dumps(meta))
+    if not meta.get("params_logged"):
+        tracker.log_params(cfg.flat())
+        tracker.log_artifact_file(str(run_dir / "config.yaml"))
+        meta["params_logged"] = True
+        meta_file.write_text(json.dumps(meta))
+
+    cfg_dict = cfg.to_dict()
+    learner_gpus = cfg.learner.gpus
+    learner = ray.remote(num_cpus=1, num_gpus=learner_gpus)(LearnerActor).remote(cfg_dict, str(run_dir))
+    start_step = 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        state = await learner.load.remote(str(ckpt))
+        start_step = int(state.get("step", 0))
+        console.log(f"resumed from {ckpt} at step {start_step}")
+    elif resume:
+        console.log(f"[yellow]--resume: no checkpoint in {run_dir}, starting from scratch")
+
+    # SFT warm start on oracle demonstrations (only for a fresh run).
+    if cfg.learner.sft_steps > 0 and ckpt is None:
+        demos = await asyncio.to_thread(collect_demonstrations, cfg, run_name)
+        sft_metrics = await learner.sft.remote(demos, cfg.learner.sft_steps)
+        for i, m in enumerate(sft_metrics):
+            tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
+        console.log(f"SFT warm start: {len(demos)} oracle episodes, {cfg.learner.sft_steps} steps, "
+                    f"loss {sft_metrics[0].get('loss', float('nan')):.3f} -> {sft_metrics[-1].get('loss', float('nan')):.3f}")
+
+    weights = await learner.export_weights.remote(start_step)
+    pool = InferencePool.from_config(cfg, weights)
+    await pool.start()
+    buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(
+        cfg.rollout.group_size, store_dir=str(run_dir))
+
+    def make_worker(i: int):
+        return ray.remote(num_cpus=0, max_concurrency=cfg.rollout.episodes_per_worker, max_restarts=0)(
+            RolloutWorker).remote(cfg_dict, pool, buffer, i)
+
+    sup = WorkerSupervisor(make_worker, cfg.rollout.num_rollout_workers)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+    except (NotImplementedError, RuntimeError):  # not the main thread
+        pass
+
+    P, lag = cfg.rollout.prompts_per_step, cfg.rollout.max_policy_lag
+    issued = start_step * P  # groups consumed before a resume are not re-issued
+    version = start_step
+
+    def issue() -> None:
+        nonlocal issued
+        while issued < (version + 1 + lag) * P:
+            for spec in episode_specs(cfg, run_name, issued, version):
+                sup.submit(spec)
+            issued += 1
+
+    history: list[dict[str, float]] = []
+    step = start_step
+    completed = False
+    t_job = time.monotonic()
+    live = Live(_table(step, cfg.learner.steps, {}, {}), console=console, refresh_per_second=2, transient=False,
+                disable=quiet)
+    with live:
+        issue()
+        while step < cfg.learner.steps and not stop.is_set():
+            t0 = time.monotonic()
+            get = asyncio.ensure_future(buffer.get_groups.remote(P))
+            waiter = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                break
+            waiter.cancel()
+            groups = get.result()
+            trajs = [t for g in groups for t in g]
+            t_wait = time.monotonic() - t0
+            for t in trajs:
+                t.metadata["step"] = step
+            m = rollout_metrics(trajs, version)
+            t1 = time.monotonic()
+            train_m = await learner.train_step.remote(trajs)
+            t_train = time.monotonic() - t1
+            m.update(train_m)
+            version = step + 1
+            t2 = time.monotonic()
+            weights = await learner.export_weights.remote(version)
+            await pool.update_weights(weights)
+            m["time/weight_sync_s"] = time.monotonic() - t2
+            m["time/wait_for_rollouts_s"] = t_wait
+            m["time/train_s"] = t_train
+            m["time/step_s"] = time.monotonic() - t0
+            m["learner/idle_fraction"] = t_wait / max(m["time/step_s"], 1e-9)
+            gen = sum(t.num_generated for t in trajs)
+            m["throughput/rollout_tokens_per_s"] = gen / max(m["time/step_s"], 1e-9)
+            m["throughput/train_tokens_per_s"] = sum(len(t.token_ids) for t in trajs) / max(t_train, 1e-9)
+            m["throughput/episodes_per_s"] = len(trajs) / max(m["time/step_s"], 1e-9)
+            m["workers/restarts"] = float(sup.restarts)
+            step += 1
+            issue()
+            history.append(m)
+            tracker.log_metrics(m, step=step)
+            if cfg.tracking.sample_episodes and (step % cfg.tracking.log_every == 0 or step == cfg.learner.steps):
+                for t in sorted(trajs, key=lambda t: -t.reward)[: cfg.tracking.sample_episodes]:
+                    tracker.log_episode_html(t, step=step)
+            live.update(_table(step, cfg.learner.steps, m, {"restarts": sup.restarts}))
+            if not quiet and not live.is_started:
+                console.log(f"step {step}: reward {m['reward/mean']:.3f}")
+            if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
+                await learner.save.remote(step, {"groups_issued": step * P})
+            if kill_worker_at_step is not None and step == kill_worker_at_step:
+                sup.kill(0)
+        completed = step >= cfg.learner.steps
+
+    # graceful end (normal or Ctrl-C): checkpoint, stop issuing, flush the store
+    await learner.save.remote(step, {"groups_issued": step * P})
+    for task in list(sup.tasks):
+        task.cancel()
+    await buffer.flush.remote()
+    stats = await buffer.get_stats.remote()
+    tracker.log_reward_curve_png()
+    tracker.finish("FINISHED" if completed else "KILLED")
+    await pool.shutdown()
+    summary = {
+        "completed": completed, "steps": step, "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
+        "history": history, "buffer": stats, "restarts": sup.restarts, "seconds": time.monotonic() - t_job,
+    }
+    (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=1))
+    if not quiet:
+        console.print(f"\n[bold]done[/]: {step} steps in {summary['seconds']:.0f}s; run dir {run_dir}")
+        console.print(f"  MLflow UI:   k3rl ui --tracking-uri {cfg.tracking.uri}")
+        console.print(f"  reward plot: k3rl compare {run_name} --tracking-uri {cfg.tracking.uri}")
+        console.print(f"  episodes:    k3rl replay {run_dir} --html {run_dir}/episode.html")
+    return summary
+
+
+def collect_demonstrations(cfg: JobConfig, run_name: str) -> list[Trajectory]:
+    """Oracle episodes through the same agent loop (tokens exactly as the template renders them)."""
+    from k3rl.rollout.agent import EpisodeSpec, run_episode
+    from k3rl.rollout.worker import make_env, make_template
+    from k3rl.types import SamplingParams
+
+    template = make_template(cfg)
+    out: list[Trajectory] = []
+
+    async def one(i: int) -> Trajectory:
+        spec = EpisodeSpec(**{k: v for k, v in episode_specs(cfg, f"{run_name}-demo", i, 0)[0].items()})
+        env = make_env(spec, cfg)
+        oracle = env.oracle if hasattr(env, "oracle") else None
+        if oracle is None:
+            raise RuntimeError(f"{spec.env_id} has no oracle policy; set learner.sft_steps=0")
+        history: list[Any] = []
+
+        async def generate(token_ids, sampling, images=None, key=None):
+            text_msg = oracle()
+            ids = template.assistant_body(text_msg.content, text_msg.tool_calls, text_msg.thinking)
+            from types import SimpleNamespace
+
+            return SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop")
+
+        del history
+        return await run_episode(env, spec, generate, template, SamplingParams(max_tokens=10_000),
+                                 max_turns=cfg.envs.max_turns, max_context_tokens=cfg.rollout.max_context_tokens)
+
+    async def all_():
+        for i in range(cfg.learner.sft_episodes):
+            t = await one(i)
+            if t.error:
+                raise RuntimeError(f"oracle episode {t.id} failed: {t.error}")
+            out.append(t)
+
+    asyncio.run(all_())
+    return out

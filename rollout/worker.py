@@ -1,0 +1,107 @@
+"""RolloutWorker: a Ray actor that runs many episodes at once (asyncio).
+
+Each episode: make the environment, run the agent loop against the inference pool, push
+the trajectory to the TrajectoryBuffer. An episode that fails is recorded with its error
+and never takes the worker down. The worker returns a small summary to the driver; the
+driver re-submits the specs of a worker that died (the buffer drops duplicates by id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import gymnasium
+
+from k3rl.chat import ChatTemplate
+from k3rl.config import JobConfig
+from k3rl.rollout.agent import EpisodeSpec, run_episode
+from k3rl.tokenizer import load_tokenizer
+from k3rl.types import SamplingParams
+
+
+def make_template(cfg: JobConfig) -> ChatTemplate:
+    """The chat template whose image-token count matches the model's vision tower."""
+    from functools import partial
+
+    from k3rl.images import num_image_tokens
+
+    mc = cfg.model.k3_config()
+    vc = getattr(mc, "vision", None) or getattr(mc, "vision_config", None)
+    kw = {}
+    if vc is not None:
+        for name, key in (("patch_size", "patch_size"), ("in_patch_limit", "in_patch_limit"),
+                          ("side_patch_limit", "patch_limit_on_one_side")):
+            if getattr(vc, key, None) is not None:
+                kw[name] = getattr(vc, key)
+    return ChatTemplate(load_tokenizer(cfg.model.tokenizer), thinking=cfg.model.thinking,
+                        image_tokens=partial(num_image_tokens, **kw))
+
+
+def make_env(spec: EpisodeSpec, cfg: JobConfig, sandbox_pool: Any = None):
+    import k3rl.envs  # noqa: F401  (registers the k3rl/ namespace and entry points)
+
+    kwargs = dict(spec.env_kwargs)
+    kwargs.setdefault("max_turns", cfg.envs.max_turns)
+    if sandbox_pool is not None:
+        kwargs.setdefault("sandbox_pool", sandbox_pool)
+    try:
+        return gymnasium.make(spec.env_id, **kwargs).unwrapped
+    except TypeError:
+        kwargs.pop("sandbox_pool", None)
+        return gymnasium.make(spec.env_id, **kwargs).unwrapped
+
+
+class RolloutWorker:
+    def __init__(self, cfg: dict[str, Any], pool: Any, buffer: Any, index: int = 0) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.cfg = JobConfig.model_validate(cfg)
+        self.pool = pool
+        self.buffer = buffer
+        self.index = index
+        self.template = make_template(self.cfg)
+        s = self.cfg.rollout.sampling
+        self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                       max_tokens=s.max_tokens_per_turn)
+        self.sandbox_pool = None
+        self.running = 0
+        self.finished = 0
+
+    async def _generate(self, token_ids, sampling, images=None, key=None):
+        return await self.pool.generate(token_ids, sampling, images=images, key=key)
+
+    async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
+        spec_obj = EpisodeSpec(**spec)
+        self.running += 1
+        t0 = time.monotonic()
+        try:
+            env = await asyncio.to_thread(make_env, spec_obj, self.cfg, self.sandbox_pool)
+            traj = await run_episode(
+                env, spec_obj, self._generate, self.template, self.sampling,
+                max_turns=self.cfg.envs.max_turns,
+                max_context_tokens=self.cfg.rollout.max_context_tokens,
+                time_budget_s=self.cfg.envs.episode_time_budget_s,
+                record_routing=self.cfg.learner.routing_replay,
+            )
+        except Exception as e:  # env construction failed: still a recorded (failed) episode
+            from k3rl.types import Trajectory
+
+            traj = Trajectory(id=spec_obj.id, env_id=spec_obj.env_id, seed=spec_obj.seed, group_id=spec_obj.group_id,
+                              prompt_ids=[], error=f"{type(e).__name__}: {e}")
+        finally:
+            self.running -= 1
+        traj.metadata["worker"] = self.index
+        accepted = await self.buffer.put.remote(traj.to_json())
+        self.finished += 1
+        return {"id": traj.id, "reward": traj.reward, "error": traj.error, "accepted": accepted,
+                "tokens": len(traj.token_ids), "generated": traj.num_generated, "turns": traj.num_turns,
+                "seconds": time.monotonic() - t0, "env_id": traj.env_id}
+
+    def load(self) -> dict[str, int]:
+        return {"running": self.running, "finished": self.finished}
+
+    def ping(self) -> bool:
+        return True
