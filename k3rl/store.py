@@ -1,0 +1,327 @@
+"""TrajectoryStore: every finished episode, appended to Parquet, with its images as PNG files.
+
+Layout under the run directory `root`:
+
+    root/trajectories/part-000000.parquet   one file per flush (zstd, the Trajectory Arrow schema
+    root/trajectories/part-000001.parquet   plus `step` and `policy_version` columns for filtering)
+    root/images/<episode_id>/<turn>_<k>.png the k-th image of turn `turn`, for browsing
+
+Crash safety: a part (and every PNG) is written to a hidden temp file in the same directory,
+fsync'd, then published under its final name with `os.link` (atomic, and it refuses to
+overwrite another writer's part) and the directory is fsync'd. Readers only ever list
+`part-*.parquet`, so a writer killed at any instant leaves either a complete part or nothing
+visible; its temp file (named with the writer's pid) is removed by the next store opened
+on the directory once that pid is gone. Images are written before the part that refers to
+them, so a visible episode always has its PNGs.
+
+Episodes are unique by id: `append` drops an id the store already holds (a re-run episode of a
+restarted worker is not counted twice) and reads keep the first copy if two writers raced.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from k3rl.types import Trajectory
+
+PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
+TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
+# Columns added to the Trajectory schema in the files so a reader can filter without parsing metadata.
+EXTRA_COLUMNS = [("step", pa.int64()), ("policy_version", pa.int64())]
+
+
+class StoreError(RuntimeError):
+    """A trajectory store that cannot be read or written as asked."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def write_bytes_atomic(final: Path, data: bytes, *, overwrite: bool = True) -> bool:
+    """Write `data` to `final` so that `final` is either absent/old or complete, never partial.
+
+    With overwrite=False an existing `final` is left alone and False is returned.
+    """
+    tmp = _temp_name(final)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return _publish(tmp, final, overwrite=overwrite)
+
+
+def _publish(tmp: Path, final: Path, *, overwrite: bool) -> bool:
+    """Give the finished temp file its final name: replace, or (overwrite=False) link-if-absent."""
+    try:
+        if overwrite:
+            os.replace(tmp, final)
+        else:
+            try:
+                os.link(tmp, final)  # atomic create-if-absent: never clobbers another writer's part
+            except FileExistsError:
+                return False
+        _fsync_dir(final.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _meta_int(meta: dict, key: str) -> int | None:
+    value = meta.get(key)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class TrajectoryStore:
+    """Append-only, crash-safe store of finished episodes under `root` (a run directory).
+
+    Writers buffer `append`ed episodes and write one Parquet part per `flush` (automatic every
+    `flush_every` episodes or once the oldest buffered one is `flush_interval_s` old). Reads see
+    what has been flushed to disk (by any writer); call `flush()` first to include your buffer.
+    Open with `readonly=True` to only read (nothing is created or cleaned).
+    """
+
+    def __init__(self, root: str | Path, *, flush_every: int = 64, flush_interval_s: float = 30.0,
+                 write_images: bool = True, readonly: bool = False) -> None:
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        self.root = Path(root)
+        self.parts_dir = self.root / "trajectories"
+        self.images_dir = self.root / "images"
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self.write_images = write_images
+        self.readonly = readonly
+        self._lock = threading.RLock()
+        self._buffer: list[Trajectory] = []
+        self._buffer_since: float | None = None
+        self._ids: set[str] = set()  # ids on disk (indexed parts) and in the buffer
+        self._indexed: set[str] = set()  # part names whose ids are in self._ids
+        if readonly:
+            if not self.parts_dir.is_dir():
+                raise StoreError(f"{self.root} holds no trajectory store (no {self.parts_dir.name}/ directory)")
+        else:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+            self.images_dir.mkdir(parents=True, exist_ok=True)
+            self.clean_stray_temp_files()
+
+    # -- files -------------------------------------------------------------------------
+    def parts(self) -> list[Path]:
+        """Published part files in write order."""
+        if not self.parts_dir.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.parts_dir.iterdir() if (m := PART_RE.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def clean_stray_temp_files(self) -> list[Path]:
+        """Remove temp files left by writers that died mid-write (their pid is gone)."""
+        removed = []
+        dirs = [self.parts_dir]
+        if self.images_dir.is_dir():
+            dirs += [d for d in self.images_dir.iterdir() if d.is_dir()]
+        for directory in dirs:
+            for p in directory.iterdir():
+                m = TMP_RE.match(p.name)
+                if m and not _pid_alive(int(m.group("pid"))):
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        return removed
+
+    def image_path(self, episode_id: str, turn: int, k: int) -> Path:
+        return self.images_dir / episode_id / f"{turn}_{k}.png"
+
+    # -- writing -----------------------------------------------------------------------
+    def append(self, trajectory: Trajectory) -> bool:
+        """Buffer one finished episode; False (and nothing stored) when its id is already held."""
+        if self.readonly:
+            raise StoreError(f"store {self.root} was opened read-only")
+        if not isinstance(trajectory, Trajectory):
+            raise TypeError(f"append takes a k3rl.Trajectory, got {type(trajectory).__name__}")
+        with self._lock:
+            if self.contains(trajectory.id):
+                return False
+            self._buffer.append(trajectory)
+            self._ids.add(trajectory.id)
+            if self._buffer_since is None:
+                self._buffer_since = time.monotonic()
+            if len(self._buffer) >= self.flush_every or time.monotonic() - self._buffer_since >= self.flush_interval_s:
+                self.flush()
+            return True
+
+    def extend(self, trajectories: Iterable[Trajectory]) -> int:
+        """Append several; returns how many were new."""
+        return sum(self.append(t) for t in trajectories)
+
+    @property
+    def pending(self) -> int:
+        """Episodes buffered and not yet on disk."""
+        return len(self._buffer)
+
+    def flush(self) -> Path | None:
+        """Write the buffered episodes as one new part (images first); returns its path."""
+        with self._lock:
+            if not self._buffer:
+                return None
+            batch = self._buffer
+            if self.write_images:
+                for t in batch:
+                    self._write_images(t)
+            table = self._to_table(batch)
+            path = self._write_part(table)
+            self._indexed.add(path.name)
+            self._buffer, self._buffer_since = [], None
+            return path
+
+    def close(self) -> None:
+        if not self.readonly:
+            self.flush()
+
+    def __enter__(self) -> TrajectoryStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write_images(self, t: Trajectory) -> None:
+        for turn_index, turn in enumerate(t.turns):
+            for k, png in enumerate(turn.images):
+                final = self.image_path(t.id, turn_index, k)
+                if not final.exists():
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    write_bytes_atomic(final, png)
+
+    @staticmethod
+    def _to_table(batch: list[Trajectory]) -> pa.Table:
+        table = Trajectory.to_arrow(batch)
+        for name, typ in EXTRA_COLUMNS:
+            table = table.append_column(pa.field(name, typ), pa.array([_meta_int(t.metadata, name) for t in batch], typ))
+        return table
+
+    def _write_part(self, table: pa.Table) -> Path:
+        existing = self.parts()
+        index = int(PART_RE.match(existing[-1].name).group(1)) + 1 if existing else 0
+        while True:
+            final = self.parts_dir / f"part-{index:06d}.parquet"
+            tmp = _temp_name(final)
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+            if _publish(tmp, final, overwrite=False):
+                return final
+            index += 1  # another writer published this number first
+
+    # -- reading -----------------------------------------------------------------------
+    def _read_part(self, path: Path, filters=None) -> pa.Table:
+        try:
+            return pq.read_table(path, filters=filters)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise StoreError(f"cannot read trajectory part {path}: {e}") from e
+
+    def _refresh_index(self) -> None:
+        for p in self.parts():
+            if p.name not in self._indexed:
+                ids = self._read_part_column(p, "id")
+                self._ids.update(ids)
+                self._indexed.add(p.name)
+
+    def _read_part_column(self, path: Path, column: str) -> list:
+        try:
+            return pq.read_table(path, columns=[column]).column(column).to_pylist()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise StoreError(f"cannot read trajectory part {path}: {e}") from e
+
+    def contains(self, episode_id: str) -> bool:
+        """True when an episode with this id is on disk or buffered by this writer."""
+        with self._lock:
+            if episode_id in self._ids:
+                return True
+            self._refresh_index()
+            return episode_id in self._ids
+
+    def _rows(self, step: int | None = None) -> Iterator[dict]:
+        filters = [("step", "=", int(step))] if step is not None else None
+        schema_names = set(Trajectory.arrow_schema().names)
+        for p in self.parts():
+            for row in self._read_part(p, filters).to_pylist():
+                yield {k: v for k, v in row.items() if k in schema_names}
+
+    def iter_all(self, step: int | None = None) -> Iterator[Trajectory]:
+        """Every stored episode once (first copy of an id wins), in write order."""
+        seen: set[str] = set()
+        for row in self._rows(step):
+            if row["id"] in seen:
+                continue
+            seen.add(row["id"])
+            yield Trajectory.from_arrow_row(row)
+
+    def read(self, step: int | None = None, episode: str | None = None) -> list[Trajectory]:
+        """Stored episodes, optionally only those consumed at training `step` and/or whose id
+        starts with `episode` (a full id or a prefix)."""
+        out = []
+        for t in self.iter_all(step=step):
+            if episode is None or t.id.startswith(episode):
+                out.append(t)
+        return out
+
+    def ids(self) -> list[str]:
+        """Episode ids on disk, in write order, without duplicates."""
+        seen: dict[str, None] = {}
+        for p in self.parts():
+            for i in self._read_part_column(p, "id"):
+                seen.setdefault(i, None)
+        return list(seen)
+
+    def count(self) -> int:
+        """Number of distinct episodes on disk."""
+        return len(self.ids())
+
+    def summary(self) -> list[dict]:
+        """One small dict per stored episode (id, env_id, step, policy_version, reward, error,
+        num_turns) read without decoding the turns."""
+        cols = ["id", "env_id", "step", "policy_version", "reward", "error"]
+        seen: set[str] = set()
+        out = []
+        for p in self.parts():
+            try:
+                table = pq.read_table(p, columns=cols + ["turns"])
+            except (pa.ArrowInvalid, OSError) as e:
+                raise StoreError(f"cannot read trajectory part {p}: {e}") from e
+            num_turns = pc.list_value_length(table.column("turns")).to_pylist()
+            for r, n in zip(table.select(cols).to_pylist(), num_turns):
+                if r["id"] in seen:
+                    continue
+                seen.add(r["id"])
+                r["num_turns"] = n
+                out.append(r)
+        return out

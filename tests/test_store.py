@@ -1,0 +1,207 @@
+"""TrajectoryStore: Parquet parts + PNGs, dedup by id, filters, and crash safety under SIGKILL."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from k3rl.images import png_size, to_png
+from k3rl.store import StoreError, TrajectoryStore
+from k3rl.types import ToolCall, Trajectory, Turn
+
+
+def png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
+    return to_png(Image.new("RGB", (w, h), color))
+
+
+def make_episode(i: int, gen_tokens: int = 12, step: int | None = None, image: bool = True) -> Trajectory:
+    """A deterministic 2-turn tool-use episode numbered i (same i -> equal trajectory)."""
+    rng = random.Random(i)
+    t = Trajectory(id=f"ep{i:05d}", env_id="k3rl/Test-v0", seed=i, prompt_ids=[rng.randrange(256) for _ in range(6)],
+                   metadata={"step": i // 4 if step is None else step, "policy_version": i // 4})
+    turns = [Turn(role="user", text=f"task {i}", images=[png(8 + i % 5, 6, (i % 256, 0, 0))] if image else [],
+                  start=0, end=6)]
+    for k in range(2):
+        lp = [-rng.random() * 3 for _ in range(gen_tokens)]
+        s, e = t.append([rng.randrange(256) for _ in range(gen_tokens)], generated=True, logprobs=lp, version=i // 4 + k)
+        call = [ToolCall(name="add", arguments={"a": i, "b": k}, id=f"c{i}-{k}")] if k == 0 else []
+        turns.append(Turn(role="assistant", text=f"answer {k}", tool_calls=call, start=s, end=e))
+        if k == 0:
+            s, e = t.append([rng.randrange(256) for _ in range(5)], generated=False)
+            turns.append(Turn(role="tool", text=str(i + k), tool_name="add", tool_index=1, start=s, end=e,
+                              images=[png(4, 3 + k, (0, 255, 0))] if image else []))
+    t.turns = turns
+    t.reward = float(i % 3) / 2
+    t.terminated = True
+    t.timings = {"episode_s": 0.5 + i}
+    return t
+
+
+def test_roundtrip_parts_images_and_filters(tmp_path):
+    eps = [make_episode(i) for i in range(10)]
+    with TrajectoryStore(tmp_path / "run", flush_every=4) as store:
+        assert store.extend(eps) == 10
+        # two automatic flushes of 4, then 2 buffered until close
+        assert [p.name for p in store.parts()] == ["part-000000.parquet", "part-000001.parquet"]
+        assert store.pending == 2
+    reader = TrajectoryStore(tmp_path / "run", readonly=True)
+    assert len(reader.parts()) == 3
+    got = reader.read()
+    assert [t.id for t in got] == [t.id for t in eps]
+    assert got == eps  # token ids, float64 log-probs, images, tool calls: exact
+    assert reader.count() == 10
+    # step filter reads metadata["step"] through the extra column
+    assert [t.id for t in reader.read(step=1)] == ["ep00004", "ep00005", "ep00006", "ep00007"]
+    assert reader.read(step=99) == []
+    assert [t.id for t in reader.read(episode="ep0000")] == [f"ep0000{i}" for i in range(10)]
+    assert [t.id for t in reader.read(step=2, episode="ep00009")] == ["ep00009"]
+    # the PNGs on disk are the episode's images, byte for byte
+    for t in eps:
+        for ti, turn in enumerate(t.turns):
+            for k, img in enumerate(turn.images):
+                assert reader.image_path(t.id, ti, k).read_bytes() == img
+    assert png_size(reader.image_path("ep00003", 0, 0).read_bytes()) == (11, 6)
+    summary = reader.summary()
+    assert [(s["id"], s["step"], s["num_turns"]) for s in summary[:2]] == [("ep00000", 0, 4), ("ep00001", 0, 4)]
+    # the files are plain Parquet with the Trajectory schema plus the filter columns
+    schema = pq.read_schema(reader.parts()[0])
+    assert set(Trajectory.arrow_schema().names) | {"step", "policy_version"} == set(schema.names)
+
+
+def test_dedup_on_append_and_on_read(tmp_path):
+    store = TrajectoryStore(tmp_path, flush_every=100)
+    a = make_episode(1)
+    assert store.append(a) is True
+    assert store.append(a) is False  # buffered copy already held
+    assert store.contains("ep00001") and not store.contains("ep00002")
+    store.flush()
+    again = TrajectoryStore(tmp_path)  # a restarted writer sees what is on disk
+    assert again.contains("ep00001")
+    assert again.append(make_episode(1)) is False
+    # two writers that both accepted the same id before either flushed: reads keep the first copy
+    w1, w2 = TrajectoryStore(tmp_path), TrajectoryStore(tmp_path)
+    first, second = make_episode(7), make_episode(7)
+    second.reward = 42.0
+    assert w1.append(first) and w2.append(second)
+    w1.flush()
+    w2.flush()
+    assert len(w1.parts()) == 3  # distinct part numbers, nothing overwritten
+    got = TrajectoryStore(tmp_path, readonly=True).read(episode="ep00007")
+    assert len(got) == 1 and got[0].reward == first.reward
+    assert TrajectoryStore(tmp_path, readonly=True).count() == 2
+
+
+def test_bad_input_and_unreadable_part(tmp_path):
+    with pytest.raises(StoreError, match="no trajectories/ directory"):
+        TrajectoryStore(tmp_path / "missing", readonly=True)
+    with pytest.raises(ValueError, match="flush_every"):
+        TrajectoryStore(tmp_path, flush_every=0)
+    store = TrajectoryStore(tmp_path)
+    with pytest.raises(TypeError, match="k3rl.Trajectory"):
+        store.append({"id": "x"})
+    ro = TrajectoryStore(tmp_path, readonly=True)
+    with pytest.raises(StoreError, match="read-only"):
+        ro.append(make_episode(0))
+    # a part that is not Parquet (e.g. disk corruption) is named in the error
+    (tmp_path / "trajectories" / "part-000000.parquet").write_bytes(b"not parquet")
+    with pytest.raises(StoreError, match="part-000000.parquet"):
+        ro.read()
+
+
+def test_time_based_flush(tmp_path):
+    store = TrajectoryStore(tmp_path, flush_every=1000, flush_interval_s=0.0)
+    store.append(make_episode(3))
+    assert store.pending == 0 and store.count() == 1
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_store import make_episode
+    from k3rl.store import TrajectoryStore
+
+    store = TrajectoryStore({root!r}, flush_every={every})
+    i = 0
+    while True:
+        store.append(make_episode(i, gen_tokens={gen}))
+        i += 1
+        if store.pending == 0:
+            print("flushed", i, flush=True)
+    """
+)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigkill_mid_write_leaves_only_complete_parts(tmp_path):
+    """A real writer process is SIGKILLed while a part is being written: every visible part is
+    complete, holds exactly whole flushes of the episodes the writer produced, and the temp file
+    it left is invisible to readers and removed by the next writer."""
+    root = tmp_path / "run"
+    every, gen = 6, 100_000  # ~10 MB of log-probs per part: writing takes long enough to be caught in
+    script = WRITER.format(tests=str(Path(__file__).parent), root=str(root), every=every, gen=gen)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parts_dir = root / "trajectories"
+    killed_mid_write = False
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"writer exited early with {proc.returncode}")
+            # a temp part whose final name is not published yet: the writer is inside the write
+            # (a temp seen after publishing is only the instant between link and unlink)
+            if len(list(parts_dir.glob("part-*.parquet"))) >= 2 and any(
+                size > 0 and not (parts_dir / tmp.name[1:].split(".tmp-")[0]).exists()
+                for tmp in parts_dir.glob(".part-*.tmp-*") for size in [_size(tmp)]
+            ):
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_mid_write = True
+                break
+            time.sleep(0.0005)
+    finally:
+        if proc.poll() is None and not killed_mid_write:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        out = proc.stdout.read()
+        proc.stdout.close()
+    assert killed_mid_write, "never saw the writer mid-write"
+    assert proc.returncode == -signal.SIGKILL
+    flushed = max([int(line.split()[1]) for line in out.splitlines() if line.startswith("flushed")], default=0)
+
+    stray = list(parts_dir.glob(".part-*.tmp-*"))
+    assert len(stray) == 1, "the kill should have left the writer's temp file behind"
+    assert not (parts_dir / stray[0].name[1:].split(".tmp-")[0]).exists()  # killed before publishing
+    reader = TrajectoryStore(root, readonly=True)
+    assert stray[0].exists()  # read-only open does not touch the directory
+    got = reader.read()
+    # only whole flushes are visible, and every flush the writer reported is there
+    assert len(got) % every == 0 and len(got) >= flushed >= 2 * every
+    assert [t.id for t in got] == [f"ep{i:05d}" for i in range(len(got))]
+    for t in got:
+        assert t == make_episode(int(t.id[2:]), gen_tokens=gen)
+        for ti, turn in enumerate(t.turns):
+            for k, img in enumerate(turn.images):
+                Image.open(io.BytesIO(reader.image_path(t.id, ti, k).read_bytes())).verify()
+    # a new writer cleans the dead writer's temp file and continues the numbering
+    writer = TrajectoryStore(root, flush_every=1)
+    assert not any(p.exists() for p in stray)
+    assert writer.append(make_episode(len(got), gen_tokens=8))
+    assert writer.parts()[-1].name == f"part-{len(got) // every:06d}.parquet"
+    assert writer.count() == len(got) + 1
