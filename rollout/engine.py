@@ -1,0 +1,707 @@
+"""The inference-engine contract and the embedded K3 engine.
+
+`InferenceEngine` (DESIGN §3) is what rollout workers talk to: token ids in, token ids plus
+per-token log-probs (plus, on request, routed experts) out, versioned weight updates.
+`EmbeddedEngine` implements it on our own `K3ForCausalLM` with continuous batching.
+
+One scheduler step (`EmbeddedEngine.step`), always in this order:
+  1. apply a pending weight update (only here, between steps: the switch is atomic),
+  2. finish aborted requests (their tokens so far, finish_reason "abort"),
+  3. admit waiting requests: reuse the longest cached prefix, or join a prefill of the same
+     prompt already in progress (a GRPO group prefills once and forks the state), or start
+     a prefill,
+  4. prefill: up to `prefill_chunk` prompt tokens per prefilling sequence (chunked prefill,
+     so a long prompt never stalls the decoding batch for long),
+  5. decode: one batched forward of the last sampled token of every running sequence
+     (sequences of different lengths share one stacked K3Cache),
+  6. sample one token for every sequence whose logits were computed in 4-5, check stop
+     tokens / stop strings / max tokens, and finish the ones that are done.
+
+Because logits are computed and sampled within the same step, every token is produced by
+exactly one weight version, reported per token in `GenerationResult.versions`. The states of
+tokens processed before an update are kept (as in partial rollouts); the prefix cache is
+emptied at every update, so a new request never starts from a state of an older version.
+
+Log-probs: `logprobs[i] = log softmax(logits)[token_i]` in fp32 at temperature 1 with no
+top-k / top-p filtering, i.e. the policy's own distribution, exactly what the learner's
+`log_softmax(logits.float())` gives for the same context (see `rollout/sampling.py`).
+
+Routed experts (on request): `routed_experts[i][m]` are the k experts that MoE layer m chose
+for completion token i *as an input*, i.e. at token i's position in a training forward of
+prompt + completion. The last token is fed through the model once more before the result is
+returned (this also leaves the cache covering the whole sequence, for the next turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from k3rl.types import SamplingParams, WeightUpdate
+
+from .sampling import new_generator, policy_logprobs, sample, validate
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class GenerationResult:
+    """What one `generate` call returns. Lists run over the generated tokens only."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    routed_experts: list[list[list[int]]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    cached_prompt_tokens: int = 0  # prompt tokens whose state came from the prefix cache / a group fork
+    worker: str | None = None  # set by InferencePool: which worker served it
+
+    @property
+    def version(self) -> int:
+        """The newest version that produced a token (-1 when no token was produced)."""
+        return max(self.versions, default=-1)
+
+
+@dataclass
+class EngineLoad:
+    running: int
+    waiting: int
+    version: int
+
+    @property
+    def total(self) -> int:
+        return self.running + self.waiting
+
+
+class InferenceEngine(ABC):
+    """Token in, token out, versioned weights (DESIGN §3).
+
+    Implementations provide `submit` (non-blocking, returns a concurrent Future);
+    `generate` (blocking) and `agenerate` (asyncio: many coroutines share one engine) are
+    built on it.
+    """
+
+    @property
+    @abstractmethod
+    def version(self) -> int: ...
+
+    @abstractmethod
+    def submit(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
+               request_id: str | None = None) -> concurrent.futures.Future: ...
+
+    @abstractmethod
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Apply `update` between two scheduler steps; returns the new version once applied."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Finish a request early (finish_reason 'abort'); False when it is unknown or already done."""
+
+    @abstractmethod
+    def load(self) -> EngineLoad: ...
+
+    def generate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
+                 request_id: str | None = None) -> GenerationResult:
+        return self.submit(token_ids, sampling, images, request_id).result()
+
+    async def agenerate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
+                        request_id: str | None = None) -> GenerationResult:
+        return await asyncio.wrap_future(self.submit(token_ids, sampling, images, request_id))
+
+    async def aupdate_weights(self, update: WeightUpdate) -> int:
+        return await asyncio.get_running_loop().run_in_executor(None, self.update_weights, update)
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need nothing
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# embedded engine
+# ----------------------------------------------------------------------------------------------
+
+
+def _image_digest(image) -> str:
+    from PIL import Image
+
+    if isinstance(image, (bytes, bytearray)):
+        return hashlib.sha256(bytes(image)).hexdigest()
+    if isinstance(image, Image.Image):
+        return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
+    raise TypeError(f"images must be PNG bytes or PIL images, got {type(image).__name__}")
+
+
+def _as_pil(image):
+    from PIL import Image
+
+    from k3rl.images import from_png
+
+    return from_png(bytes(image)) if isinstance(image, (bytes, bytearray)) else image
+
+
+@dataclass
+class _PrefixEntry:
+    """A cached decoding state: `cache` covers `ids` (with `images` in order), `logits` follow them."""
+
+    ids: tuple[int, ...]
+    images: tuple[str, ...]
+    cache: Any  # K3Cache, batch 1
+    logits: torch.Tensor  # [V], the logits after the last id
+
+
+@dataclass(eq=False)
+class _Seq:
+    id: str
+    prompt: list[int]
+    images: list  # PIL images
+    digests: tuple[str, ...]
+    pads_per_image: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    future: concurrent.futures.Future
+    submitted: float = field(default_factory=time.monotonic)
+    cache: Any = None  # K3Cache (batch 1) while not in the decode batch
+    computed: int = 0  # prompt tokens already in the cache
+    image_cursor: int = 0  # images already consumed by prefill chunks
+    cached_prompt_tokens: int = 0
+    leader: _Seq | None = None  # a prefill of the same prompt this one waits for
+    followers: list[_Seq] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [V] logits to sample the next token from
+    out_ids: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
+    out_routed: list[list[list[int]]] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (tuple(self.prompt), self.digests)
+
+
+class EmbeddedEngine(InferenceEngine):
+    """Continuous-batching engine on `K3ForCausalLM` (CPU or CUDA).
+
+    model            a K3ForCausalLM (its device and dtype are used as they are)
+    tokenizer        decodes tokens for stop strings (default: the byte tokenizer)
+    max_num_seqs     sequences decoded together at most; more requests wait
+    prefill_chunk    prompt tokens per prefill forward (chunked prefill)
+    max_prefill_tokens  prompt tokens processed per step over all prefilling sequences
+    prefix_cache_size   cached prefix states kept (LRU); 0 disables cross-request reuse
+                     (groups submitted together still prefill once)
+    background       run the scheduler in a thread (default). Without it, `generate` and
+                     `agenerate` drive `step()` themselves (single-threaded, deterministic).
+    """
+
+    def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
+                 max_prefill_tokens: int = 2048, prefix_cache_size: int = 32, max_model_len: int | None = None,
+                 background: bool = True, name: str = "embedded"):
+        if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
+        if tokenizer is None:
+            from k3rl.tokenizer import ByteTokenizer
+
+            tokenizer = ByteTokenizer()
+        self.model = model.eval()
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.device = model.lm_head.weight.device
+        self.vocab_size = self.config.vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache_size = prefix_cache_size
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.name = name
+        self._version = version
+        self._cv = threading.Condition()
+        self._incoming: deque[_Seq] = deque()
+        self._aborts: set[str] = set()
+        self._updates: list[tuple[WeightUpdate, concurrent.futures.Future]] = []
+        self._live: dict[str, _Seq] = {}
+        self._closed = False
+        # scheduler-owned state
+        self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []
+        self._running: list[_Seq] = []  # have a sampled token not yet fed through the model
+        self._batch: list[_Seq] = []  # order of rows in self._batch_cache
+        self._batch_cache = None
+        self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
+        self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
+        self._step_lock = threading.Lock()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0}
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name=f"{name}-scheduler", daemon=True)
+            self._thread.start()
+
+    # ----- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, preset: str = "k3-tiny", *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+                    checkpoint: str | None = None, overrides: dict | None = None, **kw) -> EmbeddedEngine:
+        """Build the model (seeded init, or an HF-layout checkpoint) and an engine on it."""
+        from k3rl.learner.model import K3Config, K3ForCausalLM
+
+        if checkpoint is not None:
+            from k3rl.learner.model import load_hf
+
+            model = load_hf(checkpoint)
+        else:
+            config = K3Config.preset(preset)
+            if overrides:
+                config = K3Config.model_validate({**config.model_dump(), **overrides})
+            torch.manual_seed(seed)
+            model = K3ForCausalLM(config)
+        if dtype != "float32":
+            model.to_param_dtype(getattr(torch, dtype))
+        return cls(model.to(device), **kw)
+
+    # ----- contract ----------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, token_ids, sampling=None, images=None, request_id=None) -> concurrent.futures.Future:
+        seq = self._make_seq(token_ids, sampling or SamplingParams(), images, request_id)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"engine {self.name} is closed")
+            if seq.id in self._live:
+                raise ValueError(f"request id {seq.id!r} is already in flight; use a unique id per request")
+            self._live[seq.id] = seq
+            self._incoming.append(seq)
+            self._cv.notify_all()
+        return seq.future
+
+    def generate(self, token_ids, sampling=None, images=None, request_id=None) -> GenerationResult:
+        fut = self.submit(token_ids, sampling, images, request_id)
+        if self._thread is None:
+            while not fut.done():
+                self.step()
+        return fut.result()
+
+    async def agenerate(self, token_ids, sampling=None, images=None, request_id=None) -> GenerationResult:
+        fut = self.submit(token_ids, sampling, images, request_id)
+        if self._thread is None:  # cooperative: whichever coroutine runs next drives a step for all
+            while not fut.done():
+                self.step()
+                await asyncio.sleep(0)
+        return await asyncio.wrap_future(fut)
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        if not isinstance(update, WeightUpdate):
+            raise TypeError(f"update_weights expects a k3rl.WeightUpdate, got {type(update).__name__}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._updates.append((update, fut))
+            self._cv.notify_all()
+        if self._thread is None:
+            self.step()
+        return fut.result()
+
+    def abort(self, request_id: str) -> bool:
+        with self._cv:
+            if request_id not in self._live:
+                return False
+            self._aborts.add(request_id)
+            self._cv.notify_all()
+        if self._thread is None:
+            self.step()
+        return True
+
+    def load(self) -> EngineLoad:
+        with self._cv:
+            waiting = len(self._incoming) + len(self._waiting)
+            return EngineLoad(running=len(self._live) - waiting, waiting=waiting, version=self._version)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        err = RuntimeError(f"engine {self.name} was closed before the request finished")
+        for seq in list(self._live.values()):
+            if not seq.future.done():
+                seq.future.set_exception(err)
+        self._live.clear()
+
+    # ----- request intake ------------------------------------------------------------------------
+    def _make_seq(self, token_ids, params: SamplingParams, images, request_id) -> _Seq:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty; pass at least one token id")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this engine holds at most {self.max_model_len} per "
+                             "sequence (max_model_len), prompt plus completion")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling must be a k3rl.SamplingParams, got {type(params).__name__}")
+        validate(params, self.vocab_size)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer; construct the engine with tokenizer=...")
+        images = list(images or [])
+        digests = tuple(_image_digest(im) for im in images)
+        pil = [_as_pil(im) for im in images]
+        pads = []
+        n_pad = sum(1 for t in ids if t == self.config.media_placeholder_token_id)
+        if pil:
+            from k3rl.learner.model import preprocess_media
+
+            pads = [preprocess_media([im], self.config.vision_config).tokens_per_item()[0] for im in pil]
+        if n_pad != sum(pads):
+            raise ValueError(
+                f"the prompt holds {n_pad} <|media_pad|> tokens (id {self.config.media_placeholder_token_id}) but "
+                f"{len(pil)} image(s) need {sum(pads)} (per image {pads}); render images with k3rl.chat"
+            )
+        return _Seq(id=request_id or uuid.uuid4().hex, prompt=ids, images=pil, digests=digests, pads_per_image=pads,
+                    params=params, generator=new_generator(params.seed), future=concurrent.futures.Future())
+
+    # ----- scheduler ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not (self._closed or self._incoming or self._aborts or self._updates or self._has_work()):
+                    self._cv.wait()
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except BaseException as e:  # noqa: BLE001 - a failed step fails its requests, the loop goes on
+                self._fail_all(e)
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for seq in self._waiting + deque(self._prefilling) + deque(self._running):
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        with self._cv:
+            self._live.clear()
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._running.clear()
+        self._batch, self._batch_cache = [], None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One scheduler iteration (see the module docstring)."""
+        with self._step_lock:
+            with self._cv:
+                updates, self._updates = self._updates, []
+                aborts, self._aborts = self._aborts, set()
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+            for update, fut in updates:
+                try:
+                    fut.set_result(self._apply_update(update))
+                except Exception as e:  # noqa: BLE001 - the caller gets the reason, the engine keeps its weights
+                    fut.set_exception(e)
+            if aborts:
+                self._abort(aborts)
+            self._admit()
+            ready = self._prefill()
+            ready += self._decode()
+            if ready:
+                self._sample(ready)
+            self.stats["steps"] += 1
+
+    # 1. weights
+    def _apply_update(self, update: WeightUpdate) -> int:
+        from k3rl.learner.model.state_dict_adapter import from_hf
+
+        if update.version <= self._version:
+            raise ValueError(f"weight update v{update.version} is not newer than the engine's v{self._version}; "
+                             "versions must increase")
+        expected = self.model.state_dict()
+        state, unexpected = from_hf(update.state_dict(), expected)
+        if unexpected:
+            raise ValueError(f"weight update v{update.version} has {len(unexpected)} names the model does not have, "
+                             f"e.g. {unexpected[:3]}; send official HF names (state_dict_adapter.to_hf)")
+        for name, t in state.items():
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise ValueError(f"weight update v{update.version}: {name} has shape {tuple(t.shape)}, the model "
+                                 f"expects {tuple(expected[name].shape)}")
+        if update.full:
+            missing = sorted(set(expected) - set(state))
+            if missing:
+                raise ValueError(f"weight update v{update.version} is marked full but lacks {len(missing)} tensors, "
+                                 f"e.g. {missing[:3]}; send them or set full=False")
+        # validated: now copy everything (nothing runs in between, so the switch is atomic)
+        for name, t in state.items():
+            expected[name].copy_(t.to(device=expected[name].device, dtype=expected[name].dtype))
+        self._version = update.version
+        self._prefix.clear()  # states of the old version must not seed new requests
+        return self._version
+
+    # 2. aborts
+    def _abort(self, ids: set[str]) -> None:
+        for s in [s for s in self._waiting if s.id in ids]:
+            self._waiting.remove(s)
+            self._finish(s, "abort")
+        for i, leader in enumerate(list(self._prefilling)):
+            for f in [f for f in leader.followers if f.id in ids]:
+                leader.followers.remove(f)
+                self._finish(f, "abort")
+            if leader.id in ids:
+                if leader.followers:  # the first follower takes over the prefill of the group
+                    heir, rest = leader.followers[0], leader.followers[1:]
+                    heir.leader, heir.followers, heir.cache, heir.computed = None, rest, leader.cache, leader.computed
+                    heir.image_cursor = leader.image_cursor
+                    for f in rest:
+                        f.leader = heir
+                    self._prefilling[self._prefilling.index(leader)] = heir
+                else:
+                    self._prefilling.remove(leader)
+                leader.followers = []
+                self._finish(leader, "abort")
+        aborted = [s for s in self._running if s.id in ids]
+        if aborted:
+            self._running = [s for s in self._running if s.id not in ids]
+            for s in aborted:
+                s.finish = "abort"
+            self._flush(aborted)  # their last sampled token is fed once, as for any finished sequence
+
+    # 3. admission
+    def _admit(self) -> None:
+        active = len(self._prefilling) + len(self._running) + sum(len(s.followers) for s in self._prefilling)
+        while self._waiting and active < self.max_num_seqs:
+            seq = self._waiting.popleft()
+            active += 1
+            leader = next((p for p in self._prefilling if p.leader is None and p.key == seq.key), None)
+            if leader is not None:  # same prompt being prefilled: wait for it and fork its state
+                seq.leader = leader
+                leader.followers.append(seq)
+                continue
+            entry = self._lookup_prefix(seq)
+            if entry is not None:
+                seq.cache = entry.cache.clone()
+                seq.computed = seq.cached_prompt_tokens = len(entry.ids)
+                seq.image_cursor = len(entry.images)
+                self.stats["prefix_hit_tokens"] += len(entry.ids)
+                if seq.computed == len(seq.prompt):
+                    seq.logits = entry.logits.clone()
+                    self._pending_ready.append(seq)
+                    continue
+            else:
+                seq.cache = self.model.new_cache(1)
+            self._prefilling.append(seq)
+
+    def _lookup_prefix(self, seq: _Seq) -> _PrefixEntry | None:
+        best = None
+        n = len(seq.prompt)
+        pad = self.config.media_placeholder_token_id
+        for key, e in self._prefix.items():
+            m = len(e.ids)
+            if m > n or (best is not None and m <= len(best.ids)):
+                continue
+            if e.images != seq.digests[: len(e.images)] or tuple(seq.prompt[:m]) != e.ids:
+                continue
+            if m < n and seq.prompt[m] == pad and seq.prompt[m - 1] == pad:
+                continue  # the cached state would end inside an image's pad run
+            best = e
+        if best is not None:
+            self._prefix.move_to_end((best.ids, best.images))
+        return best
+
+    def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
+        if self.prefix_cache_size <= 0:
+            return
+        key = (tuple(ids), seq.digests[: seq.image_cursor])
+        self._prefix[key] = _PrefixEntry(key[0], key[1], cache.clone(), logits.clone())
+        self._prefix.move_to_end(key)
+        while len(self._prefix) > self.prefix_cache_size:
+            self._prefix.popitem(last=False)
+
+    # 4. chunked prefill
+    def _chunk_end(self, seq: _Seq, start: int, budget: int) -> tuple[int, int]:
+        """End of the next prefill chunk and the images it consumes (never splitting an image's pads)."""
+        end = min(len(seq.prompt), start + budget)
+        pad = self.config.media_placeholder_token_id
+        pads_before = sum(1 for t in seq.prompt[:start] if t == pad)
+        pads_in = sum(1 for t in seq.prompt[start:end] if t == pad)
+        # images whose pads are (partly) inside this chunk must be complete: extend the chunk
+        cum, n_img = 0, 0
+        for i, c in enumerate(seq.pads_per_image):
+            cum += c
+            if cum <= pads_before:
+                continue
+            if cum - c < pads_before + pads_in:
+                n_img = i + 1
+        need = sum(seq.pads_per_image[:n_img]) - pads_before
+        while pads_in < need:
+            if seq.prompt[end] == pad:
+                pads_in += 1
+            end += 1
+        return end, n_img - seq.image_cursor
+
+    def _prefill(self) -> list[_Seq]:
+        ready: list[_Seq] = self._pending_ready
+        self._pending_ready = []
+        budget = self.max_prefill_tokens
+        for seq in list(self._prefilling):
+            if budget <= 0:
+                break
+            start = seq.computed
+            end, n_img = self._chunk_end(seq, start, min(self.prefill_chunk, budget))
+            images = None
+            if n_img:
+                images = seq.images[seq.image_cursor : seq.image_cursor + n_img]
+            ids = torch.tensor([seq.prompt[start:end]], device=self.device)
+            logits = self.model(ids, images=images, cache=seq.cache)
+            seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
+            budget -= end - start
+            self.stats["prefill_tokens"] += end - start
+            if end == len(seq.prompt):
+                seq.logits = logits[0, -1]
+                self._prefilling.remove(seq)
+                self._remember(seq, seq.prompt, seq.cache, seq.logits)
+                ready.append(seq)
+                for f in seq.followers:  # the group fork: one prefill, n states
+                    f.cache, f.logits = seq.cache.clone(), seq.logits.clone()
+                    f.computed = f.cached_prompt_tokens = len(f.prompt)
+                    f.image_cursor, f.leader = seq.image_cursor, None
+                    ready.append(f)
+                seq.followers = []
+        return ready
+
+    # 5. batched decode
+    def _unstack(self) -> None:
+        """Give every sequence of the decode batch its own cache again (before the batch changes)."""
+        if self._batch_cache is not None:
+            for seq, c in zip(self._batch, self._batch_cache.split()):
+                seq.cache = c
+        self._batch, self._batch_cache = [], None
+
+    def _stacked(self, seqs: list[_Seq]):
+        from k3rl.learner.model import K3Cache
+
+        if [s.id for s in seqs] != [s.id for s in self._batch]:
+            self._unstack()
+            self._batch_cache = K3Cache.stack([s.cache for s in seqs]) if len(seqs) > 1 else seqs[0].cache
+            self._batch = list(seqs)
+            for s in seqs:
+                s.cache = None
+        return self._batch_cache
+
+    def _forward_last(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Feed each sequence's last sampled token; record its routing; returns logits [B, V]."""
+        cache = self._stacked(seqs)
+        ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)
+        want_routing = any(s.params.return_routed_experts for s in seqs)
+        out = self.model(ids, cache=cache, return_routing=want_routing)
+        logits, routing = (out if want_routing else (out, None))
+        if routing is not None:
+            per_seq = routing[:, 0].tolist()  # [B, n_moe, k]
+            for s, r in zip(seqs, per_seq):
+                if s.params.return_routed_experts:
+                    s.out_routed.append(r)
+        self.stats["decode_tokens"] += len(seqs)
+        return logits[:, -1]
+
+    def _decode(self) -> list[_Seq]:
+        if not self._running:
+            return []
+        logits = self._forward_last(self._running)
+        for s, row in zip(self._running, logits):
+            s.logits = row
+        ready, self._running = self._running, []
+        return ready
+
+    # 6. sampling and stopping
+    def _sample(self, ready: list[_Seq]) -> None:
+        logits = torch.stack([s.logits for s in ready])
+        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
+        logprobs = policy_logprobs(logits, tokens).tolist()
+        done: list[_Seq] = []
+        for s, tok, lp in zip(ready, tokens.tolist(), logprobs):
+            s.logits = None
+            s.out_ids.append(tok)
+            s.out_logprobs.append(lp)
+            s.out_versions.append(self._version)
+            if self._check_stop(s):
+                done.append(s)
+            else:
+                self._running.append(s)
+        if done:
+            self._flush(done)
+        # keep the decode batch order stable when nothing finished (no restack needed)
+        if self._batch and {s.id for s in self._running} == {s.id for s in self._batch}:
+            order = {s.id: i for i, s in enumerate(self._batch)}
+            self._running.sort(key=lambda s: order[s.id])
+
+    def _check_stop(self, s: _Seq) -> bool:
+        p, tok = s.params, s.out_ids[-1]
+        if tok in p.stop_token_ids:
+            s.finish, s.stop_reason = "stop", tok
+        elif p.stop_strings and (hit := self._stop_string(s)) is not None:
+            s.finish, s.stop_reason = "stop", hit
+        elif len(s.out_ids) >= p.max_tokens or len(s.prompt) + len(s.out_ids) >= self.max_model_len:
+            s.finish = "length"
+        return s.finish is not None
+
+    def _stop_string(self, s: _Seq) -> str | None:
+        """The stop string completed by the newest token, if any (a string may span several tokens)."""
+        longest = max(len(x.encode()) for x in s.params.stop_strings)
+        window = s.out_ids[-(longest + 2):]  # every token decodes to >= 1 byte (byte tokenizer) or more
+        text, before = self.tokenizer.decode(window), self.tokenizer.decode(window[:-1])
+        for x in s.params.stop_strings:
+            if x in text and x not in before:  # the occurrence must involve the newest token
+                return x
+        return None
+
+    def _flush(self, done: list[_Seq]) -> None:
+        """Feed the final token of finished sequences once (routing of the last token, and a cache
+        covering the whole sequence for the next turn), then hand out their results."""
+        want = [s for s in done if s.params.return_routed_experts or self.prefix_cache_size > 0]
+        if want:
+            logits = self._forward_last(want)
+            self._unstack()
+            for s, row in zip(want, logits):
+                self._remember(s, s.prompt + s.out_ids, s.cache, row)
+        for s in done:
+            self._finish(s, s.finish)
+        if any(s in self._batch for s in done):
+            self._unstack()
+
+    def _finish(self, s: _Seq, reason: FinishReason) -> None:
+        s.finish = reason
+        result = GenerationResult(
+            request_id=s.id,
+            token_ids=list(s.out_ids),
+            logprobs=list(s.out_logprobs),
+            versions=list(s.out_versions),
+            finish_reason=reason,
+            prompt_tokens=len(s.prompt),
+            routed_experts=(list(s.out_routed[: len(s.out_ids)]) if s.params.return_routed_experts else None),
+            stop_reason=s.stop_reason,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            worker=self.name,
+        )
+        s.cache = None
+        with self._cv:
+            self._live.pop(s.id, None)
+        if not s.future.done():
+            s.future.set_result(result)
