@@ -1,0 +1,247 @@
+"""Docker backend: one long-lived container per sandbox, driven through the `docker` SDK.
+
+Secure by default (DESIGN.md §4): `network_mode=none` (only `lo`), read-only root with tmpfs
+`/work` and `/tmp`, `cap_drop=ALL`, `no-new-privileges`, uid 1000, memory (no swap) / CPU /
+pids limits, and labels `k3rl.job` / `k3rl.sandbox` / `k3rl.owner` so `gc` finds leftovers.
+PID 1 is a tiny reaper (below): it cannot be killed from inside the container (the kernel
+protects a namespace's init), reaps orphans so killed fork bombs do not keep pids, and
+lets `reset` kill everything else. Each `exec` is a `docker exec` of `inside_helper.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import socket as socketlib
+import struct
+import threading
+import time
+
+import docker
+import docker.errors
+from docker.types import LogConfig, Ulimit
+
+from .base import Sandbox, helper_argv, log
+from .image import SANDBOX_UID, image_tag
+from .paths import WORK_DIR
+from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
+
+LABEL_SANDBOX = "k3rl.sandbox"
+LABEL_JOB = "k3rl.job"
+LABEL_OWNER = "k3rl.owner"  # "<hostname>:<pid>" of the process that opened it
+LABEL_BACKEND = "k3rl.backend"
+
+REAPER = """
+import os, signal
+signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+while True:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+    signal.sigwait({signal.SIGCHLD})
+"""
+
+SANDBOX_ENV = {
+    "HOME": "/home/sandbox",
+    "MPLBACKEND": "Agg",
+    "MPLCONFIGDIR": "/tmp/.matplotlib",
+    "XDG_CACHE_HOME": "/tmp/.cache",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "LANG": "C.UTF-8",
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+}
+
+_client_lock = threading.Lock()
+_client: docker.DockerClient | None = None
+_cgroup_version: dict[int, str] = {}
+
+
+def owner_label() -> str:
+    return f"{socketlib.gethostname()}:{os.getpid()}"
+
+
+def docker_client(timeout: float = 60.0) -> docker.DockerClient:
+    """One shared client per process (connection pool sized for many concurrent execs)."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            try:
+                client = docker.DockerClient.from_env(timeout=int(timeout), max_pool_size=128)
+                client.ping()
+            except docker.errors.DockerException as exc:
+                raise BackendUnavailableError(
+                    f"no Docker daemon answers ({exc}); start one (e.g. `dockerd --bridge=none &` as root, "
+                    "or run sandboxes/host_setup.sh) or use backend='bwrap'"
+                ) from exc
+            _client = client
+        return _client
+
+
+def docker_available() -> bool:
+    try:
+        docker_client()
+        return True
+    except BackendUnavailableError:
+        return False
+
+
+def _oom_path(client: docker.DockerClient) -> str:
+    key = id(client)
+    if key not in _cgroup_version:
+        _cgroup_version[key] = str(client.info().get("CgroupVersion", "1"))
+    # inside the container its own cgroup is mounted at /sys/fs/cgroup
+    return "/sys/fs/cgroup/memory.events" if _cgroup_version[key] == "2" else "/sys/fs/cgroup/memory/memory.oom_control"
+
+
+def _read_frames(sock: socket.socket) -> tuple[bytes, bytes]:
+    """Demultiplex Docker's attach stream: 8-byte header (stream, 0, 0, 0, big-endian length) + data."""
+    out, err = bytearray(), bytearray()
+    buf = bytearray()
+    while True:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+        while len(buf) >= 8:
+            stream, length = buf[0], struct.unpack(">I", bytes(buf[4:8]))[0]
+            if len(buf) < 8 + length:
+                break
+            (out if stream == 1 else err).extend(buf[8 : 8 + length])
+            del buf[: 8 + length]
+    return bytes(out), bytes(err)
+
+
+class DockerSandbox(Sandbox):
+    backend = "docker"
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        job: str | None = None,
+        image: str | None = None,
+        client: docker.DockerClient | None = None,
+    ):
+        super().__init__(limits or SandboxLimits(), job)
+        self.client = client or docker_client()
+        self.api = self.client.api
+        self.image = image or image_tag()
+        try:
+            self.client.images.get(self.image)
+        except docker.errors.ImageNotFound as exc:
+            raise BackendUnavailableError(
+                f"sandbox image {self.image} is not built: run `k3rl sandbox build` (or sandboxes/host_setup.sh)"
+            ) from exc
+        self._oom = _oom_path(self.client)
+        self.container_id: str | None = None
+        lim = self.limits
+        try:
+            container = self.client.containers.run(
+                self.image,
+                command=["python3", "-I", "-S", "-c", REAPER],
+                name=self.id,
+                detach=True,
+                labels={
+                    LABEL_SANDBOX: self.id,
+                    LABEL_JOB: self.job,
+                    LABEL_OWNER: owner_label(),
+                    LABEL_BACKEND: "docker",
+                },
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                working_dir=WORK_DIR,
+                environment=SANDBOX_ENV,
+                hostname="sandbox",
+                network_mode="none",
+                read_only=True,
+                tmpfs={
+                    WORK_DIR: f"size={lim.workdir_mb}m,uid={SANDBOX_UID},gid={SANDBOX_UID},mode=0755,exec",
+                    "/tmp": f"size={lim.tmp_mb}m,mode=1777,exec",
+                },
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                mem_limit=f"{lim.memory_mb}m",
+                memswap_limit=f"{lim.memory_mb}m",
+                nano_cpus=int(lim.cpus * 1e9),
+                pids_limit=lim.pids,
+                ulimits=[Ulimit(name="nofile", soft=4096, hard=4096)],
+                ipc_mode="private",
+                log_config=LogConfig(type="none"),
+            )
+            self.container_id = container.id
+        except docker.errors.DockerException as exc:
+            self._destroy()
+            raise SandboxError(f"could not start sandbox container {self.id}: {exc}") from exc
+        log.debug("docker sandbox %s started (job=%s)", self.id, self.job)
+
+    def _oom_file(self) -> str | None:
+        return self._oom
+
+    def is_alive(self) -> bool:
+        try:
+            return bool(self.api.inspect_container(self.id)["State"]["Running"])
+        except docker.errors.NotFound:
+            return False
+        except docker.errors.DockerException:
+            return False
+
+    def _dead(self, during: str, exc: Exception | None = None) -> SandboxDeadError:
+        return SandboxDeadError(
+            f"sandbox {self.id} (container) is not running during {during}: it was killed or removed "
+            f"from outside{f' ({exc})' if exc else ''}; open a new sandbox (a SandboxPool replaces it)"
+        )
+
+    def _run_helper(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> tuple[bytes, bytes]:
+        try:
+            exec_id = self.api.exec_create(
+                self.id,
+                helper_argv("python3", mode, args),
+                stdout=True,
+                stderr=True,
+                stdin=stdin is not None,
+                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                workdir=WORK_DIR,
+            )["Id"]
+            hijacked = self.api.exec_start(exec_id, socket=True)
+        except docker.errors.NotFound as exc:
+            raise self._dead(mode, exc) from exc
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409 or not self.is_alive():
+                raise self._dead(mode, exc) from exc
+            raise SandboxError(f"docker exec failed in sandbox {self.id}: {exc}") from exc
+        sock = getattr(hijacked, "_sock", hijacked)
+        try:
+            sock.settimeout(host_timeout)
+            if stdin is not None:
+                sock.sendall(stdin)
+                sock.shutdown(socket.SHUT_WR)
+            return _read_frames(sock)
+        except TimeoutError as exc:
+            raise SandboxError(
+                f"sandbox {self.id} did not answer within {host_timeout:.0f}s (hung daemon or container)"
+            ) from exc
+        except OSError as exc:
+            if not self.is_alive():
+                raise self._dead(mode, exc) from exc
+            raise SandboxError(f"lost the exec stream of sandbox {self.id}: {exc}") from exc
+        finally:
+            try:
+                hijacked.close()
+                sock.close()
+            except OSError:
+                pass
+
+    def _destroy(self) -> None:
+        for attempt in range(3):
+            try:
+                self.api.remove_container(self.id, force=True, v=True)
+                return
+            except docker.errors.NotFound:
+                return
+            except docker.errors.APIError as exc:
+                if "already in progress" in str(exc):
+                    return
+                if attempt == 2:
+                    log.error("could not remove sandbox container %s: %s (run `k3rl sandbox gc`)", self.id, exc)
+                time.sleep(0.2)

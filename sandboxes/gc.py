@@ -1,0 +1,119 @@
+"""Remove sandboxes that outlived their job (`k3rl sandbox gc`).
+
+Every sandbox records its job and owner (`<hostname>:<pid>`): Docker in container labels,
+bubblewrap in `<dir>/k3rl-owner.json` (its cgroups are named after the sandbox id). By
+default `gc` removes only orphans — sandboxes whose owner process on this host is gone —
+so it is safe to run while other jobs are live. `job=` removes every sandbox of that job,
+`all=True` every k3rl sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from .base import log
+
+
+def _owner_alive(owner: str) -> bool:
+    """True when owner "<host>:<pid>" is a live process on this host (other hosts: assume alive)."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except ValueError:
+        return False
+
+
+def _doomed(job_label: str | None, owner: str, job: str | None, all: bool) -> bool:
+    if all:
+        return True
+    if job is not None:
+        return job_label == job
+    return not _owner_alive(owner)
+
+
+def gc_docker(job: str | None = None, all: bool = False) -> list[str]:
+    import docker.errors
+
+    from .docker_backend import LABEL_JOB, LABEL_OWNER, LABEL_SANDBOX, docker_client
+    from .types import BackendUnavailableError
+
+    try:
+        client = docker_client()
+    except BackendUnavailableError:
+        return []
+    removed = []
+    filters = {"label": [LABEL_SANDBOX] + ([f"{LABEL_JOB}={job}"] if job else [])}
+    for info in client.api.containers(all=True, filters=filters):
+        labels = info.get("Labels") or {}
+        if not _doomed(labels.get(LABEL_JOB), labels.get(LABEL_OWNER, ""), job, all):
+            continue
+        try:
+            client.api.remove_container(info["Id"], force=True, v=True)
+            removed.append(f"docker:{labels.get(LABEL_SANDBOX, info['Id'][:12])}")
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            log.error("gc: could not remove container %s: %s", info["Id"][:12], exc)
+    return removed
+
+
+def gc_bwrap(job: str | None = None, all: bool = False) -> list[str]:
+    from .bwrap_backend import OWNER_FILE, sandbox_base_dir
+    from .cgroups import PARENT, ROOT, SandboxCgroup
+
+    removed = []
+    base = sandbox_base_dir()
+    live_ids = set()
+    if base.is_dir():
+        for entry in base.iterdir():
+            owner_file = entry / OWNER_FILE
+            try:
+                meta = json.loads(owner_file.read_text())
+            except (OSError, ValueError):
+                continue
+            owner = f"{meta.get('host')}:{meta.get('pid')}"
+            if not _doomed(meta.get("job"), owner, job, all):
+                live_ids.add(meta.get("sandbox"))
+                continue
+            _remove_cgroups(meta.get("sandbox", ""))
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(f"bwrap:{meta.get('sandbox', entry.name)}")
+    # cgroups whose sandbox dir is gone (crash between cgroup creation and cleanup)
+    for parent in [ROOT / PARENT, *ROOT.glob(f"*/{PARENT}")]:
+        if not parent.is_dir():
+            continue
+        for group in parent.iterdir():
+            if group.is_dir() and group.name.startswith("k3rl-bwrap-") and group.name not in live_ids:
+                if job is not None and not all:
+                    continue  # a job-scoped gc only touches sandboxes it can attribute
+                if not any(d.name.startswith(group.name) for d in base.glob("k3rl-bwrap-*")) or all:
+                    SandboxCgroup(1, {"x": group}).remove()
+                    removed.append(f"cgroup:{group}")
+    return removed
+
+
+def _remove_cgroups(sandbox_id: str) -> None:
+    from .cgroups import PARENT, ROOT, SandboxCgroup
+
+    if not sandbox_id:
+        return
+    dirs = {str(i): p for i, p in enumerate([ROOT / PARENT / sandbox_id, *ROOT.glob(f"*/{PARENT}/{sandbox_id}")])}
+    dirs = {k: Path(p) for k, p in dirs.items() if Path(p).is_dir()}
+    if dirs:
+        SandboxCgroup(1, dirs).remove()
+
+
+def gc(job: str | None = None, all: bool = False) -> list[str]:
+    """Remove orphaned sandboxes of both backends (see module doc); return what was removed."""
+    return gc_docker(job=job, all=all) + gc_bwrap(job=job, all=all)
