@@ -1,0 +1,187 @@
+"""Trajectories -> packed micro-batches (one flat token stream + cu_seqlens, no padding).
+
+A trajectory of L = P + C tokens (P prompt, C completion) becomes L - 1 positions: the
+input at position i is token x_i and its target is x_{i+1}. Completion token j sits at
+absolute position P + j, so it is predicted at position P + j - 1; that position carries
+the loss when `loss_mask[j]` is 1, with behaviour log-prob `logprobs[j]`.
+
+Routing replay: `routed_experts[j]` holds the experts completion token j was routed to
+when the engine processed it as an input (position P + j). Positions without a record
+(the prompt, tokens the engine did not return routes for) are -1.
+
+Sequences are packed first-fit-decreasing into micro-batches of at most
+`micro_batch_tokens` positions (a longer sequence gets a micro-batch of its own), so the
+step sees a few dense micro-batches instead of padded rows. With data parallelism the
+micro-batches are dealt round-robin to the ranks and the short ranks get a zero-weight
+copy of a real micro-batch, so every rank runs the same number of forward passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from k3rl.types import Trajectory
+
+from .losses import aggregation_weights
+
+__all__ = ["MicroBatch", "pack_lengths", "build_micro_batches", "shard_micro_batches", "sequence_length"]
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [1, T] int64
+    cu_seqlens: torch.Tensor  # [n + 1] int32
+    targets: torch.Tensor  # [T] int64, the next token
+    mask: torch.Tensor  # [T] float32, 1 where the target is a trained completion token
+    behaviour_logp: torch.Tensor  # [T] float32
+    advantages: torch.Tensor  # [T] float32 (the sequence's advantage on every position)
+    agg_weights: torch.Tensor  # [T] float32, a_t of the whole step (see losses.aggregation_weights)
+    seq_index: torch.Tensor  # [T] int64, index of the trajectory in the step's batch
+    versions: torch.Tensor  # [T] int64, policy version of the target token (-1: not sampled)
+    routed_experts: torch.Tensor | None  # [1, T, n_moe, k] int64, -1 = no record
+    traj_indices: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device) -> MicroBatch:
+        moved = {
+            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for k, v in self.__dict__.items()
+        }
+        return MicroBatch(**moved)
+
+    def zero_weight(self) -> MicroBatch:
+        """The same tokens with no loss: a filler that keeps data-parallel ranks in step."""
+        return replace(self, mask=torch.zeros_like(self.mask), agg_weights=torch.zeros_like(self.agg_weights),
+                       traj_indices=[])
+
+
+def sequence_length(t: Trajectory) -> int:
+    """Positions a trajectory occupies in a packed micro-batch: L - 1."""
+    return len(t.prompt_ids) + len(t.completion_ids) - 1
+
+
+def pack_lengths(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing bin packing of sequence indices under a token budget.
+
+    Deterministic: ties in length keep index order; bins keep their items in index order.
+    """
+    if budget < 1:
+        raise ValueError(f"pack_lengths: the token budget must be >= 1, got {budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _check(trajectories: list[Trajectory]) -> None:
+    if not trajectories:
+        raise ValueError("the step got no trajectories; pass a non-empty list")
+    for i, t in enumerate(trajectories):
+        if not t.prompt_ids:
+            raise ValueError(f"trajectory {i} ({t.id}) has an empty prompt; the first completion token needs a context")
+        if not t.completion_ids:
+            raise ValueError(f"trajectory {i} ({t.id}) has no completion tokens")
+
+
+def build_micro_batches(
+    trajectories: list[Trajectory],
+    micro_batch_tokens: int,
+    loss_agg: str,
+    advantages: torch.Tensor | None = None,
+    num_moe_layers: int = 0,
+    top_k: int = 0,
+) -> list[MicroBatch]:
+    """Pack the step's trajectories into micro-batches (global aggregation weights included).
+
+    `advantages` [N] gives one advantage per trajectory (None for SFT: zeros). Routed experts
+    are collected when `num_moe_layers` and `top_k` are given and any trajectory has them.
+    """
+    _check(trajectories)
+    n = len(trajectories)
+    adv = torch.zeros(n) if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
+    if adv.shape != (n,):
+        raise ValueError(f"build_micro_batches: need one advantage per trajectory ({n}), got shape {tuple(adv.shape)}")
+    want_routes = num_moe_layers > 0 and top_k > 0 and any(t.routed_experts for t in trajectories)
+
+    # per-trajectory position arrays
+    per = []
+    for s, t in enumerate(trajectories):
+        P, C = len(t.prompt_ids), len(t.completion_ids)
+        tokens = torch.tensor(t.prompt_ids + t.completion_ids, dtype=torch.int64)
+        L = P + C - 1
+        mask = torch.zeros(L)
+        behav = torch.zeros(L)
+        vers = torch.full((L,), -1, dtype=torch.int64)
+        mask[P - 1 :] = torch.tensor(t.loss_mask, dtype=torch.float32)  # position P+j-1 predicts completion j
+        behav[P - 1 :] = torch.tensor(t.logprobs, dtype=torch.float64).float()
+        vers[P - 1 :] = torch.tensor(t.versions, dtype=torch.int64)
+        routes = None
+        if want_routes:
+            routes = torch.full((L, num_moe_layers, top_k), -1, dtype=torch.int64)
+            for j, rec in enumerate(t.routed_experts or []):
+                if P + j >= L or not rec:
+                    continue  # the last token is never an input; empty records stay -1
+                r = torch.tensor(rec, dtype=torch.int64)
+                if r.shape != (num_moe_layers, top_k):
+                    raise ValueError(
+                        f"trajectory {s} ({t.id}): routed_experts[{j}] has shape {tuple(r.shape)}, "
+                        f"the model needs [{num_moe_layers} MoE layers, k={top_k}]"
+                    )
+                routes[P + j] = r
+        per.append((tokens[:-1], tokens[1:], mask, behav, vers, routes))
+
+    # global aggregation weights (the whole step, so micro-batches add up exactly)
+    all_mask = torch.cat([p[2] for p in per])
+    all_seq = torch.cat([torch.full((p[2].numel(),), s, dtype=torch.int64) for s, p in enumerate(per)])
+    all_w = aggregation_weights(all_mask, all_seq, loss_agg, num_seqs=n)
+    offsets = [0]
+    for p in per:
+        offsets.append(offsets[-1] + p[2].numel())
+
+    out = []
+    for group in pack_lengths([p[0].numel() for p in per], micro_batch_tokens):
+        lens = [per[s][0].numel() for s in group]
+        cu = torch.zeros(len(group) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+        out.append(
+            MicroBatch(
+                input_ids=torch.cat([per[s][0] for s in group])[None],
+                cu_seqlens=cu,
+                targets=torch.cat([per[s][1] for s in group]),
+                mask=torch.cat([per[s][2] for s in group]),
+                behaviour_logp=torch.cat([per[s][3] for s in group]),
+                advantages=torch.cat([adv[s].expand(per[s][2].numel()) for s in group]),
+                agg_weights=torch.cat([all_w[offsets[s] : offsets[s + 1]] for s in group]),
+                seq_index=torch.cat([torch.full((per[s][2].numel(),), s, dtype=torch.int64) for s in group]),
+                versions=torch.cat([per[s][4] for s in group]),
+                routed_experts=torch.cat([per[s][5] for s in group])[None] if want_routes else None,
+                traj_indices=list(group),
+            )
+        )
+    return out
+
+
+def shard_micro_batches(micro_batches: list[MicroBatch], rank: int, world_size: int) -> list[MicroBatch]:
+    """Rank `rank`'s share: micro-batches rank, rank + W, ...; padded with zero-weight fillers
+    so that every rank runs ceil(n / W) of them."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard_micro_batches: rank {rank} is outside [0, {world_size})")
+    mine = micro_batches[rank::world_size]
+    per_rank = -(-len(micro_batches) // world_size)
+    while len(mine) < per_rank:
+        mine.append(micro_batches[0].zero_weight())
+    return mine

@@ -1,0 +1,357 @@
+"""The learner's trainer: trajectories in, one optimizer step out, metrics back.
+
+    trainer = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), job.learner)
+    metrics = trainer.train_step(trajectories)       # RL (group-relative advantages, PPO/CISPO)
+    metrics = trainer.sft_step(demonstrations)       # cross-entropy on loss-mask tokens
+    update  = trainer.export_weights(version)        # WeightUpdate of official HF names
+    trainer.save_checkpoint(dir); trainer.load_checkpoint(dir)
+
+One step: group advantages over the whole batch -> pack into micro-batches by token
+budget (cu_seqlens, no padding) -> for each micro-batch: forward (bf16 autocast when
+enabled; routing replay when enabled), per-token log-probs in fp32, loss, backward
+(gradients accumulate) -> clip the gradient norm -> optimizer step at the scheduled LR ->
+Quantile Balancing bias update unless frozen.
+
+With `data_parallel="fsdp"` every rank calls the same methods with the *same* full batch;
+each rank trains on its share of micro-batches and FSDP2 reduces the gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+
+from k3rl.types import Trajectory, WeightUpdate
+
+from . import checkpoint as ckpt
+from .data import MicroBatch, build_micro_batches, shard_micro_batches
+from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
+from .losses import LossConfig, group_advantages, policy_loss, sft_loss, token_entropy, token_logprobs
+from .optim import PerHeadMuon, param_groups
+
+__all__ = ["Trainer", "lr_at"]
+
+
+def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Cosine decay with linear warmup (K3_SPEC §8.4), for 0-based `step`.
+
+    warmup W = ceil(warmup_ratio * total):   lr = peak (step + 1) / W             for step < W
+    then progress p = (step - W) / max(1, total - W), clamped to [0, 1]:
+        lr = min + (peak - min) (1 + cos(pi p)) / 2,   min = peak * min_lr_ratio
+    """
+    total = max(1, total_steps)
+    warmup = math.ceil(warmup_ratio * total)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+    lo = peak * min_lr_ratio
+    return lo + (peak - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+class Trainer:
+    """Trains a K3ForCausalLM (or any model with the same forward contract) from trajectories.
+
+    Built from a `k3rl.config.LearnerSection`; `Trainer.from_job(job)` builds the model too.
+    """
+
+    def __init__(self, model: nn.Module, config, device: str | torch.device | None = None):
+        self.cfg = config
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.rank, self.world_size = rank_and_world()
+        if config.data_parallel == "fsdp" and config.world_size != self.world_size:
+            raise ValueError(
+                f"learner.world_size is {config.world_size} but the process group has {self.world_size} ranks; "
+                "start one process per rank (or set world_size to match)"
+            )
+        if config.data_parallel == "none":
+            self.rank, self.world_size = 0, 1
+        torch.manual_seed(config.seed)
+        model.to(self.device)
+        self.model_config = getattr(model, "config", None)
+        self._unsharded_template = None
+        # model switches owned by the learner config
+        if hasattr(model, "gradient_checkpointing"):
+            model.gradient_checkpointing = config.activation_checkpointing
+        elif config.activation_checkpointing:
+            raise ValueError("activation_checkpointing is on but the model has no gradient_checkpointing switch")
+        if hasattr(model, "set_qb_frozen"):
+            model.set_qb_frozen(config.qb_frozen)
+        # the reference policy for the KL term: a frozen copy of the starting weights
+        self.reference = None
+        if config.kl_coef > 0:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if config.data_parallel == "fsdp":
+            apply_fsdp(model, self.device)
+        self.model = model
+        self.sharded = config.data_parallel == "fsdp"
+        self.loss_cfg = LossConfig.from_section(config)
+
+        groups, self.param_summary = param_groups(model, lr=config.lr, weight_decay=config.weight_decay)
+        if config.optimizer == "adamw":
+            for g in groups:
+                g["kind"], g["block_rows"] = "adamw", None
+        self.optimizer = PerHeadMuon(groups, lr=config.lr, weight_decay=config.weight_decay)
+        self.trainable = [p for g in groups for p in g["params"]]
+
+        self.step = 0  # RL optimizer steps done
+        self.sft_step_count = 0  # SFT optimizer steps done
+        self.data_position = {"trajectories": 0, "sft_trajectories": 0, "tokens": 0}
+        self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
+
+    @classmethod
+    def from_job(cls, job, device: str | torch.device | None = None) -> Trainer:
+        """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer."""
+        from k3rl.learner.model import K3ForCausalLM, load_state_into
+
+        torch.manual_seed(job.model.seed)
+        model = K3ForCausalLM(job.model.k3_config())
+        if job.model.checkpoint:
+            load_state_into(model, job.model.checkpoint)
+        return cls(model, job.learner, device=device)
+
+    # ------------------------------------------------------------------------------------
+    # helpers
+    # ------------------------------------------------------------------------------------
+    def _autocast(self):
+        if not self.cfg.bf16:
+            return nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def _moe_shape(self) -> tuple[int, int]:
+        c = self.model_config
+        if c is None or not hasattr(c, "moe_layer_ids"):
+            return 0, 0
+        return len(c.moe_layer_ids), c.num_experts_per_token
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def _replay_routes(self, mb: MicroBatch) -> torch.Tensor | None:
+        """Recorded experts for every position; positions without a record take the routes the
+        current model picks (one extra forward without gradients)."""
+        if not self.cfg.routing_replay or mb.routed_experts is None:
+            return None
+        routes = mb.routed_experts
+        if bool((routes < 0).any()):
+            with torch.no_grad(), self._autocast():
+                _, own = self.model(mb.input_ids, cu_seqlens=mb.cu_seqlens, return_routing=True)
+            routes = torch.where(routes < 0, own.to(routes.dtype), routes)
+        return routes
+
+    def _forward_logits(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None) -> torch.Tensor:
+        with self._autocast():
+            logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, routed_experts=routes)
+        return logits[0]  # [T, V]
+
+    def _clip_and_step(self, lr: float) -> float:
+        grads = [p for p in self.trainable if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
+        if type(norm).__name__ == "DTensor":
+            norm = norm.full_tensor()
+        self._set_lr(lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def _qb_update(self) -> int:
+        model = self.model
+        if not hasattr(model, "qb_step") or self.cfg.qb_frozen:
+            return 0
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            for counts, num in model.qb_counts():
+                dist.all_reduce(counts)
+                dist.all_reduce(num)
+        return model.qb_step()
+
+    def _micro_batches(self, trajectories, advantages) -> tuple[list[MicroBatch], int]:
+        n_moe, k = self._moe_shape()
+        mbs = build_micro_batches(
+            trajectories, self.cfg.micro_batch_tokens, self.cfg.loss_agg, advantages,
+            num_moe_layers=n_moe if self.cfg.routing_replay else 0, top_k=k,
+        )  # fmt: skip
+        total_positions = sum(mb.num_tokens for mb in mbs)
+        mine = shard_micro_batches(mbs, self.rank, self.world_size) if self.world_size > 1 else mbs
+        return [mb.to(self.device) for mb in mine], total_positions
+
+    # ------------------------------------------------------------------------------------
+    # RL
+    # ------------------------------------------------------------------------------------
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One RL optimizer step on a batch of trajectories (groups of samples per prompt)."""
+        t0 = time.perf_counter()
+        missing = [t.id for t in trajectories if not t.group_id]
+        if missing and self.cfg.advantage in ("grpo", "grpo_no_std", "rloo"):
+            raise ValueError(
+                f"{len(missing)} trajectories have no group_id (e.g. {missing[0]}); group-relative advantages "
+                "need the samples of one prompt to share a group_id"
+            )
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+        adv = group_advantages(rewards, [t.group_id for t in trajectories], self.cfg.advantage)
+        mbs, total_positions = self._micro_batches(trajectories, adv)
+        lr = lr_at(self.step, self.cfg.steps, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
+
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        ratio_max = torch.zeros((), dtype=torch.float64)
+        for mb in mbs:
+            routes = self._replay_routes(mb)
+            logits = self._forward_logits(self.model, mb, routes)
+            logp = token_logprobs(logits, mb.targets)
+            if self.loss_cfg.entropy_coef != 0:
+                entropy = token_entropy(logits)
+            else:  # logged only
+                with torch.no_grad():
+                    entropy = token_entropy(logits.detach())
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes), mb.targets)
+            loss, stats = policy_loss(
+                logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
+                ref_logp=ref_logp, entropy=entropy,
+            )  # fmt: skip
+            (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
+            ratio_max = torch.maximum(ratio_max, stats.pop("ratio_max").double().cpu())
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0) + v.double().cpu()
+            vmask = (mb.mask > 0) & (mb.versions >= 0)
+            sums["staleness_sum"] = sums.get("staleness_sum", 0) + ((self.step - mb.versions) * vmask).sum().double().cpu()
+            sums["versioned_tokens"] = sums.get("versioned_tokens", 0) + vmask.sum().double().cpu()
+        sums = all_reduce_sum(sums)
+        ratio_max = all_reduce_max(ratio_max)
+        grad_norm = self._clip_and_step(lr)
+        qb_layers = self._qb_update()
+        self.step += 1
+        self.data_position["trajectories"] += len(trajectories)
+        self.data_position["tokens"] += total_positions
+
+        tokens = max(1.0, float(sums.get("tokens", 0)))
+        dt = time.perf_counter() - t0
+        metrics = {
+            "loss": float(sums["loss"]),
+            "pg_loss": float(sums["pg_loss"]),
+            "entropy": float(sums["entropy"]) if "entropy" in sums else float("nan"),
+            "kl": float(sums["kl"]) if "kl" in sums else 0.0,
+            "clip_frac": float(sums["clipped"]) / tokens,
+            "ratio_masked_frac": float(sums["masked"]) / tokens,
+            "tis_truncated_frac": float(sums["truncated"]) / tokens,
+            "is_ratio_mean": float(sums["ratio_sum"]) / tokens,
+            "is_ratio_max": float(ratio_max),
+            "staleness_mean": float(sums["staleness_sum"]) / max(1.0, float(sums["versioned_tokens"])),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
+            "advantage_abs_mean": float(adv.abs().mean()),
+            "loss_tokens": float(sums.get("tokens", 0)),
+            "tokens": float(total_positions),
+            "sequences": float(len(trajectories)),
+            "micro_batches": float(len(mbs)),
+            "qb_layers_updated": float(qb_layers),
+            "step": float(self.step),
+            "step_time_s": dt,
+            "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
+        }
+        return metrics
+
+    # ------------------------------------------------------------------------------------
+    # SFT
+    # ------------------------------------------------------------------------------------
+    def sft_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """One SFT step: cross-entropy on the loss-mask tokens of demonstration trajectories
+        (LR: cosine over `sft_steps` peaking at `sft_lr`)."""
+        t0 = time.perf_counter()
+        mbs, total_positions = self._micro_batches(trajectories, None)
+        lr = lr_at(self.sft_step_count, max(1, self.cfg.sft_steps), self.cfg.sft_lr, self.cfg.warmup_ratio,
+                   self.cfg.min_lr_ratio)
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        for mb in mbs:
+            logits = self._forward_logits(self.model, mb, self._replay_routes(mb))
+            loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
+            (loss * self.world_size).backward()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0) + v.double().cpu()
+        sums = all_reduce_sum(sums)
+        grad_norm = self._clip_and_step(lr)
+        qb_layers = self._qb_update()
+        self.sft_step_count += 1
+        self.data_position["sft_trajectories"] += len(trajectories)
+        self.data_position["tokens"] += total_positions
+        dt = time.perf_counter() - t0
+        return {
+            "loss": float(sums["loss"]),
+            "nll": float(sums["nll"]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "loss_tokens": float(sums["tokens"]),
+            "tokens": float(total_positions),
+            "sequences": float(len(trajectories)),
+            "micro_batches": float(len(mbs)),
+            "qb_layers_updated": float(qb_layers),
+            "sft_step": float(self.sft_step_count),
+            "step_time_s": dt,
+            "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
+        }
+
+    @torch.no_grad()
+    def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """The current policy's log-prob of every completion token (0.0 where loss_mask is 0)."""
+        self.model.eval()
+        mbs = build_micro_batches(trajectories, self.cfg.micro_batch_tokens, "token_mean")
+        out: list[list[float] | None] = [None] * len(trajectories)
+        for mb in mbs:
+            mb = mb.to(self.device)
+            logp = token_logprobs(self._forward_logits(self.model, mb, None), mb.targets) * mb.mask
+            bounds = mb.cu_seqlens.tolist()
+            for i, s in enumerate(mb.traj_indices):
+                P = len(trajectories[s].prompt_ids)
+                out[s] = logp[bounds[i] + P - 1 : bounds[i + 1]].double().cpu().tolist()
+        self.model.train()
+        return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------------
+    # weights and checkpoints
+    # ------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Our (unsharded, CPU) state dict; collective under FSDP (call on every rank)."""
+        if self.sharded:
+            return full_state_dict(self.model)
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def export_weights(self, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20) -> WeightUpdate:
+        """Every weight under its official HF name, as a versioned WeightUpdate.
+
+        `dtype` casts floating tensors except the fp32 allow-list (K3_SPEC §1.5). Under FSDP
+        this is collective: call it on every rank (each gets the same update)."""
+        from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
+        from k3rl.learner.model.state_dict_adapter import to_hf
+
+        state = self.full_state_dict()
+        if self.model_config is not None and getattr(self.model_config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        hf = to_hf(state)
+        if dtype is not None:
+            hf = {
+                k: (v.to(dtype) if v.is_floating_point() and not k.endswith(FP32_PARAM_SUFFIXES) else v)
+                for k, v in hf.items()
+            }
+        hf = {k: v.detach().cpu().contiguous() for k, v in hf.items()}
+        return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
+
+    def save_checkpoint(self, directory) -> None:
+        """Model (official HF layout), optimizer, QB state, RNG, counters and data position.
+        Collective under FSDP: call on every rank with the same directory."""
+        ckpt.save(self, directory)
+
+    def load_checkpoint(self, directory) -> None:
+        """Restore everything `save_checkpoint` wrote, so the next step equals the uninterrupted one."""
+        ckpt.load(self, directory)
