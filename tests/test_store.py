@@ -198,7 +198,9 @@ def test_sigkill_mid_write_leaves_only_complete_parts(tmp_path):
         assert t == make_episode(int(t.id[2:]), gen_tokens=gen)
         for ti, turn in enumerate(t.turns):
             for k, img in enumerate(turn.images):
-                Image.open(io.BytesIO(reader.image_path(t.id, ti, k).read_bytes())).verify()
+                on_disk = reader.image_path(t.id, ti, k).read_bytes()
+                assert on_disk == img
+                Image.open(io.BytesIO(on_disk)).verify()
     # a new writer cleans the dead writer's temp file and continues the numbering
     writer = TrajectoryStore(root, flush_every=1)
     assert not any(p.exists() for p in stray)

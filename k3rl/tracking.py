@@ -1,0 +1,343 @@
+"""Experiment tracking in MLflow: params, metrics per step, artifacts (config, episodes as HTML,
+the reward-curve PNG), resume by run id.
+
+Default store: SQLite under `runs/` (the file store is deprecated) with the artifacts in a
+local directory beside it, so nothing leaves the disk; a team points `uri` at a server.
+Everything goes through one `MlflowClient` (no global "active run"), so several trackers can
+live in one process (tests, Ray actors) without stepping on each other.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from k3rl.types import Trajectory
+
+try:  # MLflow's own limits, so we never send what it would reject
+    from mlflow.utils.validation import (
+        MAX_ENTITY_KEY_LENGTH,
+        MAX_METRICS_PER_BATCH,
+        MAX_PARAM_VAL_LENGTH,
+        MAX_PARAMS_TAGS_PER_BATCH,
+        MAX_TAG_VAL_LENGTH,
+    )
+except ImportError:  # pragma: no cover - older MLflow
+    MAX_ENTITY_KEY_LENGTH, MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH = 250, 1000, 6000
+    MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH = 100, 8000
+
+RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+RUN_DIR_TAG = "k3rl.run_dir"
+_BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+
+
+class TrackingError(RuntimeError):
+    """An MLflow store, experiment or run that cannot be used as asked."""
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///path` URI (relative to the working directory), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+def clean_key(key: str) -> str:
+    """A param/metric name MLflow accepts: allowed characters only, a normalised relative path,
+    at most MAX_ENTITY_KEY_LENGTH characters."""
+    key = _BAD_KEY_CHARS.sub("_", str(key)).strip("/ ")
+    key = posixpath.normpath(key).lstrip("/") if key else "_"
+    if key in (".", "..") or key.startswith("../"):
+        key = key.replace(".", "_")
+    return key[:MAX_ENTITY_KEY_LENGTH]
+
+
+def truncate_value(value: str, limit: int = MAX_PARAM_VAL_LENGTH) -> str:
+    """`value` cut to `limit` characters, ending with a marker that says how much was cut."""
+    if len(value) <= limit:
+        return value
+    cut = len(value) - limit
+    while True:  # the marker's length depends on the number it prints: iterate to the fixed point
+        marker = f"...[truncated {cut} chars]"
+        keep = limit - len(marker)
+        if len(value) - keep == cut:
+            return value[:keep] + marker
+        cut = len(value) - keep
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> dotted keys (`{"a": {"b": 1}}` -> `{"a.b": 1}`)."""
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    path = sqlite_path(uri)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def find_run(client, name_or_id: str, experiment: str | None = None):
+    """An MLflow run by id, or by run name (the newest run of that name) in any experiment
+    (or only in `experiment`). Raises TrackingError listing what exists when nothing matches."""
+    from mlflow.exceptions import MlflowException
+
+    if re.fullmatch(r"[0-9a-f]{32}", name_or_id):
+        try:
+            return client.get_run(name_or_id)
+        except MlflowException:
+            pass
+    if experiment is not None:
+        exp = client.get_experiment_by_name(experiment)
+        exp_ids = [exp.experiment_id] if exp is not None else []
+    else:
+        exp_ids = [e.experiment_id for e in client.search_experiments()]
+    if exp_ids:
+        escaped = name_or_id.replace("'", "\\'")
+        runs = client.search_runs(exp_ids, filter_string=f"attributes.run_name = '{escaped}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+        if runs:
+            return runs[0]
+    known = client.search_runs(exp_ids, order_by=["attributes.start_time DESC"], max_results=20) if exp_ids else []
+    names = ", ".join(sorted({r.info.run_name for r in known})) or "none"
+    raise TrackingError(f"no MLflow run named or with id {name_or_id!r} in {client.tracking_uri} "
+                        f"(runs there: {names})")
+
+
+class Tracker:
+    """One MLflow run. `run_id` given: resume that run (its status goes back to RUNNING and new
+    metrics continue its curves); otherwise a new run named `run_name` in `experiment`.
+
+    `artifact_root`: local directory for the experiment's artifacts (default: `artifacts/`
+    next to the SQLite file); only used when the experiment is created.
+    """
+
+    def __init__(self, uri: str = "sqlite:///runs/mlflow.db", experiment: str = "k3rl", run_name: str | None = None,
+                 run_id: str | None = None, artifact_root: str | Path | None = None,
+                 tags: Mapping[str, str] | None = None, run_dir: str | Path | None = None) -> None:
+        from mlflow.exceptions import MlflowException
+
+        self.uri = uri
+        self.client = _client(uri)
+        if run_id is not None:
+            try:
+                run = self.client.get_run(run_id)
+            except MlflowException as e:
+                raise TrackingError(f"cannot resume MLflow run {run_id!r}: it is not in {uri} ({e.message}). "
+                                    f"Start a new run (no run_id) or point uri at the store that holds it") from None
+            self.run_id = run.info.run_id
+            self.experiment_id = run.info.experiment_id
+            self.run_name = run.info.run_name
+            self.client.update_run(self.run_id, status="RUNNING")
+            self.resumed = True
+        else:
+            self.experiment_id = self._experiment(experiment, artifact_root)
+            all_tags = {"k3rl.version": _k3rl_version(), **(tags or {})}
+            if run_dir is not None:
+                all_tags[RUN_DIR_TAG] = str(Path(run_dir).resolve())
+            run = self.client.create_run(self.experiment_id, run_name=run_name,
+                                         tags={clean_key(k): truncate_value(str(v), MAX_TAG_VAL_LENGTH)
+                                               for k, v in all_tags.items()})
+            self.run_id = run.info.run_id
+            self.run_name = run.info.run_name
+            self.resumed = False
+        self.artifact_uri = run.info.artifact_uri
+        self.finished = False
+
+    def _experiment(self, name: str, artifact_root: str | Path | None) -> str:
+        from mlflow.exceptions import MlflowException
+
+        exp = self.client.get_experiment_by_name(name)
+        if exp is None:
+            location = None
+            if artifact_root is None and (db := sqlite_path(self.uri)) is not None:
+                artifact_root = db.parent / "artifacts"
+            if artifact_root is not None:
+                directory = Path(artifact_root).resolve() / clean_key(name).replace("/", "_")
+                directory.mkdir(parents=True, exist_ok=True)
+                location = str(directory)
+            try:
+                return self.client.create_experiment(name, artifact_location=location)
+            except MlflowException:  # another process created it first
+                exp = self.client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            self.client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+    # -- params --------------------------------------------------------------------------
+    def log_params(self, params: Mapping[str, Any]) -> dict[str, str]:
+        """Log a (flat or nested) dict as params, in batches of MLflow's maximum size. Values longer
+        than MLflow allows are truncated with a `...[truncated N chars]` marker. On a resumed
+        run, params already logged with the same value are skipped; a changed value cannot
+        replace an MLflow param, so it is recorded as the tag `param_changed.<key>`.
+        Returns what was logged (cleaned key -> value)."""
+        from mlflow.entities import Param, RunTag
+
+        existing = self.client.get_run(self.run_id).data.params
+        new: dict[str, str] = {}
+        changed: dict[str, str] = {}
+        for key, value in flatten(params).items():
+            k = clean_key(key)
+            v = truncate_value("None" if value is None else str(value))
+            if k in existing:
+                if existing[k] != v:
+                    changed[k] = v
+                continue
+            new[k] = v
+        items = [Param(k, v) for k, v in new.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+        tags = [RunTag(clean_key(f"param_changed.{k}"), truncate_value(v, MAX_TAG_VAL_LENGTH)) for k, v in changed.items()]
+        for i in range(0, len(tags), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=tags[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+        return new
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(clean_key(k), truncate_value(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+
+    # -- metrics -------------------------------------------------------------------------
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log numbers at a training step (ints, floats, numpy/torch scalars; NaN/inf allowed)."""
+        from mlflow.entities import Metric
+
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        now = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            try:
+                number = float(value.item() if hasattr(value, "item") else value)
+            except (TypeError, ValueError):
+                raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r:.80}") from None
+            items.append(Metric(clean_key(key), number, now, step))
+        for i in range(0, len(items), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
+
+    def metric_history(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of a metric, sorted by step (the last value logged at a step wins)."""
+        return metric_history(self.client, self.run_id, key)
+
+    # -- artifacts -----------------------------------------------------------------------
+    def log_artifact_bytes(self, data: bytes, artifact_path: str) -> str:
+        """Store bytes as the artifact `artifact_path` (e.g. "episodes/step_3/x.html")."""
+        artifact_path = clean_key(artifact_path)
+        directory, name = posixpath.split(artifact_path)
+        with tempfile.TemporaryDirectory(prefix="k3rl-artifact-") as tmp:
+            local = Path(tmp) / name
+            local.write_bytes(data)
+            self.client.log_artifact(self.run_id, str(local), artifact_path=directory or None)
+        return artifact_path
+
+    def log_artifact_text(self, text: str, artifact_path: str) -> str:
+        return self.log_artifact_bytes(text.encode("utf-8"), artifact_path)
+
+    def log_artifact_file(self, path: str | Path, artifact_path: str | None = None) -> str:
+        """Copy a local file into the run's artifacts (under the directory `artifact_path`)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"cannot log artifact {path}: no such file")
+        self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+        return posixpath.join(artifact_path, path.name) if artifact_path else path.name
+
+    def list_artifacts(self, path: str | None = None) -> list[str]:
+        """Artifact paths (files, recursively) under `path`."""
+        out = []
+        for info in self.client.list_artifacts(self.run_id, path):
+            out.extend(self.list_artifacts(info.path) if info.is_dir else [info.path])
+        return out
+
+    def log_episode_html(self, trajectory: Trajectory, step: int) -> str:
+        """The episode rendered as one self-contained HTML page (images inline), stored as
+        `episodes/step_<step>/<episode id>.html`."""
+        from k3rl.render_html import render_episode_html
+
+        html = render_episode_html(trajectory, title=f"step {step} · episode {trajectory.id}")
+        return self.log_artifact_text(html, f"episodes/step_{step:06d}/{trajectory.id}.html")
+
+    def log_reward_curve_png(self, metrics: Iterable[str] | None = None, artifact_path: str = "reward_curve.png") -> str | None:
+        """Plot the run's reward curves (default: every metric named `reward/mean*`) from what is in
+        the store and store the PNG. Returns its artifact path, or None when nothing was logged."""
+        keys = list(metrics) if metrics is not None else sorted(
+            k for k in self.client.get_run(self.run_id).data.metrics if k.startswith("reward/mean"))
+        curves = {k: h for k in keys if (h := self.metric_history(k))}
+        if not curves:
+            return None
+        png = plot_curves(curves, title=f"{self.run_name}: reward", ylabel="reward")
+        return self.log_artifact_bytes(png, artifact_path)
+
+    # -- end -------------------------------------------------------------------------------
+    def finish(self, status: str = "FINISHED") -> None:
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
+        self.client.set_terminated(self.run_id, status=status)
+        self.finished = True
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.finished:
+            status = "FINISHED" if exc_type is None else "KILLED" if exc_type is KeyboardInterrupt else "FAILED"
+            self.finish(status)
+
+
+def metric_history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    by_step: dict[int, tuple[int, float]] = {}
+    for m in client.get_metric_history(run_id, key):
+        prev = by_step.get(m.step)
+        if prev is None or m.timestamp >= prev[0]:
+            by_step[m.step] = (m.timestamp, m.value)
+    return [(s, v) for s, (_, v) in sorted(by_step.items())]
+
+
+def plot_curves(curves: Mapping[str, list[tuple[int, float]]], title: str, ylabel: str, xlabel: str = "step") -> bytes:
+    """Line plot of named (step, value) series as PNG bytes (matplotlib, Agg backend, no display)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=100)
+    ax = fig.add_subplot()
+    for label, points in curves.items():
+        xs = [s for s, v in points if math.isfinite(v)]
+        ys = [v for s, v in points if math.isfinite(v)]
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _k3rl_version() -> str:
+    from k3rl import __version__
+
+    return __version__

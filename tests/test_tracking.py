@@ -1,0 +1,143 @@
+"""Tracker against a real MLflow SQLite store in a temp dir (one store for the module: the
+first start-up runs MLflow's migrations)."""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from test_store import make_episode
+
+from k3rl.images import PNG_MAGIC, png_size
+from k3rl.tracking import MAX_PARAM_VAL_LENGTH, Tracker, TrackingError, clean_key, find_run, truncate_value
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{root}/mlflow.db", root
+
+
+def test_params_metrics_artifacts_on_local_disk(store):
+    uri, root = store
+    tracker = Tracker(uri=uri, experiment="exp-a", run_name="alpha", run_dir=root / "runs" / "alpha")
+    nested = {"learner": {"lr": 0.003, "steps": 20}, "name": "job", "envs": {"train": [{"id": "k3rl/KeyLookup-v0"}]}}
+    many = {f"p{i:03d}": i for i in range(250)}  # more than one batch of 100
+    long = "x" * (MAX_PARAM_VAL_LENGTH + 500)
+    logged = tracker.log_params({**nested, **many, "long": long, "bad key$%": None})
+    assert logged["learner.lr"] == "0.003" and logged["bad key__"] == "None"
+    for step in range(5):
+        tracker.log_metrics({"reward/mean": step * 0.25, "loss/pg": 1.0 / (step + 1), "count": step}, step=step)
+    tracker.log_metrics({"reward/mean": 0.9}, step=4)  # re-logged at a step: the last value wins
+    tracker.log_metrics({"grad_norm": float("nan")}, step=0)
+
+    client = MlflowClient(uri)
+    run = client.get_run(tracker.run_id)
+    params = run.data.params
+    assert len(params) == 3 + 250 + 2 + 1
+    assert params["learner.steps"] == "20" and params["p249"] == "249"
+    assert params["envs.train"] == "[{'id': 'k3rl/KeyLookup-v0'}]"
+    assert len(params["long"]) == MAX_PARAM_VAL_LENGTH
+    cut = int(re.search(r"\.\.\.\[truncated (\d+) chars\]$", params["long"]).group(1))
+    assert params["long"].startswith("x" * 100) and params["long"].count("x") + cut == len(long)
+    assert tracker.metric_history("reward/mean") == [(0, 0.0), (1, 0.25), (2, 0.5), (3, 0.75), (4, 0.9)]
+    assert math.isnan(client.get_metric_history(tracker.run_id, "grad_norm")[0].value)
+    assert run.data.tags["k3rl.run_dir"] == str((root / "runs" / "alpha").resolve())
+
+    with pytest.raises(TypeError, match="metric 'bad' must be a number"):
+        tracker.log_metrics({"bad": "high"}, step=1)
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        tracker.log_metrics({"x": 1.0}, step=-1)
+
+    # artifacts: text, bytes, a file, an episode page, the reward curve
+    tracker.log_artifact_text("name: job\n", "config/job.yaml")
+    (root / "note.txt").write_text("hello")
+    assert tracker.log_artifact_file(root / "note.txt") == "note.txt"
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        tracker.log_artifact_file(root / "missing.txt")
+    ep = make_episode(3, step=4)
+    page_path = tracker.log_episode_html(ep, step=4)
+    assert page_path == f"episodes/step_000004/{ep.id}.html"
+    curve = tracker.log_reward_curve_png()
+    assert curve == "reward_curve.png"
+    assert set(tracker.list_artifacts()) == {"config/job.yaml", "note.txt", page_path, "reward_curve.png"}
+    tracker.finish()
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+    # everything lies on the local disk next to the database
+    art_dir = root / "artifacts" / "exp-a" / tracker.run_id / "artifacts"
+    assert client.get_experiment_by_name("exp-a").artifact_location == str(root / "artifacts" / "exp-a")
+    assert (art_dir / "config" / "job.yaml").read_text() == "name: job\n"
+    png = (art_dir / "reward_curve.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and png_size(png) == (800, 450)
+    page = (art_dir / page_path).read_text()
+    inline = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert [base64.b64decode(s) for s in inline] == ep.images  # every image inline, byte for byte
+    assert "add" in page and "&quot;a&quot;: 3" in page and "policy version 1" in page
+
+
+def test_resume_by_run_id_continues_the_run(store):
+    uri, _ = store
+    first = Tracker(uri=uri, experiment="exp-b", run_name="beta")
+    first.log_params({"lr": 0.1, "steps": 10})
+    first.log_metrics({"reward/mean": 0.1}, step=1)
+    first.finish("KILLED")
+
+    client = MlflowClient(uri)
+    resumed = Tracker(uri=uri, experiment="exp-b", run_id=first.run_id)
+    assert resumed.resumed and resumed.run_name == "beta"
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    # params already there are skipped; a changed one cannot be overwritten in MLflow -> a tag says so
+    assert resumed.log_params({"lr": 0.1, "steps": 20, "new": 1}) == {"new": "1"}
+    resumed.log_metrics({"reward/mean": 0.2}, step=2)
+    resumed.finish()
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1", "steps": "10", "new": "1"}
+    assert run.data.tags["param_changed.steps"] == "20"
+    assert resumed.metric_history("reward/mean") == [(1, 0.1), (2, 0.2)]
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # no second run was made
+
+    assert find_run(client, "beta").info.run_id == first.run_id
+    assert find_run(client, first.run_id).info.run_name == "beta"
+    with pytest.raises(TrackingError, match=r"no MLflow run named or with id 'gamma'.*beta"):
+        find_run(client, "gamma")
+    with pytest.raises(TrackingError, match="cannot resume MLflow run '0+'"):
+        Tracker(uri=uri, run_id="0" * 32)
+    with pytest.raises(ValueError, match="status must be one of"):
+        resumed.finish("DONE")
+
+
+def test_context_manager_marks_failed_runs(store):
+    uri, _ = store
+    with pytest.raises(RuntimeError), Tracker(uri=uri, experiment="exp-b", run_name="crash") as t:
+        t.log_metrics({"reward/mean": 0.0}, step=0)
+        raise RuntimeError("boom")
+    assert MlflowClient(uri).get_run(t.run_id).info.status == "FAILED"
+    assert t.log_reward_curve_png(metrics=["nothing/here"]) is None
+
+
+def test_key_and_value_limits():
+    assert clean_key("reward/mean/k3rl/KeyLookup-v0") == "reward/mean/k3rl/KeyLookup-v0"
+    assert clean_key("a//b/./c/") == "a/b/c"
+    assert clean_key("/abs") == "abs" and clean_key("x" * 300) == "x" * 250
+    for n in (10, 6000, 6001, 7000, 10**6):
+        v = truncate_value("y" * n, 6000)
+        assert len(v) == min(n, 6000)
+        if n > 6000:
+            kept = v.index("...[")
+            assert v.endswith(f"...[truncated {n - kept} chars]")
+
+
+def test_sqlite_directory_is_created(tmp_path, monkeypatch):
+    """The default relative URI works from a fresh working directory (runs/ is created)."""
+    monkeypatch.chdir(tmp_path)
+    t = Tracker(experiment="k3rl", run_name="default")
+    t.finish()
+    assert Path("runs/mlflow.db").is_file()
+    assert Path(MlflowClient("sqlite:///runs/mlflow.db").get_experiment_by_name("k3rl").artifact_location) == (
+        tmp_path / "runs" / "artifacts" / "k3rl")
