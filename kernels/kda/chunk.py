@@ -9,7 +9,13 @@ from __future__ import annotations
 from .._backend import resolve_backend
 from .chunk_reference import chunk_kda_reference
 
-HAS_TRITON_CHUNK = False
+HAS_TRITON_CHUNK = True
+
+
+def triton_eligible(q, v, chunk_size, lower_bound) -> bool:
+    """Whether the Triton kernel covers these settings (otherwise "auto" uses the reference)."""
+    safe = lower_bound is not None and -5.0 <= lower_bound < 0
+    return safe and chunk_size == 64 and q.shape[-1] <= 256 and v.shape[-1] <= 256
 
 
 def chunk_kda(
@@ -44,10 +50,15 @@ def chunk_kda(
       initial_state [B, H, K, V] fp32, or [N, H, K, V] with ``cu_seqlens``
       cu_seqlens    [N+1] int: packed batch of N documents (B must be 1); the state restarts
                     at every document
+    The Triton kernel (CUDA default) needs the safe gate: -5 <= lower_bound < 0, and with a raw
+    ``g`` (``use_gate_in_kernel=False``) the caller promises g >= lower_bound per token; other
+    settings run the reference under "auto" and raise under "triton".
     Returns o [B, T, H, V] in v's dtype and the final state [B or N, H, K, V] in fp32
     (``None`` unless ``output_final_state``). Intermediates and the state are fp32.
     """
     path = resolve_backend(backend, "chunk_kda", q, k, v, g, beta, has_triton=HAS_TRITON_CHUNK)
+    if path == "triton" and backend == "auto" and not triton_eligible(q, v, chunk_size, lower_bound):
+        path = "torch"  # the kernel needs the safe gate, chunk 64 and head dims <= 256
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
     kwargs = dict(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -1,0 +1,630 @@
+"""Chunkwise KDA in Triton: forward and backward (K3_SPEC §2.5-2.6), chunk C = 64, 16-token sub-tiles.
+
+Kernels (one program per (chunk, head) unless said otherwise):
+  gate_cumsum_fwd   g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)) (optional), G = chunk-local cumsum
+  intra_fwd         A_qk, A_kk by 16-row tiles (dense dot products thanks to the bounded gate),
+                    T~ = (I + A_kk)^-1 by 16x16 forward substitution + block products, W = T~ (beta Gamma K),
+                    U = T~ (beta V)
+  state_fwd         one program per (document, head, V-block), serial over chunks:
+                    V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Diag(Gamma_C) S + ((Gamma_C/Gamma) K)^T V~
+  state_bwd         serial in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~
+  grads_bwd         every chunk-local gradient from (S, dS', dV~): through O, the state update, the WY
+                    factors (dB = T~^T dX, dL = -dB X^T) and the 16-row tiles of A_qk / A_kk
+  gate_cumsum_bwd   reverse chunk-local cumsum of dG, then the gate derivative
+
+Tensors are flattened to one token axis (a batch of B sequences is B documents of length T), so
+one code path serves padded batches and ``cu_seqlens``. The bounded gate (g >= lower_bound >= -5
+per token) keeps every exponential inside a 16-token tile below e^80 (fp32 and bf16 safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gate import l2norm
+from .inputs import check_kda_inputs
+
+BT = 64  # chunk size
+BS = 16  # sub-tile size
+
+
+# ----------------------------------------------------------------------------- gate + cumsum
+@triton.jit
+def gate_cumsum_fwd_kernel(
+    z, A_log, dt_bias, G, cu, chunk_idx, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr,
+):  # fmt: skip
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    rows = bos + i_c * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BK)
+    m = (rows < eos)[:, None] & (cols < K)[None, :]
+    off = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+    g = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+    if USE_GATE:
+        if HAS_BIAS:
+            g += tl.load(dt_bias + i_h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        g = LB * tl.sigmoid(a * g)  # g = lower_bound * sigmoid(e^A (z + dt_bias))
+        g = tl.where(m, g, 0.0)
+    tl.store(G + off, tl.cumsum(g, axis=0), mask=m)  # G_r = sum_{s <= r} g_s inside the chunk
+
+
+@triton.jit
+def gate_cumsum_bwd_kernel(
+    dG, z, A_log, dt_bias, dz, cu, chunk_idx, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr,
+):  # fmt: skip
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    rows = bos + i_c * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BK)
+    m = (rows < eos)[:, None] & (cols < K)[None, :]
+    off = rows[:, None] * (H * K) + i_h * K + cols[None, :]
+    dg = tl.cumsum(tl.load(dG + off, mask=m, other=0.0), axis=0, reverse=True)  # dg_s = sum_{r >= s} dG_r
+    if USE_GATE:
+        x = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(dt_bias + i_h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        s = tl.sigmoid(a * x)
+        dg = dg * (LB * a * s * (1.0 - s))  # dg/dz = g_min e^A sigma (1 - sigma)
+    tl.store(dz + off, dg, mask=m)
+
+
+# ----------------------------------------------------------------------------- intra-chunk forward
+@triton.jit
+def _tri_inverse16(Ablk, BLK: tl.constexpr):
+    """(I + A)^-1 of a 16x16 strictly-lower A by forward substitution: X_i = e_i - sum_j A_ij X_j."""
+    r = tl.arange(0, BLK)
+    X = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in range(1, BLK):
+        a_i = tl.sum(tl.where(r[:, None] == i, Ablk, 0.0), axis=0)  # row i of A, zero for j >= i
+        x_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
+        X = tl.where(r[:, None] == i, x_i[None, :], X)
+    return X
+
+
+@triton.jit
+def _load_blk(ptr, start, eos, r0, c0, H: tl.constexpr, i_h):
+    """16x16 block (rows r0.., cols c0..) of a per-chunk [64 x 64] matrix stored as [T, H, 64]."""
+    r = tl.arange(0, BS)
+    rows = start + r0 + r
+    return tl.load(
+        ptr + rows[:, None] * (H * BT) + i_h * BT + c0 + r[None, :], mask=(rows < eos)[:, None], other=0.0
+    )
+
+
+@triton.jit
+def _store_blk(ptr, X, start, eos, r0, c0, H: tl.constexpr, i_h):
+    r = tl.arange(0, BS)
+    rows = start + r0 + r
+    tl.store(ptr + rows[:, None] * (H * BT) + i_h * BT + c0 + r[None, :], X, mask=(rows < eos)[:, None])
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def intra_fwd_kernel(
+    q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    dt = k.dtype.element_ty
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    jj = tl.arange(0, BT)  # column (key) index inside the chunk
+    cols = start + jj
+    mc = cols < eos
+    off_c = cols[:, None] * (H * K) + i_h * K + ck[None, :]
+    k_c = tl.load(k + off_c, mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
+    G_c = tl.load(G + off_c, mask=mc[:, None] & mk[None, :], other=0.0)
+    # 1) A_kk and A_qk, one 16-row tile at a time, reference point n = first row of the tile:
+    #    A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}); row factors <= 1, column factors
+    #    <= 1 before the tile and < e^80 inside it (bounded gate).
+    for r in tl.static_range(BT // BS):
+        ii = r * BS + tl.arange(0, BS)
+        rows = start + ii
+        mr = rows < eos
+        n = tl.minimum(start + r * BS, eos - 1)
+        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        off_r = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_r = mr[:, None] & mk[None, :]
+        e_r = tl.exp(tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :])
+        kr = (tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32) * e_r).to(dt)
+        qr = (tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32) * e_r).to(dt)
+        in_reach = mc & (jj < r * BS + BS)
+        kinv = (k_c * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - G_c, float("-inf")))).to(dt)
+        akk = tl.dot(kr, tl.trans(kinv))  # [16, 64]
+        aqk = tl.dot(qr, tl.trans(kinv))
+        b_r = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+        akk = tl.where(
+            jj[None, :] < ii[:, None], akk * b_r[:, None], 0.0
+        )  # strictly lower, row-scaled by beta
+        aqk = tl.where(jj[None, :] <= ii[:, None], aqk, 0.0)  # diagonal included
+        off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
+        tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
+        tl.store(Ti + off_a, akk, mask=mr[:, None])  # scratch: A_kk, replaced by T~ below
+    tl.debug_barrier()
+    # 2) (I + A_kk)^-1 by 16x16 blocks: diagonal blocks by forward substitution, then
+    #    X_rc = -X_rr sum_{c <= m < r} L_rm X_mc
+    L10 = _load_blk(Ti, start, eos, 16, 0, H, i_h)
+    L20 = _load_blk(Ti, start, eos, 32, 0, H, i_h)
+    L21 = _load_blk(Ti, start, eos, 32, 16, H, i_h)
+    L30 = _load_blk(Ti, start, eos, 48, 0, H, i_h)
+    L31 = _load_blk(Ti, start, eos, 48, 16, H, i_h)
+    L32 = _load_blk(Ti, start, eos, 48, 32, H, i_h)
+    X00 = _tri_inverse16(_load_blk(Ti, start, eos, 0, 0, H, i_h), BS)
+    X11 = _tri_inverse16(_load_blk(Ti, start, eos, 16, 16, H, i_h), BS)
+    X22 = _tri_inverse16(_load_blk(Ti, start, eos, 32, 32, H, i_h), BS)
+    X33 = _tri_inverse16(_load_blk(Ti, start, eos, 48, 48, H, i_h), BS)
+    X10 = -_mm(X11, _mm(L10, X00))
+    X21 = -_mm(X22, _mm(L21, X11))
+    X32 = -_mm(X33, _mm(L32, X22))
+    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
+    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
+    tl.debug_barrier()
+    Z = tl.zeros([BS, BS], dtype=tl.float32)
+    _store_blk(Ti, X00, start, eos, 0, 0, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 16, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 48, H, i_h)
+    _store_blk(Ti, X10, start, eos, 16, 0, H, i_h)
+    _store_blk(Ti, X11, start, eos, 16, 16, H, i_h)
+    _store_blk(Ti, Z, start, eos, 16, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 16, 48, H, i_h)
+    _store_blk(Ti, X20, start, eos, 32, 0, H, i_h)
+    _store_blk(Ti, X21, start, eos, 32, 16, H, i_h)
+    _store_blk(Ti, X22, start, eos, 32, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 32, 48, H, i_h)
+    _store_blk(Ti, X30, start, eos, 48, 0, H, i_h)
+    _store_blk(Ti, X31, start, eos, 48, 16, H, i_h)
+    _store_blk(Ti, X32, start, eos, 48, 32, H, i_h)
+    _store_blk(Ti, X33, start, eos, 48, 48, H, i_h)
+    tl.debug_barrier()
+    # 3) W = T~ (beta Gamma K), U = T~ (beta V)
+    off_t = cols[:, None] * (H * BT) + i_h * BT + jj[None, :]
+    Tm = tl.load(Ti + off_t, mask=mc[:, None], other=0.0).to(dt)
+    b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
+    kb = (k_c * tl.exp(G_c) * b_c[:, None]).to(dt)
+    tl.store(W + off_c, tl.dot(Tm, kb).to(W.dtype.element_ty), mask=mc[:, None] & mk[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mc[:, None] & (cv < V)[None, :]
+        vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
+        tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+
+
+# ----------------------------------------------------------------------------- serial state pass
+@triton.jit
+def state_fwd_kernel(
+    q, k, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    c0 = tl.load(chunk_off + i_n)
+    dt = k.dtype.element_ty
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    jj = tl.arange(0, BT)
+    off_s = ck[:, None] * V + cv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(h0 + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+    NT = tl.cdiv(eos - bos, BT)
+    t = 0
+    while t < NT:  # a while loop: the trip count is data-dependent (one document)
+        rows = bos + t * BT + jj
+        mr = rows < eos
+        if STORE_H:
+            tl.store(h + ((c0 + t) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_s)
+        off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_k = mr[:, None] & mk[None, :]
+        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mr[:, None] & mv[None, :]
+        Sd = S.to(dt)
+        vn = tl.load(U + off_v, mask=m_v, other=0.0).to(tl.float32) - tl.dot(
+            tl.load(W + off_k, mask=m_k, other=0.0), Sd
+        )
+        Gc = tl.load(G + off_k, mask=m_k, other=0.0)
+        qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
+        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(
+            dt
+        )
+        out = tl.dot(qg, Sd) + tl.dot(a, vn.to(dt))  # O = (Q Gamma) S + A_qk V~
+        tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
+        last = tl.minimum(bos + t * BT + BT, eos) - 1
+        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        kd = tl.where(
+            m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0
+        )
+        S = S * tl.exp(Gl)[:, None] + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))  # Gamma_C S + Kd^T V~
+        t += 1
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + off_s, S, mask=m_s)
+
+
+@triton.jit
+def state_bwd_kernel(
+    q, k, G, W, Aqk, do, dh, dvn, dht, dh0, cu, chunk_off,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    c0 = tl.load(chunk_off + i_n)
+    dt = k.dtype.element_ty
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    jj = tl.arange(0, BT)
+    off_s = ck[:, None] * V + cv[None, :]
+    m_s = mk[:, None] & mv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        dS = tl.load(dht + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+    NT = tl.cdiv(eos - bos, BT)
+    t = NT - 1
+    while t >= 0:  # chunks in reverse order
+        rows = bos + t * BT + jj
+        mr = rows < eos
+        tl.store(
+            dh + ((c0 + t) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_s
+        )  # dS' of chunk t
+        off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_k = mr[:, None] & mk[None, :]
+        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mr[:, None] & mv[None, :]
+        Gc = tl.load(G + off_k, mask=m_k, other=0.0)
+        last = tl.minimum(bos + t * BT + BT, eos) - 1
+        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        kd = tl.where(
+            m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0
+        )
+        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(
+            dt
+        )
+        dob = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
+        dv = tl.dot(tl.trans(a), dob) + tl.dot(kd.to(dt), dS.to(dt))  # dV~ = A_qk^T dO + Kd dS'
+        tl.store(dvn + off_v, dv.to(dvn.dtype.element_ty), mask=m_v)
+        qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
+        w = tl.load(W + off_k, mask=m_k, other=0.0)
+        # dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~
+        dS = dS * tl.exp(Gl)[:, None] + tl.dot(tl.trans(qg), dob) - tl.dot(tl.trans(w), dv.to(dt))
+        t -= 1
+    if STORE_DH0:
+        tl.store(dh0 + i_nh * K * V + off_s, dS, mask=m_s)
+
+
+# ----------------------------------------------------------------------------- chunk-local gradients
+@triton.jit
+def grads_bwd_kernel(
+    q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn,
+    dq, dk, dv, dG, dbeta, dA, dAqk_s, cu, chunk_idx, chunk_off,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    cid = tl.load(chunk_off + i_n) + i_c
+    start = bos + i_c * BT
+    dt = k.dtype.element_ty
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    jj = tl.arange(0, BT)
+    rows = start + jj
+    mr = rows < eos
+    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+    m_k = mr[:, None] & mk[None, :]
+    off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
+    b_q = tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)
+    b_G = tl.load(G + off_k, mask=m_k, other=0.0)
+    b_w = tl.load(W + off_k, mask=m_k, other=0.0)
+    b_beta = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+    Tm = tl.load(Ti + off_a, mask=mr[:, None], other=0.0).to(dt)
+    last = tl.minimum(start + BT, eos) - 1
+    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+
+    dqg = tl.zeros([BT, BK], dtype=tl.float32)  # d(Q Gamma)
+    dkd = tl.zeros([BT, BK], dtype=tl.float32)  # d(Kd), Kd = K e^{G_C - G}
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dgam = tl.zeros([BK], dtype=tl.float32)  # d G_C through Diag(Gamma_C) S
+    daqk = tl.zeros([BT, BT], dtype=tl.float32)
+    dlu = tl.zeros([BT, BT], dtype=tl.float32)  # dB_U U^T
+    db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        mv = cv < V
+        off_s = (cid * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
+        m_s = mk[:, None] & mv[None, :]
+        S = tl.load(h + off_s, mask=m_s, other=0.0)
+        dS = tl.load(dh + off_s, mask=m_s, other=0.0)
+        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mr[:, None] & mv[None, :]
+        b_do = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
+        b_dvn = tl.load(dvn + off_v, mask=m_v, other=0.0).to(dt)
+        b_u = tl.load(U + off_v, mask=m_v, other=0.0)
+        b_v = tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32)
+        vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(dt))).to(dt)  # V~ = U - W S
+        dqg += tl.dot(b_do, tl.trans(S.to(dt)))  # dO S^T
+        dkd += tl.dot(vn, tl.trans(dS.to(dt)))  # V~ dS'^T
+        dw -= tl.dot(b_dvn, tl.trans(S.to(dt)))  # -dV~ S^T
+        dgam += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
+        daqk += tl.dot(b_do, tl.trans(vn))  # dO V~^T
+        dbu = tl.dot(tl.trans(Tm), b_dvn)  # dB_U = T~^T dU, with dU = dV~
+        tl.store(dv + off_v, (dbu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_v)  # B_U = beta V
+        db += tl.sum(dbu * b_v, axis=1)
+        dlu += tl.dot(dbu.to(dt), tl.trans(b_u))
+    daqk = tl.where(jj[None, :] <= jj[:, None], daqk, 0.0)
+    dbw = tl.dot(tl.trans(Tm), dw.to(dt))  # dB_W = T~^T dW
+    gam = tl.exp(b_G)
+    kg = b_k * gam
+    b_dk = dbw * b_beta[:, None] * gam  # B_W = beta Gamma K
+    b_dG = dbw * b_beta[:, None] * kg
+    db += tl.sum(dbw * kg, axis=1)
+    dl = -(tl.dot(dbw.to(dt), tl.trans(b_w)) + dlu)  # dL = -(dB_W W^T + dB_U U^T)
+    dl = tl.where(jj[None, :] < jj[:, None], dl, 0.0)  # only the strictly-lower A_kk is free
+    b_dq = dqg * gam  # O = (Q Gamma) S
+    b_dG += dqg * b_q * gam
+    ekd = tl.where(m_k, tl.exp(Gl[None, :] - b_G), 0.0)
+    b_dk += dkd * ekd
+    x = dkd * b_k * ekd
+    b_dG -= x
+    dgam = dgam * tl.exp(Gl) + tl.sum(x, axis=0)
+    b_dG += tl.where((rows == last)[:, None], dgam[None, :], 0.0)  # G_C is the chunk's last row
+    tl.store(dq + off_k, b_dq, mask=m_k)
+    tl.store(dk + off_k, b_dk, mask=m_k)
+    tl.store(dG + off_k, b_dG, mask=m_k)
+    tl.store(dA + off_a, dl, mask=mr[:, None])
+    tl.store(dAqk_s + off_a, daqk, mask=mr[:, None])
+    tl.store(dbeta + rows * H + i_h, db, mask=mr)
+    tl.debug_barrier()
+    # row side of A_kk / A_qk, 16-row tiles with reference point n = first row of the tile
+    for r in tl.static_range(BT // BS):
+        ii = r * BS + tl.arange(0, BS)
+        rr = start + ii
+        mrr = rr < eos
+        n = tl.minimum(start + r * BS, eos - 1)
+        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        off_r = rr[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_r = mrr[:, None] & mk[None, :]
+        e_r = tl.exp(tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :])
+        in_reach = mr & (jj < r * BS + BS)
+        kinv = (b_k * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - b_G, float("-inf")))).to(dt)
+        off_ar = rr[:, None] * (H * BT) + i_h * BT + jj[None, :]
+        dA_r = tl.load(dA + off_ar, mask=mrr[:, None], other=0.0).to(dt)
+        dAq_r = tl.load(dAqk_s + off_ar, mask=mrr[:, None], other=0.0).to(dt)
+        k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
+        q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
+        b_r = tl.load(beta + rr * H + i_h, mask=mrr, other=0.0).to(tl.float32)
+        t1 = tl.dot(dA_r, kinv) * e_r  # sum_j dA_ij K_j e^{G_i - G_j}
+        t2 = tl.dot(dAq_r, kinv) * e_r
+        tl.store(
+            dbeta + rr * H + i_h,
+            tl.load(dbeta + rr * H + i_h, mask=mrr, other=0.0) + tl.sum(k_r * t1, axis=1),
+            mask=mrr,
+        )
+        tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t1 * b_r[:, None], mask=m_r)
+        tl.store(dq + off_r, tl.load(dq + off_r, mask=m_r, other=0.0) + t2, mask=m_r)
+        tl.store(
+            dG + off_r,
+            tl.load(dG + off_r, mask=m_r, other=0.0) + k_r * t1 * b_r[:, None] + q_r * t2,
+            mask=m_r,
+        )
+    tl.debug_barrier()
+    # column side, 16-column tiles with reference point m = last row of the tile
+    for c in tl.static_range(BT // BS):
+        ii = c * BS + tl.arange(0, BS)
+        rc = start + ii
+        mrc = rc < eos
+        mref = tl.minimum(start + c * BS + BS, eos) - 1
+        Gm = tl.load(G + mref * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        below = mr & (jj >= c * BS)
+        em = tl.exp(tl.where(below[:, None], b_G - Gm[None, :], float("-inf")))
+        km = (b_k * em).to(dt)
+        qm = (b_q * em).to(dt)
+        off_ac = rows[:, None] * (H * BT) + i_h * BT + ii[None, :]
+        dA_c = (tl.load(dA + off_ac, mask=mr[:, None], other=0.0) * b_beta[:, None]).to(dt)
+        dAq_c = tl.load(dAqk_s + off_ac, mask=mr[:, None], other=0.0).to(dt)
+        off_r = rc[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_r = mrc[:, None] & mk[None, :]
+        ec = tl.exp(Gm[None, :] - tl.load(G + off_r, mask=m_r, other=0.0))
+        t3 = (tl.dot(tl.trans(dA_c), km) + tl.dot(tl.trans(dAq_c), qm)) * ec  # sum_i dA_ij X_i e^{G_i - G_j}
+        k_c = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
+        tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t3, mask=m_r)
+        tl.store(dG + off_r, tl.load(dG + off_r, mask=m_r, other=0.0) - k_c * t3, mask=m_r)
+        tl.debug_barrier()
+
+
+# ----------------------------------------------------------------------------- host side
+def _chunk_tables(cu: torch.Tensor):
+    """(chunk_idx [NT, 2] = (document, chunk in document), chunk_off [N+1], NT, chunks of the longest document)."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    nts = [(n + BT - 1) // BT for n in lens]
+    idx = [(d, c) for d, nt in enumerate(nts) for c in range(nt)]
+    off = [0]
+    for nt in nts:
+        off.append(off[-1] + nt)
+    dev = cu.device
+    return (
+        torch.tensor(idx, dtype=torch.int32, device=dev).reshape(-1, 2),
+        torch.tensor(off, dtype=torch.int32, device=dev),
+        len(idx),
+        max(nts),
+    )
+
+
+def _blocks(K, V):
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(64, triton.next_power_of_2(V)))
+    if BK > 256:
+        raise ValueError(
+            f"chunk_kda (triton): head dim K={K} is above the supported 256; use backend='torch'"
+        )
+    return BK, BV
+
+
+class GateCumsum(torch.autograd.Function):
+    """G = chunk-local cumsum of g (or of the gate computed from the raw logit z), fp32."""
+
+    @staticmethod
+    def forward(ctx, z, A_log, dt_bias, cu, tables, use_gate, lower_bound):
+        chunk_idx, _, NT, _ = tables
+        _, TT, H, K = z.shape
+        BK = max(16, triton.next_power_of_2(K))
+        G = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+        has_bias = dt_bias is not None
+        dummy = z
+        gate_cumsum_fwd_kernel[(NT, H)](
+            z, A_log if use_gate else dummy, dt_bias if has_bias else dummy, G, cu, chunk_idx,
+            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=float(lower_bound or 0.0), num_warps=4,
+        )  # fmt: skip
+        ctx.save_for_backward(z, A_log if use_gate else None, dt_bias, cu, chunk_idx)
+        ctx.meta = (NT, use_gate, has_bias, float(lower_bound or 0.0))
+        return G
+
+    @staticmethod
+    def backward(ctx, dG):
+        z, A_log, dt_bias, cu, chunk_idx = ctx.saved_tensors
+        NT, use_gate, has_bias, lb = ctx.meta
+        _, TT, H, K = z.shape
+        BK = max(16, triton.next_power_of_2(K))
+        dz = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+        gate_cumsum_bwd_kernel[(NT, H)](
+            dG.contiguous(), z, A_log if use_gate else z, dt_bias if has_bias else z, dz, cu, chunk_idx,
+            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=lb, num_warps=4,
+        )  # fmt: skip
+        dA_log = ddt = None
+        if use_gate:
+            x = z.float() + (dt_bias.float().reshape(H, K) if has_bias else 0.0)
+            if ctx.needs_input_grad[1]:
+                dA_log = (
+                    (dz * x).sum((0, 1, 3)).reshape(A_log.shape).to(A_log.dtype)
+                )  # dg/dA = dg/dz * (z + b)
+            if has_bias and ctx.needs_input_grad[2]:
+                ddt = dz.sum((0, 1)).reshape(dt_bias.shape).to(dt_bias.dtype)
+        return dz.to(z.dtype), dA_log, ddt, None, None, None, None
+
+
+class ChunkKDATriton(torch.autograd.Function):
+    """Core: q (normalised, scaled), k, v, G (chunk-local cumsum, fp32), beta -> (o, final state)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, G, beta, h0, cu, tables, output_final_state):
+        chunk_idx, chunk_off, NT, _ = tables
+        _, TT, H, K = q.shape
+        V = v.shape[-1]
+        N = cu.numel() - 1
+        BK, BV = _blocks(K, V)
+        dev, dt = q.device, q.dtype
+        Aqk = torch.empty(1, TT, H, BT, dtype=dt, device=dev)
+        Ti = torch.empty(1, TT, H, BT, dtype=torch.float32, device=dev)
+        W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
+        U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
+        intra_fwd_kernel[(NT, H)](
+            q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=4
+        )
+        need_grad = any(ctx.needs_input_grad)
+        o = torch.empty_like(v)
+        h = torch.empty(NT, H, K, V, dtype=dt, device=dev) if need_grad else o
+        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else o
+        state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+            q, k, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
+            H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_H=need_grad,
+            num_warps=4,
+        )  # fmt: skip
+        if need_grad:
+            ctx.save_for_backward(q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off)
+            ctx.meta = (NT, h0 is not None)
+        return o, (ht if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off = ctx.saved_tensors
+        NT, has_h0 = ctx.meta
+        _, TT, H, K = q.shape
+        V = v.shape[-1]
+        N = cu.numel() - 1
+        BK, BV = _blocks(K, V)
+        dev = q.device
+        do = do.contiguous()
+        dh = torch.empty_like(h)
+        dvn = torch.empty_like(v)
+        dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if has_h0 else dvn
+        state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
+            q, k, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
+            H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=4,
+        )  # fmt: skip
+        f32 = dict(dtype=torch.float32, device=dev)
+        dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
+        dv = torch.empty_like(v)
+        dbeta = torch.zeros(1, TT, H, **f32)
+        dA, dAqk = (torch.empty(1, TT, H, BT, **f32) for _ in range(2))
+        grads_bwd_kernel[(NT, H)](
+            q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
+            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=8,
+        )  # fmt: skip
+        return (
+            dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),
+            dh0 if has_h0 else None, None, None, None,
+        )  # fmt: skip
+
+
+def chunk_kda_triton(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
+    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
+):  # fmt: skip
+    """Triton chunk KDA; same contract as ``chunk_kda``. Needs the bounded ("safe") gate."""
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, "chunk_kda")
+    if chunk_size != BT:
+        raise ValueError(
+            f"chunk_kda (triton): chunk_size must be {BT}, got {chunk_size}; use backend='torch'"
+        )
+    if lower_bound is None or not (-5.0 <= lower_bound < 0):
+        raise ValueError(
+            "chunk_kda (triton): the kernel's dense 16-token diagonal tiles need the safe gate, "
+            f"-5 <= lower_bound < 0 (got {lower_bound}); use backend='torch' for the unbounded gate"
+        )
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("chunk_kda: use_gate_in_kernel=True needs A_log [H]")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    tables = _chunk_tables(cu)
+    flat = lambda x: x.reshape(1, B * T, *x.shape[2:]).contiguous()
+    scale = K**-0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q).to(q.dtype), l2norm(k).to(k.dtype)
+    qs = q * scale if scale != 1.0 else q
+    G = GateCumsum.apply(
+        flat(g), A_log.float() if use_gate_in_kernel else None,
+        dt_bias.float() if (use_gate_in_kernel and dt_bias is not None) else None,
+        cu, tables, bool(use_gate_in_kernel), lower_bound,
+    )  # fmt: skip
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    o, ht = ChunkKDATriton.apply(
+        flat(qs), flat(k), flat(v), G, flat(beta), h0, cu, tables, bool(output_final_state)
+    )
+    return o.reshape(B, T, H, V), ht
