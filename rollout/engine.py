@@ -543,19 +543,17 @@ class EmbeddedEngine(InferenceEngine):
         pads_before = sum(1 for t in seq.prompt[:start] if t == pad)
         pads_in = sum(1 for t in seq.prompt[start:end] if t == pad)
         # images whose pads are (partly) inside this chunk must be complete: extend the chunk
-        cum, n_img = 0, 0
+        last_image, cum = seq.image_cursor, 0
         for i, c in enumerate(seq.pads_per_image):
             cum += c
-            if cum <= pads_before:
-                continue
-            if cum - c < pads_before + pads_in:
-                n_img = i + 1
-        need = sum(seq.pads_per_image[:n_img]) - pads_before
+            if cum > pads_before and cum - c < pads_before + pads_in:
+                last_image = i + 1
+        need = sum(seq.pads_per_image[:last_image]) - pads_before
         while pads_in < need:
             if seq.prompt[end] == pad:
                 pads_in += 1
             end += 1
-        return end, n_img - seq.image_cursor
+        return end, last_image - seq.image_cursor
 
     def _prefill(self) -> list[_Seq]:
         ready: list[_Seq] = self._pending_ready
@@ -633,7 +631,9 @@ class EmbeddedEngine(InferenceEngine):
     # 6. sampling and stopping
     def _sample(self, ready: list[_Seq]) -> None:
         logits = torch.stack([s.logits for s in ready])
-        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready])
+        # the media placeholder is input-only: it is never sampled (an image cannot follow it)
+        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready],
+                        banned=self.config.media_placeholder_token_id)
         logprobs = policy_logprobs(logits, tokens).tolist()
         done: list[_Seq] = []
         for s, tok, lp in zip(ready, tokens.tolist(), logprobs):

@@ -68,14 +68,22 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.zeros_like(q_sorted).scatter_(-1, order, q_sorted)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of `logits` [B, V], each row with its own params and generator. Returns [B] int64."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           banned: int | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V], each row with its own params and generator. Returns [B] int64.
+
+    `banned`: a token id never drawn (the media placeholder, which only the prompt may hold);
+    it is removed from the sampling distribution q, not from the reported policy log-probs.
+    """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(
             f"sample: logits {tuple(logits.shape)} needs one SamplingParams and one generator per row, "
             f"got {len(params)} params and {len(generators)} generators"
         )
     device = logits.device
+    if banned is not None:
+        logits = logits.clone()
+        logits[:, banned] = float("-inf")
     greedy = torch.tensor([p.greedy for p in params], device=device)
     out = logits.argmax(dim=-1)  # T = 0 rows: greedy; ties go to the lowest id
     if bool(greedy.all()):

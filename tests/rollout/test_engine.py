@@ -1,0 +1,243 @@
+"""The embedded engine against the model itself: exactness, batching, sampling, stops, groups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.rollout.engine import EmbeddedEngine
+from k3rl.tokenizer import ByteTokenizer
+from k3rl.types import SamplingParams
+
+
+torch.set_num_threads(1)  # tiny matrices: one thread is many times faster on a shared 2-core machine
+
+
+def _model(seed: int = 0) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():  # a sharper head than the N(0, 0.02) init, so greedy choices are clear
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _engine(model, **kw) -> EmbeddedEngine:
+    kw.setdefault("background", False)
+    return EmbeddedEngine(model, **kw)
+
+
+def _prompt(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + 3 + offset) % 250 + 1 for i in range(n)]
+
+
+def _full_logits(model, ids: list[int], images=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), images=images)[0].float()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def test_greedy_equals_argmax_of_full_forward_and_logprobs_match(model):
+    eng = _engine(model, prefill_chunk=7)  # a 30-token prompt is prefilled in 5 chunks
+    prompt = _prompt(30)
+    r = eng.generate(prompt, GREEDY)
+    assert r.finish_reason == "length" and len(r.token_ids) == 12 and r.prompt_tokens == 30
+    logits = _full_logits(model, prompt + r.token_ids)
+    P = len(prompt)
+    assert r.token_ids == [int(logits[P - 1 + i].argmax()) for i in range(12)]
+    ref = torch.log_softmax(logits, -1)
+    for i, tok in enumerate(r.token_ids):
+        assert r.logprobs[i] == pytest.approx(float(ref[P - 1 + i, tok]), rel=1e-4, abs=1e-4)
+
+
+def test_sampled_logprobs_are_the_unfiltered_temperature_one_policy(model):
+    eng = _engine(model)
+    prompt = _prompt(20, 5)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10, seed=3)
+    r = eng.generate(prompt, params)
+    ref = torch.log_softmax(_full_logits(model, prompt + r.token_ids), -1)
+    P = len(prompt)
+    for i, tok in enumerate(r.token_ids):
+        assert r.logprobs[i] == pytest.approx(float(ref[P - 1 + i, tok]), rel=1e-4, abs=1e-4)
+    # every sampled token lies inside the top-k of its step
+    logits = _full_logits(model, prompt + r.token_ids)
+    for i, tok in enumerate(r.token_ids):
+        assert tok in logits[P - 1 + i].topk(20).indices.tolist()
+
+
+def test_same_tokens_alone_and_inside_a_batch(model):
+    prompts = [_prompt(n, n) for n in (5, 23, 11, 40)]
+    params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=9, seed=11),
+              SamplingParams(temperature=0.8, top_p=0.8, max_tokens=15, seed=5), GREEDY]
+    alone = [_engine(model).generate(p, s) for p, s in zip(prompts, params)]
+    eng = _engine(model, prefill_chunk=8, max_prefill_tokens=16)  # prefills overlap decoding
+    futures = [eng.submit(p, s) for p, s in zip(prompts, params)]
+    while not all(f.done() for f in futures):
+        eng.step()
+    for a, f in zip(alone, futures):
+        b = f.result()
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_late_joiners_and_leavers_do_not_disturb_others(model):
+    eng = _engine(model)
+    long_req = eng.submit(_prompt(12), SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(3):
+        eng.step()
+    short = eng.submit(_prompt(9, 2), SamplingParams(temperature=0, max_tokens=3))  # joins at step 4, leaves at 6
+    while not long_req.done():
+        eng.step()
+    assert long_req.result().token_ids == _engine(model).generate(_prompt(12), SamplingParams(temperature=0, max_tokens=20)).token_ids
+    assert short.result().token_ids == _engine(model).generate(_prompt(9, 2), SamplingParams(temperature=0, max_tokens=3)).token_ids
+
+
+def test_seeds_reproduce_and_differ(model):
+    eng = _engine(model)
+    p = _prompt(10)
+    a = eng.generate(p, SamplingParams(temperature=1.0, max_tokens=16, seed=1))
+    b = eng.generate(p, SamplingParams(temperature=1.0, max_tokens=16, seed=1))
+    c = eng.generate(p, SamplingParams(temperature=1.0, max_tokens=16, seed=2))
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_token_stop_string_and_max_tokens(model):
+    eng = _engine(model)
+    p = _prompt(15)
+    free = eng.generate(p, SamplingParams(temperature=0, max_tokens=12)).token_ids
+    stop_tok = free[4]
+    first = free.index(stop_tok)
+    r = eng.generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]))
+    assert r.finish_reason == "stop" and r.stop_reason == stop_tok and r.token_ids == free[: first + 1]
+    # a stop string made of generated ASCII bytes (two tokens when possible), kept in the output
+    tok = ByteTokenizer()
+    free = eng.generate(p, SamplingParams(temperature=0, max_tokens=40)).token_ids
+    text, end = None, None
+    for j in range(len(free)):
+        if 32 <= free[j] < 127:
+            cand = tok.decode(free[j - 1 : j + 1]) if j and 32 <= free[j - 1] < 127 else chr(free[j])
+            if cand not in tok.decode(free[:j]):
+                text, end = cand, j + 1
+                break
+    assert text is not None, "no ASCII token in 40 greedy tokens"
+    r = eng.generate(p, SamplingParams(temperature=0, max_tokens=40, stop_strings=[text, "\x00never"]))
+    assert r.finish_reason == "stop" and r.stop_reason == text
+    assert r.token_ids == free[:end] and tok.decode(r.token_ids).endswith(text)
+    r = eng.generate(p, SamplingParams(temperature=0, max_tokens=1))
+    assert r.finish_reason == "length" and r.token_ids == free[:1]
+
+
+def test_bad_requests_fail_clearly(model):
+    eng = _engine(model)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([5, 100000], GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.generate([5], SamplingParams(stop_token_ids=[-1]))
+    with pytest.raises(ValueError, match="media_pad"):
+        eng.generate([5, model.config.media_placeholder_token_id], GREEDY)
+
+
+def test_abort_returns_partial_tokens(model):
+    eng = _engine(model)
+    fut = eng.submit(_prompt(10), SamplingParams(temperature=0, max_tokens=50), request_id="r1")
+    other = eng.submit(_prompt(8), SamplingParams(temperature=0, max_tokens=6))
+    for _ in range(4):
+        eng.step()
+    assert eng.abort("r1")
+    r = fut.result(timeout=5)
+    assert r.finish_reason == "abort" and len(r.token_ids) == 4 and len(r.logprobs) == 4
+    assert not eng.abort("r1") and not eng.abort("never-submitted")
+    while not other.done():
+        eng.step()
+    assert other.result().finish_reason == "length"
+    waiting = eng.submit(_prompt(8), GREEDY, request_id="w")
+    eng.abort("w")
+    assert waiting.result(timeout=5).token_ids == [] and waiting.result().finish_reason == "abort"
+
+
+def test_group_prefills_once_and_equals_independent_prefill(model):
+    prompt = _prompt(33)
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(4)]
+    eng = _engine(model, prefill_chunk=10)
+    futures = [eng.submit(prompt, p) for p in params]
+    while not all(f.done() for f in futures):
+        eng.step()
+    assert eng.stats["prefill_tokens"] == len(prompt)  # one prefill for the group
+    assert [f.result().cached_prompt_tokens for f in futures] == [0, 33, 33, 33]
+    for p, f in zip(params, futures):
+        ref = _engine(model, prefix_cache_size=0).generate(prompt, p)
+        assert f.result().token_ids == ref.token_ids
+        assert f.result().logprobs == pytest.approx(ref.logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_next_turn_reuses_the_cached_conversation(model):
+    eng = _engine(model, prefill_chunk=6)
+    prompt = _prompt(20)
+    first = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=5))
+    turn2 = prompt + first.token_ids + _prompt(7, 9)  # the tool result appended as tokens
+    before = eng.stats["prefill_tokens"]
+    second = eng.generate(turn2, SamplingParams(temperature=0, max_tokens=6))
+    assert second.cached_prompt_tokens == 25 and eng.stats["prefill_tokens"] - before == 7
+    logits = _full_logits(model, turn2 + second.token_ids)
+    assert second.token_ids == [int(logits[len(turn2) - 1 + i].argmax()) for i in range(6)]
+
+
+def test_routed_experts_match_the_full_forward(model):
+    eng = _engine(model)
+    prompt = _prompt(14)
+    r = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=6, return_routed_experts=True))
+    n_moe, k = len(model.config.moe_layer_ids), model.config.num_experts_per_token
+    assert len(r.routed_experts) == 6 and all(len(t) == n_moe and all(len(e) == k for e in t) for t in r.routed_experts)
+    with torch.no_grad():
+        _, routing = model(torch.tensor([prompt + r.token_ids]), return_routing=True)
+    P = len(prompt)
+    for i in range(6):  # token i as an input sits at position P + i
+        assert [sorted(e) for e in r.routed_experts[i]] == [sorted(e) for e in routing[0, P + i].tolist()]
+
+
+def test_images_in_the_prompt(model):
+    from PIL import Image
+
+    from k3rl.chat import ChatTemplate, Message
+    from k3rl.images import to_png
+
+    img = Image.new("RGB", (40, 30))
+    for x in range(40):
+        for y in range(30):
+            img.putpixel((x, y), (x * 6, y * 8, (x * y) % 255))
+    png = to_png(img)
+    chat = ChatTemplate()
+    ids = chat.render([Message(role="user", content="what is this?", images=[png])]).ids
+    eng = _engine(model, prefill_chunk=5)  # the pad run is never split across chunks
+    r = eng.generate(ids, SamplingParams(temperature=0, max_tokens=6), images=[png])
+    logits = _full_logits(model, ids + r.token_ids, images=[img])
+    assert r.token_ids == [int(logits[len(ids) - 1 + i].argmax()) for i in range(6)]
+    with pytest.raises(ValueError, match="media_pad"):
+        eng.generate(ids, GREEDY)  # pads without their image
+
+
+def test_many_coroutines_share_one_background_engine(model):
+    eng = EmbeddedEngine(model)  # scheduler thread
+    try:
+        prompts = [_prompt(8 + i, i) for i in range(6)]
+
+        async def main():
+            return await asyncio.gather(*(eng.agenerate(p, SamplingParams(temperature=0, max_tokens=5)) for p in prompts))
+
+        results = asyncio.run(main())
+    finally:
+        eng.close()
+    for p, r in zip(prompts, results):
+        assert r.token_ids == _engine(model).generate(p, SamplingParams(temperature=0, max_tokens=5)).token_ids
