@@ -1,0 +1,363 @@
+"""`ToolEnv`: a Gymnasium environment whose agent talks in chat messages and acts through tools.
+
+    obs, info = env.reset(seed=3)          # obs: the opening messages (dicts: role, content, PNG images)
+    obs, reward, terminated, truncated, info = env.step(assistant_output)
+
+* Observation: a list of new messages (`ChatMessages` space). `reset` returns the opening
+  messages (system prompt, user task, maybe a target image); `step` returns what the
+  environment says back: one tool message per call (text + PNG images), or an error message.
+* Action: the assistant's message — its token ids, its decoded text (special tokens by name),
+  a `ParsedAssistant` or an assistant `Message` (`AssistantAction` space).
+* Tools: `@tool` methods of the subclass (plus `tools=[...]` functions); `env.tools` is the
+  JSON declaration for the chat template. Arguments are validated before a tool runs.
+* Reward convention (terminal only, every other step gives 0):
+    - an assistant message **without tool calls is the final answer**: the episode
+      terminates and the reward is `score(final_text)`;
+    - a tool may also end the episode by returning `ToolResult(done=True, reward=r)`;
+    - a truncated episode (turn limit, time budget, context length) gets reward 0.
+* Errors made by the model never raise out of `step`: malformed output (ToolCallParseError),
+  an unknown tool, bad arguments or a tool that fails all come back as an error message and
+  count as a turn. Infrastructure failures (the sandbox died) do raise, after cleanup.
+* Limits: `max_turns` assistant messages, `time_budget_s` wall-clock seconds from reset, and
+  `max_context_tokens` of the rendered conversation (the env renders it with its chat
+  template and reports `info["context_tokens"]`; the agent loop may enforce its own count).
+* Sandboxes: a subclass with `uses_sandbox = True` gets `self.sandbox`, opened on first use
+  (from the injected `sandbox_factory`, else `k3rl.sandboxes.open_sandbox(backend=...)`) and
+  released when the episode ends, on `reset`, `close`, an exception, or garbage collection.
+* Info of a step: turn, tool_calls (name, arguments, index, ok, error), errors, parse_error,
+  timings (`Timings`: seconds per phase and per tool), context_tokens, truncated_by, task_id.
+
+A subclass implements `generate_task(rng, options)` (an object with an `id`),
+`opening_messages(task)`, `score(final_text)` and `oracle(history)`.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import gymnasium as gym
+
+from k3rl.chat import ChatTemplate, Message, ToolCallParseError
+from k3rl.envs.actions import assistant_text, parse_action
+from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
+from k3rl.envs.timings import Timings
+from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, collect_tools
+from k3rl.types import ToolCall
+
+
+def _sandbox_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(errors the model caused, infrastructure errors) among the sandbox exceptions.
+
+    A bad path, a missing file or drawing code that fails are the model's doing and come back
+    as tool errors; any other SandboxError (the sandbox died, the backend failed) is not, and
+    ends the episode with the exception.
+    """
+    from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError
+
+    return (PathEscapeError, SandboxFileError, RenderError), (SandboxError,)
+
+
+class EpisodeNotActiveError(RuntimeError):
+    """`step` was called before `reset` or after the episode ended."""
+
+
+class NoOracleError(RuntimeError):
+    """The environment has no scripted oracle policy."""
+
+
+class ToolEnv(gym.Env, abc.ABC):
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+
+    default_max_turns: int = 8
+    uses_sandbox: bool = False
+    system_prompt: str | None = None
+
+    def __init__(self, *, max_turns: int | None = None, time_budget_s: float = 600.0,
+                 max_context_tokens: int | None = None, template: ChatTemplate | None = None,
+                 thinking: bool = False, tools: Sequence[Tool | Callable[..., Any]] = (),
+                 sandbox_factory: Callable[[], Any] | None = None,
+                 sandbox_release: Callable[[Any], None] | None = None,
+                 sandbox_backend: str = "auto", sandbox_limits: dict[str, Any] | None = None,
+                 max_tool_output_chars: int = 4000, render_mode: str | None = None) -> None:
+        max_turns = self.default_max_turns if max_turns is None else max_turns
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
+        if time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be a positive int or None, got {max_context_tokens}")
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
+        self.max_turns = max_turns
+        self.time_budget_s = float(time_budget_s)
+        self.max_context_tokens = max_context_tokens
+        self.template = template or ChatTemplate(thinking=thinking)
+        self.max_tool_output_chars = max_tool_output_chars
+        self.render_mode = render_mode
+        self.sandbox_backend = sandbox_backend
+        self.sandbox_limits = dict(sandbox_limits or {})
+        self._sandbox_factory = sandbox_factory
+        self._sandbox_release = sandbox_release
+        self._sandbox: Any = None
+
+        declared = collect_tools(self) + [t if isinstance(t, Tool) else Tool(t, is_method=False) for t in tools]
+        self._tools: dict[str, Tool] = {}
+        for t in declared:
+            if t.name in self._tools:
+                raise ValueError(f"two tools are named {t.name!r}; tool names must be unique")
+            self._tools[t.name] = t
+        self._tool_schemas = [t.schema() for t in self._tools.values()]
+
+        self.observation_space = ChatMessages()
+        self.action_space = AssistantAction()
+
+        self.task: Any = None
+        self.history: list[Message] = []
+        self._turn = 0
+        self._active = False
+        self._t0 = 0.0
+        self._session = None
+
+    # -- to implement --------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate_task(self, rng, options: dict[str, Any]) -> Any:
+        """A task drawn from `rng` (deterministic given the seed); must have an `id` attribute."""
+
+    @abc.abstractmethod
+    def opening_messages(self, task: Any) -> list[Message]:
+        """The messages that open an episode on `task` (the user's request, images...)."""
+
+    @abc.abstractmethod
+    def score(self, final_text: str) -> float:
+        """Terminal reward of the final answer (an assistant message without tool calls)."""
+
+    def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
+        """A scripted policy: the next assistant message (as action text) given the conversation."""
+        raise NoOracleError(f"{type(self).__name__} defines no scripted oracle; override ToolEnv.oracle(history)")
+
+    def setup_sandbox(self, sandbox: Any) -> None:
+        """Prepare a freshly acquired sandbox for the current task (write files...)."""
+
+    # -- public helpers --------------------------------------------------------------------
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """JSON declarations of the tools, for `ChatTemplate.render(..., tools=env.tools)`."""
+        return copy.deepcopy(self._tool_schemas)
+
+    @property
+    def tool_names(self) -> list[str]:
+        return list(self._tools)
+
+    @property
+    def turn(self) -> int:
+        return self._turn
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self._session.rendered) if self._session is not None else 0
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._t0 if self._active else 0.0
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.time_budget_s - self.elapsed_s())
+
+    def say(self, content: str = "", tool_calls: Sequence[ToolCall | dict] = (), thinking: str | None = None) -> str:
+        """The action text of an assistant message with this content and these calls (for oracles)."""
+        if self.template.thinking and thinking is None:
+            thinking = ""
+        return assistant_text(self.template, content, tool_calls, thinking)
+
+    # -- sandbox -----------------------------------------------------------------------------
+    @property
+    def sandbox(self) -> Any:
+        """This episode's sandbox, acquired on first use and released when the episode ends."""
+        if not self.uses_sandbox:
+            raise AttributeError(f"{type(self).__name__} does not use a sandbox (uses_sandbox = False)")
+        if self._sandbox is None:
+            if self._sandbox_factory is not None:
+                sb = self._sandbox_factory()
+            else:
+                from k3rl.sandboxes import open_sandbox
+
+                sb = open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
+            self._sandbox = sb
+            try:
+                self.setup_sandbox(sb)
+            except BaseException:
+                self._release_sandbox()
+                raise
+        return self._sandbox
+
+    @property
+    def has_sandbox(self) -> bool:
+        return self._sandbox is not None
+
+    def _release_sandbox(self) -> None:
+        sb, self._sandbox = self._sandbox, None
+        if sb is None:
+            return
+        if self._sandbox_release is not None:
+            self._sandbox_release(sb)
+        else:
+            sb.close()
+
+    # -- Gymnasium API -----------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        self._end_episode()
+        self.task = self.generate_task(self.np_random, dict(options or {}))
+        opening = list(self.opening_messages(self.task))
+        if self.system_prompt:
+            opening.insert(0, Message(role="system", content=self.system_prompt))
+        self.history = list(opening)
+        self._turn = 0
+        self._t0 = time.monotonic()
+        self._active = True
+        self._session = self.template.session(tools=self.tools)
+        for m in opening:
+            self._session.add(m)
+        self._session.add_generation_prompt()
+        info = {"task_id": str(self.task.id), "tools": self.tools, "max_turns": self.max_turns,
+                "context_tokens": self.context_tokens}
+        return [message_dict(m) for m in opening], info
+
+    def step(self, action: Any):
+        if not self._active:
+            raise EpisodeNotActiveError(
+                "step() needs an active episode: call reset() first (and again after terminated/truncated)"
+            )
+        t_step = time.perf_counter()
+        self._turn += 1
+        timings = Timings()
+        info: dict[str, Any] = {"turn": self._turn, "task_id": str(self.task.id), "tool_calls": [], "errors": [],
+                                "parse_error": None, "timings": timings, "truncated_by": None}
+        reward, terminated, truncated = 0.0, False, False
+        new: list[Message] = []
+        try:
+            t = time.perf_counter()
+            try:
+                ids, parsed = parse_action(self.template, action)
+            except ToolCallParseError as e:
+                ids, parsed = getattr(e, "ids", []), None
+                info["parse_error"] = str(e)
+                info["errors"].append(str(e))
+            timings["parse"] = time.perf_counter() - t
+            self._session.add_generated(ids)
+            if parsed is None:
+                self.history.append(Message(role="assistant", content=self.template.tok.decode(ids)))
+                new.append(Message(role="user", content=(
+                    f"Error: your message could not be parsed ({info['parse_error']}). "
+                    "Write the response, then optionally a tools channel with calls, then close the message.")))
+            else:
+                calls = [c.model_copy(update={"index": i, "id": f"t{self._turn}c{i}"})
+                         for i, c in enumerate(parsed.tool_calls, start=1)]
+                self.history.append(Message(role="assistant", content=parsed.content, thinking=parsed.thinking,
+                                            tool_calls=calls))
+                if not calls:
+                    t = time.perf_counter()
+                    reward, terminated = float(self.score(parsed.content)), True
+                    timings["score"] = time.perf_counter() - t
+                for call in calls:
+                    msg, result = self._run_tool(call, timings, info)
+                    new.append(msg)
+                    if result.done:
+                        reward, terminated = float(result.reward), True
+                        break
+            self.history.extend(new)
+            for m in new:
+                self._session.add(m)
+            if not terminated:
+                self._session.add_generation_prompt()
+                if self._turn >= self.max_turns:
+                    truncated, info["truncated_by"] = True, "max_turns"
+                elif self.elapsed_s() > self.time_budget_s:
+                    truncated, info["truncated_by"] = True, "time_budget"
+                elif self.max_context_tokens is not None and self.context_tokens > self.max_context_tokens:
+                    truncated, info["truncated_by"] = True, "context"
+            info["context_tokens"] = self.context_tokens
+            if terminated or truncated:
+                self._end_episode()
+        except BaseException:
+            self._end_episode()
+            raise
+        timings["step"] = time.perf_counter() - t_step
+        return [message_dict(m) for m in new], reward, terminated, truncated, info
+
+    def _run_tool(self, call: ToolCall, timings: Timings, info: dict[str, Any]) -> tuple[Message, ToolResult]:
+        t = time.perf_counter()
+        model_errors, infra_errors = _sandbox_errors()
+        tool = self._tools.get(call.name)
+        record: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments), "index": call.index,
+                                  "id": call.id, "ok": True, "error": None}
+        if tool is None:
+            result = ToolResult(f"Error: unknown tool {call.name!r}. Available tools: {', '.join(self._tools)}.",
+                                error=True)
+        else:
+            try:
+                kwargs = tool.validate(call.arguments)
+                result = ToolResult.coerce(tool.fn(**kwargs))
+            except (ToolArgumentError, ToolError) as e:
+                result = ToolResult(f"Error: {e}", error=True)
+            except model_errors as e:
+                result = ToolResult(f"Error: {call.name} failed: {e}", error=True)
+            except infra_errors:
+                raise
+            except Exception as e:  # the tool failed on the model's input: tell the model
+                result = ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", error=True)
+        text = result.text
+        if len(text) > self.max_tool_output_chars:
+            cut = self.max_tool_output_chars
+            text = text[:cut] + f"\n[output truncated: {cut} of {len(result.text)} characters shown]"
+        if result.error:
+            record["ok"], record["error"] = False, result.text
+            info["errors"].append(result.text)
+        info["tool_calls"].append(record)
+        timings[f"tool:{call.index}:{call.name}"] = time.perf_counter() - t
+        msg = Message(role="tool", content=text, images=result.images, tool_name=call.name, tool_index=call.index)
+        return msg, result
+
+    def _end_episode(self) -> None:
+        self._active = False
+        self._release_sandbox()
+
+    def render(self) -> str | None:
+        if self.render_mode == "ansi":
+            return self.transcript()
+        return None
+
+    def transcript(self, history: Sequence[Message | dict] | None = None) -> str:
+        """Readable text of the conversation (images shown as [image WxH])."""
+        from k3rl.images import png_size
+
+        lines = []
+        for m in self._messages(history):
+            head = m.role if m.role != "tool" else f"tool {m.tool_name}#{m.tool_index}"
+            body = "".join(f"[image {png_size(p)[0]}x{png_size(p)[1]}] " for p in m.images) + m.content
+            for c in m.tool_calls:
+                body += f"\n  -> {c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})"
+            lines.append(f"[{head}] {body}")
+        return "\n".join(lines)
+
+    def _messages(self, history: Sequence[Message | dict] | None) -> list[Message]:
+        if history is None:
+            return list(self.history)
+        return [m if isinstance(m, Message) else Message.model_validate(m) for m in history]
+
+    def close(self) -> None:
+        self._end_episode()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_sandbox", None) is not None:
+                self._release_sandbox()
+        except Exception:
+            pass

@@ -1,0 +1,30 @@
+"""The built-in environments, registered under the Gymnasium namespace `k3rl`.
+
+`register_all()` is idempotent; it is also the `builtin` entry point of the group `k3rl.envs`.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+
+BUILTIN_ENVS: dict[str, str] = {
+    "k3rl/KeyLookup-v0": "k3rl.envs.key_lookup:KeyLookupEnv",
+    "k3rl/PythonTool-v0": "k3rl.envs.python_tool:PythonToolEnv",
+    "k3rl/CodeFix-v0": "k3rl.envs.code_fix:CodeFixEnv",
+    "k3rl/ChartMatch-v0": "k3rl.envs.chart_match:ChartMatchEnv",
+}
+
+DESCRIPTIONS: dict[str, str] = {
+    "k3rl/KeyLookup-v0": "look a key up with a tool, answer its value (tiny, CPU-learnable, no sandbox)",
+    "k3rl/PythonTool-v0": "arithmetic and word problems with a sandboxed Python interpreter",
+    "k3rl/CodeFix-v0": "fix a bug in a small repository until the hidden tests pass (sandbox)",
+    "k3rl/ChartMatch-v0": "reproduce a target chart image with matplotlib/SVG; vision in the loop (sandbox)",
+}
+
+
+def register_all() -> list[str]:
+    """Register every built-in environment that is not registered yet; returns the ids."""
+    for env_id, entry_point in BUILTIN_ENVS.items():
+        if env_id not in gym.registry:
+            gym.register(id=env_id, entry_point=entry_point, nondeterministic=False)
+    return list(BUILTIN_ENVS)

@@ -1,0 +1,124 @@
+"""`k3rl envs list` and `k3rl envs check ID`."""
+
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from typing import Any
+
+import gymnasium as gym
+from rich.console import Console
+from rich.table import Table
+
+import k3rl.envs  # noqa: F401  (registers the built-ins and the entry points)
+from k3rl.envs.base import ToolEnv
+from k3rl.envs.builtin import DESCRIPTIONS
+from k3rl.envs.episode import run_oracle_episode
+
+
+def _env_class(env_id: str) -> Any:
+    from gymnasium.envs.registration import load_env_creator
+
+    entry = gym.registry[env_id].entry_point
+    return load_env_creator(entry) if isinstance(entry, str) else entry
+
+
+def tool_env_ids() -> list[str]:
+    """Registered ids whose entry point is a ToolEnv subclass (k3rl/* first)."""
+    ids = []
+    for env_id in sorted(gym.registry):
+        spec = gym.registry[env_id]
+        if spec.namespace == "k3rl":
+            ids.append(env_id)
+            continue
+        try:
+            cls = _env_class(env_id)
+        except Exception:
+            continue
+        if isinstance(cls, type) and issubclass(cls, ToolEnv):
+            ids.append(env_id)
+    return sorted(ids, key=lambda i: (not i.startswith("k3rl/"), i))
+
+
+def list_envs(console: Console | None = None) -> list[str]:
+    console = console or Console()
+    table = Table(title="k3rl tool environments")
+    table.add_column("id", no_wrap=True, style="bold")
+    for column in ("sandbox", "max turns", "tools", "description"):
+        table.add_column(column)
+    ids = tool_env_ids()
+    for env_id in ids:
+        try:
+            cls = _env_class(env_id)
+            env = gym.make(env_id).unwrapped
+            tools = ", ".join(env.tool_names)
+            env.close()
+            description = DESCRIPTIONS.get(env_id) or (cls.__doc__ or "").strip().split("\n")[0]
+            table.add_row(env_id, "yes" if cls.uses_sandbox else "no", str(cls.default_max_turns), tools, description)
+        except Exception as e:  # a broken plugin shows up as broken, the list still prints
+            table.add_row(env_id, "?", "?", "?", f"[red]cannot be made: {type(e).__name__}: {e}[/]")
+    console.print(table)
+    return ids
+
+
+def _role_style(role: str) -> str:
+    return {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}.get(role, "white")
+
+
+def check_env_command(env_id: str, seed: int = 0, console: Console | None = None) -> int:
+    """Gymnasium's env checker, then one oracle episode with its transcript. Exit code 0 when both pass."""
+    from gymnasium.utils.env_checker import check_env
+
+    console = console or Console()
+    if env_id not in gym.registry:
+        known = ", ".join(tool_env_ids())
+        console.print(f"[bold red]error:[/] no environment {env_id!r} is registered; known: {known}")
+        return 2
+    ok = True
+    env = gym.make(env_id)
+    try:
+        t = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_env(env.unwrapped, skip_render_check=False)
+        console.print(f"[bold green]env checker passed[/] ({time.perf_counter() - t:.1f}s)")
+        for w in caught:
+            console.print(f"  [yellow]warning:[/] {w.message}")
+    except Exception as e:
+        ok = False
+        console.print(f"[bold red]env checker failed:[/] {type(e).__name__}: {e}")
+    finally:
+        env.close()
+
+    env = gym.make(env_id)
+    try:
+        episode = run_oracle_episode(env, seed=seed)
+    except Exception:
+        console.print("[bold red]oracle episode failed:[/]")
+        console.print(traceback.format_exc())
+        return 1
+    finally:
+        env.close()
+    console.rule(f"oracle episode of {env_id}, seed {seed}")
+    for m in episode.messages:
+        head = m.role if m.role != "tool" else f"tool {m.tool_name}#{m.tool_index}"
+        console.print(f"[bold {_role_style(m.role)}]{head}[/]", highlight=False)
+        for png in m.images:
+            from k3rl.images import png_size
+
+            w, h = png_size(png)
+            console.print(f"  [dim][image {w}x{h}, {len(png)} bytes][/]")
+        if m.content:
+            console.print("  " + m.content.replace("\n", "\n  "), markup=False, highlight=False)
+        for c in m.tool_calls:
+            console.print(f"  [bold]-> {c.name}[/]({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})",
+                          highlight=False)
+    console.rule()
+    status = "terminated" if episode.terminated else f"truncated ({episode.truncated_by})"
+    console.print(f"reward {episode.reward:.4f}, {episode.turns} turns, {status}, "
+                  f"{episode.context_tokens} context tokens, {episode.seconds:.1f}s")
+    if episode.reward < 1.0 - 1e-6:
+        console.print("[bold red]the oracle did not reach full reward[/]")
+        ok = False
+    return 0 if ok else 1

@@ -1,0 +1,143 @@
+"""`k3rl/CodeFix-v0`: a small repository with a bug and failing tests, inside a sandbox.
+
+Tools: `bash`, `read_file`, `write_file`, `str_replace`, `run_tests` (the visible tests).
+The episode ends when the assistant replies without a tool call; then hidden tests (the
+same contract, more cases) are written into the sandbox and run. Reward 1 when they all
+pass, else 0.
+
+Grading runs `python3 -I -m pytest --noconftest -c <hidden>/pytest.ini <hidden>` so files the
+agent planted in the work dir (conftest.py, pytest.ini, sitecustomize.py) cannot change how
+the hidden tests run; the module under test is imported from /work.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from k3rl.chat import Message
+from k3rl.envs.base import ToolEnv
+from k3rl.envs.code_fix_tasks import BUGS, CodeFixTask
+from k3rl.envs.sandboxed import format_exec, read_text, write_text
+from k3rl.envs.tools import ToolError, tool
+
+PYTEST = "python3 -m pytest -q -p no:cacheprovider"
+
+
+class CodeFixEnv(ToolEnv):
+    """Fix the bug so the tests pass. Reward 1 when the hidden tests pass after the final answer."""
+
+    default_max_turns = 12
+    uses_sandbox = True
+    system_prompt = ("You are in a repository at /work whose tests fail. Use the tools to find and fix the bug. "
+                     "When you are done, reply without a tool call.")
+
+    def __init__(self, bugs: Sequence[str] | None = None, exec_timeout_s: float = 30.0, **kwargs: Any) -> None:
+        names = list(bugs or BUGS)
+        unknown = [b for b in names if b not in BUGS]
+        if unknown or not names:
+            raise ValueError(f"unknown bugs {unknown}; choose from {sorted(BUGS)}")
+        self.bugs = names
+        self.exec_timeout_s = exec_timeout_s
+        self.last_hidden_output = ""
+        super().__init__(**kwargs)
+
+    def generate_task(self, rng, options: dict[str, Any]) -> CodeFixTask:
+        name = options.get("bug") or self.bugs[int(rng.integers(len(self.bugs)))]
+        if name not in BUGS:
+            raise ValueError(f"options['bug']={name!r} is not one of {sorted(BUGS)}")
+        return BUGS[name](rng)
+
+    def opening_messages(self, task: CodeFixTask) -> list[Message]:
+        listing = "\n".join(sorted(task.files))
+        return [Message(role="user", content=f"The tests of this repository fail. Files:\n{listing}\n"
+                                             "Fix the bug so that `python3 -m pytest -q tests` passes.")]
+
+    def setup_sandbox(self, sandbox: Any) -> None:
+        for path, content in self.task.files.items():
+            sandbox.write_file(path, content)
+
+    def _timeout(self) -> float:
+        return max(1.0, min(self.exec_timeout_s, self.remaining_s()))
+
+    # -- tools -------------------------------------------------------------------------------
+    @tool
+    def bash(self, command: str) -> str:
+        """Run a shell command in the repository (cwd /work); returns stdout, stderr and the exit code.
+
+        Args:
+            command: the command line, e.g. "ls -la" or "grep -n def *.py".
+        """
+        timeout = self._timeout()
+        return format_exec(self.sandbox.exec(command, timeout=timeout), timeout)
+
+    @tool
+    def read_file(self, path: str) -> str:
+        """Return the content of a file of the repository.
+
+        Args:
+            path: path relative to /work, e.g. "stats.py".
+        """
+        return read_text(self.sandbox, path)
+
+    @tool
+    def write_file(self, path: str, content: str) -> str:
+        """Create or overwrite a file of the repository.
+
+        Args:
+            path: path relative to /work.
+            content: the complete new content.
+        """
+        write_text(self.sandbox, path, content)
+        return f"wrote {len(content.encode())} bytes to {path}"
+
+    @tool
+    def str_replace(self, path: str, old: str, new: str) -> str:
+        """Replace the one occurrence of `old` in a file by `new`.
+
+        Args:
+            path: path relative to /work.
+            old: the exact text to replace; it must occur exactly once.
+            new: the replacement text.
+        """
+        text = read_text(self.sandbox, path)
+        count = text.count(old) if old else 0
+        if count != 1:
+            raise ToolError(f"`old` occurs {count} times in {path}; it must occur exactly once "
+                            "(copy it exactly, with enough surrounding lines to be unique)")
+        write_text(self.sandbox, path, text.replace(old, new, 1))
+        return f"replaced 1 occurrence in {path}"
+
+    @tool
+    def run_tests(self) -> str:
+        """Run the repository's tests (python3 -m pytest -q tests) and return the report."""
+        timeout = self._timeout()
+        return format_exec(self.sandbox.exec(f"{PYTEST} tests", timeout=timeout), timeout)
+
+    # -- reward ------------------------------------------------------------------------------
+    def score(self, final_text: str) -> float:
+        hidden = f".k3rl-hidden-{uuid.uuid4().hex[:8]}"
+        self.sandbox.write_file(f"{hidden}/test_hidden.py", self.task.hidden_tests)
+        self.sandbox.write_file(f"{hidden}/pytest.ini", "[pytest]\n")
+        result = self.sandbox.exec(
+            f"python3 -I -m pytest -q -p no:cacheprovider --noconftest -c {hidden}/pytest.ini {hidden}",
+            timeout=max(5.0, self.exec_timeout_s),
+        )
+        self.last_hidden_output = format_exec(result, self.exec_timeout_s)
+        return 1.0 if result.ok else 0.0
+
+    def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
+        """read_file -> str_replace (the known fix) -> run_tests -> final answer."""
+        messages = self._messages(history)
+        last = messages[-1] if messages else None
+        module = self.task.module
+        old, new = self.task.fix
+        if last is None or last.role != "tool":
+            return self.say(f"Let me look at {module}.", [{"name": "read_file", "arguments": {"path": module}}])
+        if last.tool_name == "read_file":
+            return self.say("Found the bug; fixing it.",
+                            [{"name": "str_replace", "arguments": {"path": module, "old": old, "new": new}}])
+        if last.tool_name == "str_replace":
+            return self.say("Running the tests.", [{"name": "run_tests", "arguments": {}}])
+        return self.say(f"Fixed the bug in {module}; the tests pass.")

@@ -1,0 +1,93 @@
+"""`k3rl/KeyLookup-v0`: the smallest multi-turn tool task — look a key up, then say its value.
+
+    user:      keys a7 b2 q9; lookup b2
+    assistant: (call) lookup(key="b2")
+    tool:      417
+    assistant: 417                       -> reward 1 (exact value), episode ends
+
+Built so a few-million-parameter model with the byte tokenizer learns it on a CPU in
+minutes: every string is short, the first turn is a copy of the requested key from the
+prompt (learnable from the prompt alone), the second a copy of the tool's answer. Difficulty
+is the number of keys (`num_keys`: distractors the model must not copy). Pure Python, no
+sandbox.
+
+Token budget with the byte tokenizer and the K3 template (measured in
+tests/envs/test_key_lookup.py): an oracle episode is ~320 tokens without the tool
+declaration, and the declaration alone adds ~230. So by default the tool is *not* declared
+(`declare_tools=False`): the prompt names it ("lookup b2") and the SFT warm start teaches the
+call format. `declare_tools=True` puts the usual JSON declaration in the prompt.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from k3rl.chat import Message
+from k3rl.envs.base import ToolEnv
+from k3rl.envs.tools import ToolError, tool
+
+
+@dataclass(frozen=True)
+class KeyLookupTask:
+    keys: tuple[str, ...]
+    values: tuple[str, ...]
+    key: str
+
+    @property
+    def id(self) -> str:
+        return f"{' '.join(self.keys)}|{self.key}"
+
+    @property
+    def value(self) -> str:
+        return self.values[self.keys.index(self.key)]
+
+
+class KeyLookupEnv(ToolEnv):
+    """Find the value of a key with the `lookup` tool and answer with it. Reward 1 for the exact value."""
+
+    default_max_turns = 4
+
+    def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False, **kwargs: Any) -> None:
+        if not 1 <= num_keys <= 26:
+            raise ValueError(f"num_keys must be in 1..26 (one letter each), got {num_keys}")
+        if not 1 <= value_digits <= 9:
+            raise ValueError(f"value_digits must be in 1..9, got {value_digits}")
+        self.num_keys = num_keys
+        self.value_digits = value_digits
+        self.declare_tools = declare_tools
+        super().__init__(**kwargs)
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return super().tools if self.declare_tools else []
+
+    def generate_task(self, rng, options: dict[str, Any]) -> KeyLookupTask:
+        letters = rng.choice(list(string.ascii_lowercase), size=self.num_keys, replace=False)
+        keys = tuple(f"{c}{int(rng.integers(10))}" for c in letters)
+        lo = 10 ** (self.value_digits - 1) if self.value_digits > 1 else 0
+        values = tuple(str(int(rng.integers(lo, 10 ** self.value_digits))) for _ in keys)
+        return KeyLookupTask(keys, values, keys[int(rng.integers(len(keys)))])
+
+    def opening_messages(self, task: KeyLookupTask) -> list[Message]:
+        return [Message(role="user", content=f"keys {' '.join(task.keys)}; lookup {task.key}")]
+
+    @tool
+    def lookup(self, key: str) -> str:
+        """Value of a key."""
+        if key not in self.task.keys:
+            raise ToolError(f"no key {key!r}; keys: {' '.join(self.task.keys)}")
+        return self.task.values[self.task.keys.index(key)]
+
+    def score(self, final_text: str) -> float:
+        return 1.0 if final_text.strip() == self.task.value else 0.0
+
+    def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
+        """Call lookup on the requested key; once the value came back, answer with it."""
+        messages = self._messages(history)
+        last = messages[-1] if messages else None
+        if last is not None and last.role == "tool" and last.tool_name == "lookup" and not last.content.startswith("Error"):
+            return self.say(last.content)
+        return self.say(tool_calls=[{"name": "lookup", "arguments": {"key": self.task.key}}])
