@@ -1,0 +1,201 @@
+"""`k3rl replay`: episodes recorded by the real agent loop into a real store, shown, written as
+HTML, and re-executed in fresh environments (a Gymnasium env with images defined here, and the
+built-in k3rl/KeyLookup-v0)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+from types import SimpleNamespace
+
+import gymnasium
+import pytest
+from PIL import Image
+from rich.console import Console
+from typer.testing import CliRunner
+
+from k3rl.chat import CLOSE, OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseError
+from k3rl.config import JobConfig
+from k3rl.images import to_png
+from k3rl.replay import re_execute_episode, replay_command
+from k3rl.rollout.agent import EpisodeSpec, run_episode
+from k3rl.store import TrajectoryStore
+from k3rl.types import SamplingParams, ToolCall
+
+TEMPLATE = ChatTemplate()
+ADDER = "k3rltest/Adder-v0"
+
+
+def bar(n: int) -> bytes:
+    """An image of the number n: a (n+1) x 3 strip, brighter for larger n."""
+    return to_png(Image.new("RGB", (n + 1, 3), (min(255, 10 * n), 80, 160)))
+
+
+class AdderEnv(gymnasium.Env):
+    """Add two numbers with the `add` tool, then answer. Observations carry images.
+    `offset` changes what the tool returns (a changed environment, for divergence)."""
+
+    # messages in, messages out; the spaces only describe them loosely (as text)
+    action_space = gymnasium.spaces.Text(4096)
+    observation_space = gymnasium.spaces.Text(4096)
+
+    def __init__(self, offset: int = 0, max_turns: int = 4) -> None:
+        self.offset, self.max_turns = offset, max_turns
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.a, self.b = (int(x) for x in self.np_random.integers(0, 20, size=2))
+        self.turn = 0
+        return [{"role": "user", "content": f"add {self.a} and {self.b}", "images": [bar(self.a)]}], {"task_id": f"{self.a}+{self.b}"}
+
+    def step(self, action):
+        self.turn += 1
+        if isinstance(action, list):  # exact sampled ids (the agent loop's token path)
+            try:
+                action = TEMPLATE.parse_assistant(action)
+            except ToolCallParseError as e:
+                action = e
+        if isinstance(action, ToolCallParseError):
+            msgs = [{"role": "user", "content": f"Error: could not parse ({action})"}]
+            return msgs, 0.0, False, self.turn >= self.max_turns, {}
+        assert isinstance(action, ParsedAssistant)
+        if not action.tool_calls:
+            reward = 1.0 if action.content.strip() == str(self.a + self.b) else 0.0
+            return [], reward, True, False, {}
+        msgs = []
+        for i, call in enumerate(action.tool_calls, start=1):
+            value = call.arguments["a"] + call.arguments["b"] + self.offset
+            msgs.append({"role": "tool", "content": str(value), "images": [bar(value)], "tool_name": "add", "tool_index": i})
+        return msgs, 0.0, False, self.turn >= self.max_turns, {}
+
+
+gymnasium.register(id=ADDER, entry_point=AdderEnv)
+
+
+def adder_oracle(env: AdderEnv):
+    """A scripted policy: one malformed message, then the tool call, then the answer."""
+    script = iter([
+        [TEMPLATE.tok.special(OPEN)] + TEMPLATE.tok.encode("bogus") + [TEMPLATE.tok.special(SEP)] + TEMPLATE.end_of_message,
+        lambda: TEMPLATE.assistant_body("", [ToolCall(name="add", arguments={"a": env.a, "b": env.b})], None),
+        lambda: TEMPLATE.assistant_body(str(env.a + env.b), [], None),
+    ])
+    return lambda: (lambda x: x() if callable(x) else x)(next(script))
+
+
+def keylookup_oracle(env):
+    from k3rl.envs import action_to_ids
+
+    return lambda: action_to_ids(TEMPLATE, env.oracle())
+
+
+def record(env_id: str, seed: int, episode_id: str, step: int, oracle, **env_kwargs):
+    """One episode through the real agent loop, with a scripted policy in place of the model."""
+    env = gymnasium.make(env_id, **env_kwargs).unwrapped
+    policy = oracle(env)
+    version = step
+
+    async def generate(token_ids, sampling, images=None, key=None):
+        ids = policy()
+        return SimpleNamespace(token_ids=ids, logprobs=[-0.25] * len(ids), versions=[version] * len(ids),
+                               finish_reason="stop")
+
+    spec = EpisodeSpec(id=episode_id, env_id=env_id, seed=seed, group_id=f"g{seed}", env_kwargs=env_kwargs)
+    traj = asyncio.run(run_episode(env, spec, generate, TEMPLATE, SamplingParams(), max_turns=4, max_context_tokens=8192))
+    assert traj.error is None, traj.error
+    traj.metadata.update(step=step, policy_version=version)
+    return traj
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    run = tmp_path / "runs" / "demo"
+    cfg = JobConfig.from_dict({"name": "demo", "envs": {"train": [{"id": ADDER, "kwargs": {"offset": 0}}], "max_turns": 4}})
+    cfg.save(run / "config.yaml")
+    with TrajectoryStore(run) as store:
+        for i in range(3):
+            store.append(record(ADDER, seed=i, episode_id=f"adder{i:02d}", step=i // 2, oracle=adder_oracle, offset=0))
+    return run
+
+
+def console() -> Console:
+    return Console(record=True, width=400, color_system=None)
+
+
+def test_show_episode_and_html(run_dir, tmp_path):
+    c = console()
+    out = tmp_path / "page" / "ep.html"
+    assert replay_command(str(run_dir), episode="adder01", html=out, console=c) == 0
+    text = c.export_text()
+    traj = TrajectoryStore(run_dir, readonly=True).read(episode="adder01")[0]
+    assert [t.role for t in traj.turns] == ["user", "assistant", "user", "assistant", "tool", "assistant"]
+    assert traj.reward == 1.0 and traj.terminated
+    a, b = (int(x) for x in traj.task_id.split("+"))
+    assert f"add {a} and {b}" in text
+    assert f"-> call 1 add(" in text and f'{{"a": {a}, "b": {b}}}' in text
+    assert "Error: could not parse" in text and "malformed assistant message" in text  # the turn's parse error
+    # images: their size and where the PNG lies
+    first_png = run_dir / "images" / "adder01" / "0_0.png"
+    assert f"[image 0: {a + 1}x3 PNG" in text and str(first_png) in text.replace("\n", "")
+    assert "policy v0" in text and "reward 1" in text
+    page = out.read_text()
+    imgs = [base64.b64decode(s) for s in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", page)]
+    assert imgs == traj.images == [bar(a), bar(a + b)]
+    assert "Error: could not parse" in page and "malformed" in page
+
+
+def test_selection_and_bad_input(run_dir, tmp_path):
+    c = console()
+    assert replay_command(str(run_dir), step=0, console=c) == 0  # two episodes: listed, the first shown
+    text = c.export_text()
+    assert "2 matching episodes" in text and "adder00" in text and "adder01" in text and "showing the first" in text
+    c = console()
+    assert replay_command(str(run_dir), episode="adder", console=c) == 2
+    assert "3 episodes start with 'adder': give more of the id" in c.export_text()
+    c = console()
+    assert replay_command(str(run_dir), episode="zzz", console=c) == 2
+    text = c.export_text()
+    assert "no episode with id starting with 'zzz'" in text and "steps 0-1" in text
+    c = console()
+    assert replay_command(str(tmp_path / "nope"), console=c) == 2
+    assert "is not a run directory with trajectories/" in c.export_text()
+
+
+def test_re_execute_identical_then_divergent(run_dir):
+    c = console()
+    assert replay_command(str(run_dir), episode="adder02", re_execute=True, console=c) == 0
+    assert "identical: 3 steps re-executed" in c.export_text()
+    # the environment changed since the run: the tool now answers a+b+1
+    cfg = JobConfig.load(run_dir / "config.yaml", ["envs.train.0.kwargs.offset=1"])
+    cfg.save(run_dir / "config.yaml")
+    c = console()
+    assert replay_command(str(run_dir), episode="adder02", re_execute=True, console=c) == 1
+    text = c.export_text()
+    assert "divergences in 3 re-executed steps" in text
+    assert "text differs" in text and "images differ" in text
+    traj = TrajectoryStore(run_dir, readonly=True).read(episode="adder02")[0]
+    result = re_execute_episode(traj, {"offset": 1})
+    a, b = (int(x) for x in traj.task_id.split("+"))
+    # exactly the tool turn diverges (text and image); the answer was recorded, so the reward still matches
+    assert [(d.turn, d.what, d.recorded, d.replayed) for d in result.divergences][0] == (
+        4, "message 0: text differs", str(a + b), str(a + b + 1))
+    assert [d.what for d in result.divergences] == ["message 0: text differs", "message 0: images differ"]
+    # a recording the env can no longer reproduce at all: wrong seed -> the prompt differs at reset
+    traj.seed = traj.seed + 100
+    moved = re_execute_episode(traj, {"offset": 0})
+    assert (moved.divergences[0].turn, moved.divergences[0].what) == (0, "message 0: text differs")
+
+
+def test_cli_and_builtin_env(tmp_path):
+    """The real k3rl replay command on an episode of the built-in KeyLookup env (no sandbox)."""
+    pytest.importorskip("k3rl.envs")
+    from k3rl.cli import app
+
+    run = tmp_path / "kl"
+    with TrajectoryStore(run) as store:
+        store.append(record("k3rl/KeyLookup-v0", seed=11, episode_id="kl-ep", step=0, oracle=keylookup_oracle))
+    result = CliRunner().invoke(app, ["replay", str(run), "--re-execute"])
+    assert result.exit_code == 0, result.output
+    assert "identical: 2 steps re-executed" in result.output and "lookup" in result.output
+    result = CliRunner().invoke(app, ["replay", str(run), "--episode", "missing"])
+    assert result.exit_code == 2 and "no episode with id starting with 'missing'" in result.output
