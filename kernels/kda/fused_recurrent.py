@@ -6,10 +6,12 @@ loop (``naive.py``) elsewhere.
 
 from __future__ import annotations
 
+import torch
+
 from .._backend import resolve_backend
 from .naive import naive_recurrent_kda
 
-HAS_TRITON_RECURRENT = False
+HAS_TRITON_RECURRENT = True
 
 
 def fused_recurrent_kda(
@@ -34,8 +36,14 @@ def fused_recurrent_kda(
     Same layouts, arguments and returns as ``chunk_kda`` (without ``chunk_size``):
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V] fp32.
     Returns ``(o [B, T, H, V] in v's dtype, final_state fp32 or None)``.
+    The Triton kernel is inference-only; with gradients required "auto" uses the PyTorch loop.
     """
     path = resolve_backend(backend, "fused_recurrent_kda", q, k, v, g, beta, has_triton=HAS_TRITON_RECURRENT)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    )
+    if path == "triton" and backend == "auto" and needs_grad:
+        path = "torch"  # the Triton kernel is inference-only (decode)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     kwargs = dict(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
