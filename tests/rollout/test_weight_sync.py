@@ -1,0 +1,200 @@
+"""Versioned weight updates: the atomic switch inside the engine, and the transports."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.learner.model.state_dict_adapter import to_hf
+from k3rl.rollout.engine import EmbeddedEngine
+from k3rl.rollout.weight_sync import CollectiveWeightSync, PackedUpdate, pack_bucket, unpack_bucket
+from k3rl.types import SamplingParams, WeightBucket, WeightUpdate
+
+torch.set_num_threads(1)
+
+
+def _model(seed: int) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
+PROMPT = [(5 * i + 1) % 250 + 1 for i in range(17)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+
+
+def _argmax_continuation(model, ids: list[int], start: int, n: int) -> list[int]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]
+    return [int(logits[start - 1 + i].argmax()) for i in range(n)]
+
+
+def test_update_changes_outputs_exactly_at_the_switch():
+    old = _model(0)
+    eng = EmbeddedEngine(_model(0), background=False)
+    free = eng.generate(PROMPT, GREEDY).token_ids
+    # new lm_head only (a partial update): the caches do not depend on it, so after the switch the
+    # engine must produce exactly what a full forward of the new model gives on the same tokens
+    new = _model(0)
+    with torch.no_grad():
+        new.lm_head.weight.copy_(_model(7).lm_head.weight)
+    fut = eng.submit(PROMPT, GREEDY)
+    for _ in range(4):  # 4 tokens with version 0
+        eng.step()
+    upd = WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": new.lm_head.weight.clone()})])
+    assert eng.update_weights(upd) == 1 and eng.version == 1
+    while not fut.done():
+        eng.step()
+    r = fut.result()
+    assert r.versions == [0] * 4 + [1] * 6
+    assert r.token_ids[:4] == free[:4]
+    full = PROMPT + r.token_ids
+    assert r.token_ids[4:] == _argmax_continuation(new, full, len(PROMPT) + 4, 6)
+    assert r.token_ids[4:] != free[4:]
+    # the old model's log-probs before the switch, the new one's after
+    with torch.no_grad():
+        lp_old = torch.log_softmax(old(torch.tensor([full]))[0].float(), -1)
+        lp_new = torch.log_softmax(new(torch.tensor([full]))[0].float(), -1)
+    P = len(PROMPT)
+    for i, tok in enumerate(r.token_ids):
+        ref = (lp_old if i < 4 else lp_new)[P - 1 + i, tok]
+        assert r.logprobs[i] == pytest.approx(float(ref), rel=1e-4, abs=1e-4)
+
+
+def test_full_update_with_official_names_replaces_the_model():
+    target = _model(3)
+    eng = EmbeddedEngine(_model(0), background=False)
+    before = eng.generate(PROMPT, GREEDY)
+    hf = to_hf(target.state_dict())
+    assert any(".mlp.experts.0.w1.weight" in n for n in hf)  # official per-expert names travel
+    eng.update_weights(WeightUpdate.from_state_dict(5, hf, bucket_bytes=1 << 16))
+    after = eng.generate(PROMPT, GREEDY)
+    assert after.versions == [5] * 10 and after.cached_prompt_tokens == 0  # old-version prefix states dropped
+    assert after.token_ids == EmbeddedEngine(_model(3), background=False).generate(PROMPT, GREEDY).token_ids
+    assert after.token_ids != before.token_ids
+
+
+def test_bad_updates_are_refused_and_leave_the_weights_untouched():
+    eng = EmbeddedEngine(_model(0), background=False)
+    ref = eng.model.lm_head.weight.clone()
+    good = eng.model.lm_head.weight + 1
+    cases = [
+        (WeightUpdate(version=0, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": good})]), "not newer"),
+        (WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": good,
+                                                                           "model.nope.weight": good})]), "names the model does not have"),
+        (WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": good,
+                                                                           "model.norm.weight": torch.ones(3)})]), "shape"),
+        (WeightUpdate(version=1, full=True, buckets=[WeightBucket(tensors={"lm_head.weight": good})]), "marked full"),
+    ]
+    for upd, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            eng.update_weights(upd)
+        assert torch.equal(eng.model.lm_head.weight, ref) and eng.version == 0
+
+
+def test_threaded_engine_switches_between_steps():
+    eng = EmbeddedEngine(_model(0), max_num_seqs=8)
+    try:
+        futures = [eng.submit(PROMPT[: 5 + i], SamplingParams(temperature=0, max_tokens=30)) for i in range(6)]
+        new = _model(9)
+        while eng.stats["decode_tokens"] == 0:  # every request is past its prefill and decoding
+            time.sleep(0.005)
+        eng.update_weights(WeightUpdate.from_state_dict(1, to_hf(new.state_dict())))
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        eng.close()
+    for r in results:  # each token has one version, and a request never goes back in versions
+        assert set(r.versions) <= {0, 1} and r.versions == sorted(r.versions)
+    assert eng.version == 1 and any(r.versions[0] == 0 and r.versions[-1] == 1 for r in results)
+
+
+def test_pack_unpack_round_trip_keeps_dtypes_shapes_and_bits():
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(3, 5), "b.bf16": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5),
+               "d": torch.randn(2, 2, 3).double(), "e.scalar": torch.tensor(2.5)}
+    buf, man = pack_bucket(WeightBucket(tensors=tensors))
+    assert all(s.offset % 16 == 0 for s in man.slots) and buf.numel() == man.nbytes
+    out = unpack_bucket(buf, man).tensors
+    for k, t in tensors.items():
+        assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)
+    upd = WeightUpdate.from_state_dict(4, tensors, bucket_bytes=32)
+    back = PackedUpdate.pack(upd).to_update()
+    assert back.version == 4 and len(back.buckets) == len(upd.buckets)
+    assert all(torch.equal(back.state_dict()[k], t) for k, t in tensors.items())
+    with pytest.raises(ValueError, match="disagree"):
+        unpack_bucket(buf[:-1], man)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _receiver(port: int, backend: str, queue) -> None:
+    sync = CollectiveWeightSync(1, 2, port=port, backend=backend, device="cuda:1" if backend == "nccl" else "cpu")
+    upd = sync.recv()
+    queue.put((upd.version, upd.full, {k: v.cpu() for k, v in upd.state_dict().items()}))
+
+
+def _collective_round_trip(backend: str) -> None:
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(1)
+    state = {"w": torch.randn(64, 33), "v": torch.randn(100).to(torch.bfloat16), "i": torch.arange(9)}
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, backend, queue))
+    proc.start()
+    try:
+        sync = CollectiveWeightSync(0, 2, port=port, backend=backend, device="cuda:0" if backend == "nccl" else "cpu",
+                                    timeout_s=120)
+        sync.send(WeightUpdate.from_state_dict(2, state, bucket_bytes=4096, full=False))
+        version, full, got = queue.get(timeout=120)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert version == 2 and full is False
+    assert all(torch.equal(got[k], t) for k, t in state.items())
+
+
+def test_collective_broadcast_on_gloo():
+    _collective_round_trip("gloo")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL weight broadcast needs 2 CUDA GPUs (one per rank)")
+def test_collective_broadcast_on_nccl():
+    _collective_round_trip("nccl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU shared by two processes")
+def test_cuda_ipc_share_and_open():
+    import torch.multiprocessing as mp
+
+    from k3rl.rollout.weight_sync import share_cuda_ipc
+
+    state = {"w": torch.randn(128, 7, device="cuda"), "b": torch.randn(9, device="cuda").to(torch.bfloat16)}
+    share = share_cuda_ipc(WeightUpdate.from_state_dict(1, state, bucket_bytes=1024))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_open_ipc, args=(share, queue))
+    proc.start()
+    got = queue.get(timeout=120)
+    proc.join(timeout=60)
+    share.release()
+    assert all(torch.equal(got[k], t.cpu()) for k, t in state.items())
+
+
+def _open_ipc(share, queue) -> None:
+    from k3rl.rollout.weight_sync import open_cuda_ipc
+
+    upd = open_cuda_ipc(share)
+    queue.put({k: v.cpu() for k, v in upd.state_dict().items()})
