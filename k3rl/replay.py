@@ -45,10 +45,10 @@ def resolve_run_dir(run: str, runs_dir: str | Path = "runs", tracking_uri: str =
 
     db = sqlite_path(tracking_uri)
     if db is None or db.exists():
-        from k3rl.tracking import _client
+        from k3rl.tracking import mlflow_client
 
         try:
-            mlrun = find_run(_client(tracking_uri), run)
+            mlrun = find_run(mlflow_client(tracking_uri), run)
         except TrackingError:
             mlrun = None
         if mlrun is not None:

@@ -318,7 +318,7 @@ class TrajectoryStore:
             except (pa.ArrowInvalid, OSError) as e:
                 raise StoreError(f"cannot read trajectory part {p}: {e}") from e
             num_turns = pc.list_value_length(table.column("turns")).to_pylist()
-            for r, n in zip(table.select(cols).to_pylist(), num_turns):
+            for r, n in zip(table.select(cols).to_pylist(), num_turns, strict=True):
                 if r["id"] in seen:
                     continue
                 seen.add(r["id"])

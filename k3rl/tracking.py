@@ -83,7 +83,8 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
+    """An MlflowClient on `uri`; for a SQLite URI the directory of the database is created first."""
     from mlflow.tracking import MlflowClient
 
     path = sqlite_path(uri)
@@ -133,7 +134,7 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         self.uri = uri
-        self.client = _client(uri)
+        self.client = mlflow_client(uri)
         if run_id is not None:
             try:
                 run = self.client.get_run(run_id)
@@ -276,10 +277,11 @@ class Tracker:
         return self.log_artifact_text(html, f"episodes/step_{step:06d}/{trajectory.id}.html")
 
     def log_reward_curve_png(self, metrics: Iterable[str] | None = None, artifact_path: str = "reward_curve.png") -> str | None:
-        """Plot the run's reward curves (default: every metric named `reward/mean*`) from what is in
+        """Plot the run's reward curves (default: `reward/mean` and every per-environment `reward/<env>/mean`) from what is in
         the store and store the PNG. Returns its artifact path, or None when nothing was logged."""
         keys = list(metrics) if metrics is not None else sorted(
-            k for k in self.client.get_run(self.run_id).data.metrics if k.startswith("reward/mean"))
+            k for k in self.client.get_run(self.run_id).data.metrics
+            if k.startswith("reward/") and k.endswith("/mean"))  # reward/mean and reward/<env>/mean
         curves = {k: h for k in keys if (h := self.metric_history(k))}
         if not curves:
             return None

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import gymnasium
 import pytest
+from k3rl.rollout.agent import EpisodeSpec, run_episode
 from PIL import Image
 from rich.console import Console
 from typer.testing import CliRunner
 
-from k3rl.chat import CLOSE, OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseError
+from k3rl.chat import OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.images import to_png
 from k3rl.replay import re_execute_episode, replay_command
-from k3rl.rollout.agent import EpisodeSpec, run_episode
 from k3rl.store import TrajectoryStore
 from k3rl.types import SamplingParams, ToolCall
 
@@ -132,7 +132,7 @@ def test_show_episode_and_html(run_dir, tmp_path):
     assert traj.reward == 1.0 and traj.terminated
     a, b = (int(x) for x in traj.task_id.split("+"))
     assert f"add {a} and {b}" in text
-    assert f"-> call 1 add(" in text and f'{{"a": {a}, "b": {b}}}' in text
+    assert "-> call 1 add(" in text and f'{{"a": {a}, "b": {b}}}' in text
     assert "Error: could not parse" in text and "malformed assistant message" in text  # the turn's parse error
     # images: their size and where the PNG lies
     first_png = run_dir / "images" / "adder01" / "0_0.png"

@@ -4,12 +4,15 @@ first start-up runs MLflow's migrations)."""
 from __future__ import annotations
 
 import base64
+import io
 import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
+from PIL import Image
 from test_store import make_episode
 
 from k3rl.images import PNG_MAGIC, png_size
@@ -31,7 +34,8 @@ def test_params_metrics_artifacts_on_local_disk(store):
     logged = tracker.log_params({**nested, **many, "long": long, "bad key$%": None})
     assert logged["learner.lr"] == "0.003" and logged["bad key__"] == "None"
     for step in range(5):
-        tracker.log_metrics({"reward/mean": step * 0.25, "loss/pg": 1.0 / (step + 1), "count": step}, step=step)
+        tracker.log_metrics({"reward/mean": step * 0.25, "reward/k3rl/KeyLookup-v0/mean": step * 0.2,
+                             "reward/std": 0.1, "loss/pg": 1.0 / (step + 1), "count": step}, step=step)
     tracker.log_metrics({"reward/mean": 0.9}, step=4)  # re-logged at a step: the last value wins
     tracker.log_metrics({"grad_norm": float("nan")}, step=0)
 
@@ -74,6 +78,10 @@ def test_params_metrics_artifacts_on_local_disk(store):
     assert (art_dir / "config" / "job.yaml").read_text() == "name: job\n"
     png = (art_dir / "reward_curve.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and png_size(png) == (800, 450)
+    # two curves (reward/mean and the per-env mean, not reward/std): matplotlib's first two colours only
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).reshape(-1, 3)
+    pixels = {tuple(int(x) for x in px) for px in np.unique(rgb, axis=0)}
+    assert {(31, 119, 180), (255, 127, 14)} <= pixels and (44, 160, 44) not in pixels
     page = (art_dir / page_path).read_text()
     inline = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert [base64.b64decode(s) for s in inline] == ep.images  # every image inline, byte for byte

@@ -1,0 +1,97 @@
+"""`k3rl compare` (and `k3rl replay` by MLflow run name) against a real MLflow SQLite store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+from rich.console import Console
+from test_store import make_episode
+from typer.testing import CliRunner
+
+from k3rl.compare import CompareError, compare_runs
+from k3rl.replay import replay_command, resolve_run_dir
+from k3rl.store import TrajectoryStore
+from k3rl.tracking import Tracker
+
+CURVES = {
+    "grpo": [0.1, 0.3, 0.2, 0.6, 0.5],
+    "ppo": [0.0, 0.1, 0.15, 0.2],
+}
+TAB_BLUE, TAB_ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's first two line colours
+
+
+@pytest.fixture(scope="module")
+def mlstore(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cmp")
+    uri = f"sqlite:///{root}/mlflow.db"
+    ids = {}
+    for name, values in CURVES.items():
+        t = Tracker(uri=uri, experiment="cmp", run_name=name, run_dir=root / "runs" / name)
+        for step, v in enumerate(values, start=1):
+            t.log_metrics({"reward/mean": v, "loss": 1 - v}, step=step)
+        t.finish()
+        ids[name] = t.run_id
+    other = Tracker(uri=uri, experiment="other", run_name="sft-only")
+    other.log_metrics({"sft/loss": 2.0}, step=0)
+    other.finish("KILLED")
+    ids["sft-only"] = other.run_id
+    return uri, root, ids
+
+
+def colours(png_path) -> set[tuple[int, int, int]]:
+    img = np.asarray(Image.open(png_path).convert("RGB")).reshape(-1, 3)
+    return {tuple(int(x) for x in px) for px in np.unique(img, axis=0)}
+
+
+def test_compare_by_name_and_id(mlstore, tmp_path):
+    uri, _, ids = mlstore
+    out = tmp_path / "plots" / "cmp.png"
+    console = Console(record=True, width=200, color_system=None)
+    rows = compare_runs(["grpo", ids["ppo"], "grpo"], out=out, tracking_uri=uri, metric="reward/mean", console=console)
+    assert [r["name"] for r in rows] == ["grpo", "ppo"]  # the repeated run is shown once
+    grpo, ppo = rows
+    assert grpo["run_id"] == ids["grpo"] and grpo["status"] == "FINISHED"
+    assert (grpo["steps"], grpo["last_step"], grpo["final"], grpo["best"], grpo["best_step"]) == (5, 5, 0.5, 0.6, 4)
+    assert grpo["mean"] == pytest.approx(sum(CURVES["grpo"]) / 5)
+    assert (ppo["steps"], ppo["final"], ppo["best"]) == (4, 0.2, 0.2)
+    text = console.export_text()
+    assert "grpo" in text and "0.5000" in text and "0.6000 (4)" in text and "4 (to 4)" in text
+    assert str(out) in text
+    img = Image.open(out)
+    assert img.format == "PNG" and img.size == (800, 450)
+    found = colours(out)
+    assert TAB_BLUE in found and TAB_ORANGE in found  # one curve per run
+
+
+def test_compare_errors(mlstore, tmp_path):
+    uri, _, ids = mlstore
+    with pytest.raises(CompareError, match=r"no MLflow run named or with id 'nope'.*grpo"):
+        compare_runs(["grpo", "nope"], out=tmp_path / "x.png", tracking_uri=uri)
+    with pytest.raises(CompareError, match=r"run sft-only \(\w{8}\) has no metric 'reward/mean'; its metrics: sft/loss"):
+        compare_runs(["sft-only"], out=tmp_path / "x.png", tracking_uri=uri)
+    with pytest.raises(CompareError, match="no MLflow store at"):
+        compare_runs(["grpo"], out=tmp_path / "x.png", tracking_uri=f"sqlite:///{tmp_path}/absent.db")
+    assert not (tmp_path / "absent.db").exists()  # looking did not create an empty store
+    with pytest.raises(CompareError, match="at least one run"):
+        compare_runs([], out=tmp_path / "x.png", tracking_uri=uri)
+
+
+def test_cli_compare_and_replay_by_run_name(mlstore, tmp_path):
+    from k3rl.cli import app
+
+    uri, root, ids = mlstore
+    out = tmp_path / "cli.png"
+    result = CliRunner().invoke(app, ["compare", "grpo", "ppo", "--out", str(out), "--tracking-uri", uri,
+                                      "--metric", "loss"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "loss" in result.output and "0.9000" in result.output  # ppo's best loss: 1 - 0.1
+
+    # replay finds the run directory from an MLflow run name or id (its k3rl.run_dir tag)
+    with TrajectoryStore(root / "runs" / "grpo") as store:
+        store.append(make_episode(5))
+    assert resolve_run_dir("grpo", runs_dir=tmp_path, tracking_uri=uri) == (root / "runs" / "grpo").resolve()
+    assert resolve_run_dir(ids["grpo"], runs_dir=tmp_path, tracking_uri=uri) == (root / "runs" / "grpo").resolve()
+    console = Console(record=True, width=200, color_system=None)
+    assert replay_command("grpo", tracking_uri=uri, runs_dir=tmp_path, console=console) == 0
+    assert "ep00005" in console.export_text()
