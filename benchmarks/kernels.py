@@ -1,0 +1,348 @@
+"""Kernel benchmarks on one GPU (H200): KDA chunk / recurrent against fla-core, SiTU-GLU, latent MoE, Newton-Schulz.
+
+Usage (on the GPU machine):  python benchmarks/kernels.py [--only kda,recurrent,agree,situ,moe,ns,peak]
+Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up; every comparison
+uses the same inputs in the same process. fla-core is optional (the anchor); without it only
+our numbers are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import traceback
+
+import torch
+import triton
+
+
+def _load_kernels_alone():
+    """Import k3rl.kernels without k3rl/__init__ (the GPU image lacks k3rl's other dependencies)."""
+    import importlib.util
+    import pathlib
+    import sys
+    import types
+
+    try:
+        import k3rl.kernels  # noqa: F401
+    except ImportError:
+        root = pathlib.Path(__file__).resolve().parents[1]
+        pkg = types.ModuleType("k3rl")
+        pkg.__path__ = []
+        sys.modules["k3rl"] = pkg
+        spec = importlib.util.spec_from_file_location(
+            "k3rl.kernels",
+            root / "kernels" / "__init__.py",
+            submodule_search_locations=[str(root / "kernels")],
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["k3rl.kernels"] = mod
+        spec.loader.exec_module(mod)
+
+
+_load_kernels_alone()
+from k3rl.kernels.kda import chunk_kda, chunk_kda_reference, fused_recurrent_kda  # noqa: E402
+from k3rl.kernels.moe import latent_experts  # noqa: E402
+from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop  # noqa: E402
+from k3rl.kernels.situ import situ_glu, situ_glu_formula  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+except ImportError:  # pragma: no cover - the anchor is optional
+    fla_chunk_kda = fla_fused_recurrent_kda = None
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+def bench(fn, grad_to_none=None, rep=200):
+    return do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def row(*cells):
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
+def peak():
+    print("\n## Ceilings (measured)\n")
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    ms = bench(lambda: a @ b, rep=100)
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms_copy = bench(lambda: y.copy_(x), rep=100)
+    tflops = 2 * 8192**3 / ms / 1e9
+    bw = 2 * x.numel() / ms_copy / 1e9
+    row("bf16 matmul 8192^3 (random)", f"{tflops:.0f} TFLOP/s")
+    row("device copy 2 GiB (read + write)", f"{bw / 1000:.2f} TB/s")
+    return tflops, bw
+
+
+def kda_inputs(B, T, H, K=128, V=128, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    r = lambda *s, dt=BF16: torch.randn(*s, generator=gen, device=DEV, dtype=dt)
+    return dict(
+        q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K),
+        beta=torch.rand(B, T, H, generator=gen, device=DEV, dtype=BF16),
+        A_log=torch.log(torch.empty(H, device=DEV).uniform_(1, 4, generator=gen)),
+        dt_bias=r(H * K, dt=torch.float32) * 0.5 - 3.0,
+    )  # fmt: skip
+
+
+GATE = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0)
+
+
+def ours_kda(x, **kw):
+    return chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE, **kw
+    )
+
+
+def fla_kda(x, **kw):
+    return fla_chunk_kda(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        safe_gate=True,
+        **GATE,
+        **kw,
+    )
+
+
+def time_fwd_bwd(fn, x):
+    leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    for t in leaves:
+        t.requires_grad_(True)
+    do = torch.randn_like(x["v"])
+
+    def step():
+        o, _ = fn(x)
+        o.backward(do)
+
+    ms = bench(step, grad_to_none=leaves, rep=300)
+    for t in leaves:
+        t.requires_grad_(False)
+        t.grad = None
+    return ms
+
+
+def kda():
+    print("\n## KDA chunk (bf16, K = V = 128, safe gate -5, gate + q/k L2 norm in kernel)\n")
+    row(
+        "B, T, H",
+        "ours fwd ms",
+        "fla fwd ms",
+        "fla/ours fwd",
+        "ours fwd+bwd ms",
+        "fla fwd+bwd ms",
+        "fla/ours fwd+bwd",
+    )
+    row(*["---"] * 7)
+    for B, T, H in [(1, 4096, 96), (1, 16384, 96), (1, 65536, 96), (8, 4096, 32)]:
+        x = kda_inputs(B, T, H)
+        with torch.no_grad():
+            ours_f = bench(lambda x=x: ours_kda(x))
+            fla_f = bench(lambda x=x: fla_kda(x)) if fla_chunk_kda else float("nan")
+        ours_fb = time_fwd_bwd(ours_kda, x)
+        fla_fb = time_fwd_bwd(fla_kda, x) if fla_chunk_kda else float("nan")
+        row(
+            f"{B}, {T}, {H}",
+            f"{ours_f:.3f}",
+            f"{fla_f:.3f}",
+            f"{fla_f / ours_f:.2f}x",
+            f"{ours_fb:.3f}",
+            f"{fla_fb:.3f}",
+            f"{fla_fb / ours_fb:.2f}x",
+        )
+        del x
+        torch.cuda.empty_cache()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def agree():
+    print("\n## Numerical agreement (B, T, H = 1, 4096, 96; bf16 inputs; relative L2 error)\n")
+    x = kda_inputs(1, 4096, 96, seed=1)
+    leaves = ("q", "k", "v", "g", "beta")
+    do = torch.randn_like(x["v"])
+    h0 = torch.randn(1, 96, 128, 128, device=DEV) * 0.1
+
+    def run(fn, cast=None):
+        xs = {
+            n: (t.detach().to(cast) if cast and t.dtype == BF16 else t.detach()).clone() for n, t in x.items()
+        }
+        for n in leaves:
+            xs[n].requires_grad_(True)
+        o, s = fn(xs, initial_state=h0, output_final_state=True)
+        (o.float() * do.float()).sum().backward()
+        return o, s, [xs[n].grad for n in leaves]
+
+    ref = run(lambda xs, **kw: chunk_kda_reference(
+        xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], A_log=xs["A_log"], dt_bias=xs["dt_bias"], **GATE, **kw
+    ), cast=torch.float32)  # fmt: skip
+    mine = run(ours_kda)
+    row("quantity", "ours vs fp32 reference", "fla vs fp32 reference", "ours vs fla")
+    row(*["---"] * 4)
+    theirs = run(fla_kda) if fla_chunk_kda else None
+    names = ["o", "final state"] + [f"d{n}" for n in leaves]
+    flat = lambda r: [r[0], r[1], *r[2]]
+    for name, a, b, c in zip(
+        names, flat(mine), flat(ref), flat(theirs) if theirs else [None] * 7, strict=True
+    ):
+        row(
+            name,
+            f"{rel(a, b):.2e}",
+            f"{rel(c, b):.2e}" if c is not None else "-",
+            f"{rel(a, c):.2e}" if c is not None else "-",
+        )
+
+
+def recurrent(bw):
+    print("\n## Fused recurrent KDA, one decode token (64 sequences x 96 heads, fp32 state in and out)\n")
+    B, H, K, V = 64, 96, 128, 128
+    x = kda_inputs(B, 1, H, seed=2)
+    h0 = torch.randn(B, H, K, V, device=DEV)
+    state_bytes = 2 * h0.numel() * 4
+    with torch.no_grad():
+        ours = bench(lambda: fused_recurrent_kda(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
+            A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE,
+        ))  # fmt: skip
+        fla = float("nan")
+        if fla_fused_recurrent_kda:
+            fla = bench(lambda: fla_fused_recurrent_kda(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                initial_state=h0, output_final_state=True, **GATE,
+            ))  # fmt: skip
+            o1, s1 = fused_recurrent_kda(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["g"],
+                x["beta"],
+                initial_state=h0,
+                output_final_state=True,
+                A_log=x["A_log"],
+                dt_bias=x["dt_bias"],
+                **GATE,
+            )
+            o2, s2 = fla_fused_recurrent_kda(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["g"],
+                x["beta"],
+                A_log=x["A_log"],
+                dt_bias=x["dt_bias"],
+                initial_state=h0,
+                output_final_state=True,
+                **GATE,
+            )
+            print(f"agreement ours vs fla: o rel {rel(o1, o2):.2e}, state rel {rel(s1, s2):.2e}\n")
+    row("kernel", "ms", "state TB/s", "of measured copy bandwidth")
+    row(*["---"] * 4)
+    for name, ms in (("ours", ours), ("fla-core", fla)):
+        tbs = state_bytes / ms / 1e9 / 1000
+        row(name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs * 1000 / bw:.0f}%")
+
+
+def situ():
+    print("\n## SiTU-GLU (bf16 [32768, 3072] gate and up, fp32 island)\n")
+    g = torch.randn(32768, 3072, device=DEV, dtype=BF16) * 3
+    u = torch.randn_like(g) * 3
+    compiled = torch.compile(situ_glu_formula)
+    row("version", "fwd ms", "fwd+bwd ms")
+    row(*["---"] * 3)
+    dout = torch.randn_like(g)
+    for name, fn in (
+        ("eager formula", situ_glu_formula),
+        ("torch.compile formula", compiled),
+        ("ours (dispatcher)", situ_glu),
+    ):
+        fwd = bench(lambda fn=fn: fn(g, u))
+        gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
+        fb = bench(lambda fn=fn, gg=gg, uu=uu: fn(gg, uu).backward(dout), grad_to_none=[gg, uu])
+        row(name, f"{fwd:.3f}", f"{fb:.3f}")
+
+
+def moe(peak_tflops):
+    print("\n## Latent MoE experts (bf16; N = 16384 tokens, top-8 of 64 experts, l = 3584, f = 3072)\n")
+    N, E, k, dim, f = 16384, 64, 8, 3584, 3072
+    z = torch.randn(N, dim, device=DEV, dtype=BF16)
+    idx = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(N)])
+    w = torch.rand(N, k, device=DEV)
+    w1 = torch.randn(E, f, dim, device=DEV, dtype=BF16) * dim**-0.5
+    w3 = torch.randn_like(w1)
+    w2 = torch.randn(E, dim, f, device=DEV, dtype=BF16) * f**-0.5
+    flops = 2 * 3 * N * k * f * dim
+    row("path", "fwd ms", "fwd TFLOP/s", "of bf16 peak", "fwd+bwd ms", "fwd+bwd TFLOP/s")
+    row(*["---"] * 6)
+    for name, backend in (("grouped (torch._grouped_mm)", "triton"), ("loop over experts", "torch")):
+        with torch.no_grad():
+            ms = bench(lambda b=backend: latent_experts(z, idx, w, w1, w3, w2, backend=b), rep=100)
+        params = [t.requires_grad_() for t in (z, w1, w3, w2)]
+        fb = bench(
+            lambda b=backend: (
+                latent_experts(z, idx, w, w1, w3, w2, backend=b).float().square().mean().backward()
+            ),
+            grad_to_none=params,
+            rep=100,
+        )
+        for t in params:
+            t.requires_grad_(False)
+        row(
+            name,
+            f"{ms:.2f}",
+            f"{flops / ms / 1e9:.0f}",
+            f"{100 * flops / ms / 1e9 / peak_tflops:.0f}%",
+            f"{fb:.2f}",
+            f"{3 * flops / fb / 1e9:.0f}",
+        )
+    with torch.no_grad():
+        a = latent_experts(z[:2048], idx[:2048], w[:2048], w1, w3, w2, backend="triton")
+        b = latent_experts(z[:2048], idx[:2048], w[:2048], w1, w3, w2, backend="torch")
+    print(f"\ngrouped vs loop: relative L2 difference {rel(a, b):.2e}")
+
+
+def ns():
+    print("\n## Newton-Schulz, 5 steps, bf16\n")
+    row("batch", "batched ms", "per-matrix loop ms", "speed-up")
+    row(*["---"] * 4)
+    for shape in ((96, 128, 7168), (96, 192, 1536), (8, 3072, 3584)):
+        G = torch.randn(*shape, device=DEV)
+        a = bench(lambda G=G: newton_schulz(G), rep=100)
+        b = bench(lambda G=G: newton_schulz_loop(G), rep=100)
+        row(f"{shape[0]} x [{shape[1]}, {shape[2]}]", f"{a:.2f}", f"{b:.2f}", f"{b / a:.1f}x")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", default="peak,kda,agree,recurrent,situ,moe,ns")
+    which = set(p.parse_args().only.split(","))
+    print(f"# kernels benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {platform.python_version()}, fla-core {'present' if fla_chunk_kda else 'absent'}")  # fmt: skip
+    tflops, bw = peak() if "peak" in which else (740.0, 4240.0)
+    sections = dict(
+        kda=kda, agree=agree, recurrent=lambda: recurrent(bw), situ=situ, moe=lambda: moe(tflops), ns=ns
+    )
+    for name, fn in sections.items():
+        if name in which:
+            try:  # one failing section must not hide the others' numbers
+                fn()
+            except Exception:
+                print(f"\n{name} FAILED:\n{traceback.format_exc()}", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
