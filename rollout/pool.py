@@ -1,0 +1,340 @@
+"""InferencePool: N inference workers (Ray actors, one engine each) behind one async handle.
+
+Routing, per request:
+  * sticky: a request with a `key` (an episode id, a prompt-group id) goes to the worker that
+    served the last request with that key, which holds its prefix in its prefix cache;
+  * otherwise least-loaded: the worker with the fewest requests in flight from this pool
+    (ties broken round-robin).
+
+Failures: a call that fails because its worker died (`ray.exceptions.RayActorError`) starts a
+restart of that worker slot and the request is **retried from scratch** on another live
+worker (same token ids, same sampling params and seed, so a seeded request gives the same
+tokens; tokens the dead worker had produced are discarded, none are returned twice). A
+restarted worker is built from the same `EngineSpec` and is replayed the latest weights
+before it takes requests. `check_health()` pings every worker and restarts the ones that do
+not answer; `start_health_checks(interval)` runs it periodically.
+
+Weights: `update_weights(update)` puts the update into Ray's object store once
+(`weight_sync.publish`) and every worker applies it between two scheduler steps; the call
+returns when all have switched. The pool remembers the latest full update (and the partial
+ones after it) to bring restarted workers up to date.
+
+One InferencePool object routes for the process that holds it. To share one routing view
+between many rollout workers, run it as a Ray actor: `PoolActor.remote(...)` exposes the same
+async methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from k3rl.types import SamplingParams, WeightUpdate
+
+from .engine import EngineLoad, GenerationResult, InferenceEngine
+from .weight_sync import publish, receive
+
+
+@dataclass
+class EngineSpec:
+    """Everything a worker needs to build its engine (picklable, so restarts rebuild the same)."""
+
+    kind: Literal["embedded", "vllm"] = "embedded"
+    preset: str = "k3-tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None  # HF-layout directory (required for vLLM)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    torch_threads: int | None = 1  # CPU engines: 1 thread each is fastest for small models
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, name: str = "engine") -> InferenceEngine:
+        import torch
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        if self.kind == "embedded":
+            from .engine import EmbeddedEngine
+
+            return EmbeddedEngine.from_preset(self.preset, device=self.device, dtype=self.dtype, seed=self.seed,
+                                              checkpoint=self.checkpoint, overrides=self.overrides or None,
+                                              name=name, **self.engine_kwargs)
+        if self.kind == "vllm":
+            from .vllm_adapter import VLLMEngine
+
+            if not self.checkpoint:
+                raise ValueError("a vLLM worker serves an HF-layout checkpoint: set EngineSpec.checkpoint")
+            return VLLMEngine(self.checkpoint, dtype=self.dtype, seed=self.seed, name=name, **self.engine_kwargs)
+        raise ValueError(f"unknown engine kind {self.kind!r}; use 'embedded' or 'vllm'")
+
+
+class EngineWorker:
+    """The Ray actor around one engine (async: many requests share it)."""
+
+    def __init__(self, spec: EngineSpec, name: str):
+        self.name = name
+        self.engine = spec.build(name)
+
+    async def generate(self, token_ids, sampling, images, request_id) -> GenerationResult:
+        result = await self.engine.agenerate(token_ids, sampling, images, request_id)
+        result.worker = self.name
+        return result
+
+    async def update_weights(self, update) -> int:
+        update = receive(update)
+        if update.version <= self.engine.version:  # a replay the worker already has
+            return self.engine.version
+        return await self.engine.aupdate_weights(update)
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def ping(self) -> dict:
+        load = self.engine.load()
+        return {"name": self.name, "pid": os.getpid(), "version": self.engine.version, "running": load.running,
+                "waiting": load.waiting}
+
+    def load(self) -> EngineLoad:
+        return self.engine.load()
+
+
+_RemoteWorker = ray.remote(EngineWorker)
+
+
+class InferencePool:
+    def __init__(self, num_workers: int, spec: EngineSpec | None = None, *, max_retries: int = 3,
+                 actor_options: dict[str, Any] | None = None, sticky_keys: int = 100_000, name: str | None = None):
+        if num_workers < 1:
+            raise ValueError(f"an inference pool needs at least one worker, got num_workers={num_workers}")
+        if not ray.is_initialized():
+            raise RuntimeError("InferencePool needs Ray: call ray.init() (or run inside a Ray job) first")
+        self.spec = spec or EngineSpec()
+        self.max_retries = max_retries
+        self.name = name or f"k3rl-pool-{uuid.uuid4().hex[:6]}"
+        default_options = {"num_cpus": 1, "max_concurrency": 1000}
+        if self.spec.device.startswith("cuda"):
+            default_options["num_gpus"] = 1
+        self.actor_options = {**default_options, **(actor_options or {})}
+        self._generation = [0] * num_workers
+        self._workers = [self._spawn(i) for i in range(num_workers)]
+        self._inflight = [0] * num_workers
+        self._restarting: dict[int, asyncio.Task] = {}
+        self._restart_locks: dict[int, asyncio.Lock] = {}
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._sticky_cap = sticky_keys
+        self._where: dict[str, int] = {}
+        self._rr = itertools.count()
+        self._weights: list = []  # object refs: the latest full update and the partial ones after it
+        self._version = 0
+        self._health_task: asyncio.Task | None = None
+        self.restarts = 0
+        self.retries = 0
+
+    # ----- workers ---------------------------------------------------------------------------------
+    def _spawn(self, slot: int):
+        name = f"{self.name}-w{slot}-g{self._generation[slot]}"
+        return _RemoteWorker.options(**self.actor_options).remote(self.spec, name)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def workers(self) -> list:
+        return list(self._workers)
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Wait until every worker has built its engine."""
+        await asyncio.wait_for(asyncio.gather(*(w.ping.remote() for w in self._workers)), timeout_s)
+
+    def _restart(self, slot: int, dead) -> asyncio.Task:
+        task = self._restarting.get(slot)
+        if task is None or task.done():
+            if self._workers[slot] is not dead:  # somebody already replaced it
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result(None)
+                return fut
+            task = asyncio.create_task(self._do_restart(slot, dead))
+            self._restarting[slot] = task
+        return task
+
+    async def _do_restart(self, slot: int, dead) -> None:
+        try:
+            try:
+                ray.kill(dead, no_restart=True)  # it may be half-alive (unresponsive): make sure it is gone
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+            self._generation[slot] += 1
+            fresh = self._spawn(slot)
+            await fresh.ping.remote()
+            for ref in self._weights:  # bring it to the pool's version before it takes requests
+                await fresh.update_weights.remote(ref)
+            self._workers[slot] = fresh
+            self.restarts += 1
+        finally:
+            self._restarting.pop(slot, None)
+
+    def _pick(self, key: str | None, exclude: set[int]) -> int | None:
+        alive = [i for i in range(self.num_workers) if i not in self._restarting and i not in exclude]
+        if not alive:
+            return None
+        if key is not None and self._sticky.get(key) in alive:
+            self._sticky.move_to_end(key)
+            return self._sticky[key]
+        least = min(self._inflight[i] for i in alive)
+        candidates = [i for i in alive if self._inflight[i] == least]
+        return candidates[next(self._rr) % len(candidates)]
+
+    # ----- requests ----------------------------------------------------------------------------------
+    async def generate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
+                       *, key: str | None = None, request_id: str | None = None) -> GenerationResult:
+        sampling = sampling or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        failures: list[str] = []
+        exclude: set[int] = set()
+        while True:
+            slot = self._pick(key, exclude)
+            if slot is None:  # every worker is restarting or failed this request: wait for a restart
+                if self._restarting:
+                    await asyncio.wait(list(self._restarting.values()), return_when=asyncio.FIRST_COMPLETED)
+                exclude.clear()
+                continue
+            worker = self._workers[slot]
+            self._inflight[slot] += 1
+            self._where[request_id] = slot
+            try:
+                result = await worker.generate.remote(token_ids, sampling, images, request_id)
+            except RayActorError as e:
+                failures.append(f"worker {slot}: {type(e).__name__}")
+                self._restart(slot, worker)
+                exclude.add(slot)
+                self.retries += 1
+                if len(failures) > self.max_retries:
+                    raise RuntimeError(f"request {request_id} failed on {len(failures)} workers ({failures}); "
+                                       f"raise max_retries or check the workers' logs") from e
+                continue
+            finally:
+                self._inflight[slot] -= 1
+                self._where.pop(request_id, None)
+            if key is not None:
+                self._sticky[key] = slot
+                self._sticky.move_to_end(key)
+                while len(self._sticky) > self._sticky_cap:
+                    self._sticky.popitem(last=False)
+            return result
+
+    async def abort(self, request_id: str) -> bool:
+        slot = self._where.get(request_id)
+        if slot is None:
+            return False
+        try:
+            return await self._workers[slot].abort.remote(request_id)
+        except RayActorError:
+            return False
+
+    # ----- weights -------------------------------------------------------------------------------------
+    async def update_weights(self, update: WeightUpdate) -> int:
+        """Publish once, apply on every worker; returns the version all of them now run."""
+        if update.version <= self._version:
+            raise ValueError(f"weight update v{update.version} is not newer than the pool's v{self._version}")
+        ref = publish(update)
+        self._weights = [ref] if update.full else [*self._weights, ref]
+        self._version = update.version
+        for task in list(self._restarting.values()):  # a restart in progress replays the new list too
+            await asyncio.wait([task])
+
+        async def one(slot: int):
+            worker = self._workers[slot]
+            try:
+                return await worker.update_weights.remote(ref)
+            except RayActorError:
+                await self._restart(slot, worker)  # the restart replays every update, this one included
+                return self._version
+
+        versions = await asyncio.gather(*(one(i) for i in range(self.num_workers)))
+        if any(v != update.version for v in versions):
+            raise RuntimeError(f"workers report versions {versions} after the update to v{update.version}")
+        return update.version
+
+    # ----- health --------------------------------------------------------------------------------------
+    async def check_health(self, timeout_s: float = 30.0) -> list[dict]:
+        """Ping every worker; restart the dead or unresponsive ones. Returns one status per slot.
+
+        Restarts already in progress are awaited first, so the report is about the workers that
+        serve from now on."""
+        if self._restarting:
+            await asyncio.wait(list(self._restarting.values()))
+
+        async def one(slot: int) -> dict:
+            worker = self._workers[slot]
+            try:
+                info = await asyncio.wait_for(worker.ping.remote(), timeout_s)
+                return {"slot": slot, "alive": True, **info}
+            except (RayActorError, GetTimeoutError, asyncio.TimeoutError) as e:
+                await self._restart(slot, worker)
+                return {"slot": slot, "alive": False, "restarted": True, "error": type(e).__name__}
+
+        return list(await asyncio.gather(*(one(i) for i in range(self.num_workers))))
+
+    def start_health_checks(self, interval_s: float = 10.0) -> asyncio.Task:
+        async def loop():
+            while True:
+                await asyncio.sleep(interval_s)
+                await self.check_health()
+
+        self._health_task = asyncio.create_task(loop())
+        return self._health_task
+
+    async def loads(self) -> list[EngineLoad]:
+        return list(await asyncio.gather(*(w.load.remote() for w in self._workers)))
+
+    def shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for w in self._workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+@ray.remote
+class PoolActor:
+    """An InferencePool as a Ray actor: one routing view shared by many rollout workers."""
+
+    def __init__(self, num_workers: int, spec: EngineSpec | None = None, **kw):
+        self.pool = InferencePool(num_workers, spec, **kw)
+
+    async def generate(self, token_ids, sampling=None, images=None, key=None, request_id=None) -> GenerationResult:
+        return await self.pool.generate(token_ids, sampling, images, key=key, request_id=request_id)
+
+    async def update_weights(self, update: WeightUpdate) -> int:
+        return await self.pool.update_weights(update)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.pool.abort(request_id)
+
+    async def check_health(self) -> list[dict]:
+        return await self.pool.check_health()
+
+    async def wait_ready(self) -> None:
+        await self.pool.wait_ready()
+
+    def version(self) -> int:
+        return self.pool.version
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
