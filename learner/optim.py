@@ -98,13 +98,18 @@ class ParamGroupSummary:
         return "\n".join(lines)
 
 
-def _classify(name: str, p: nn.Parameter, head_rows: dict[str, int]) -> tuple[str, int | None, str]:
+ADAMW_MODULE_TYPES = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _classify(name: str, p: nn.Parameter, head_rows: dict[str, int], owner: nn.Module | None = None) -> tuple[str, int | None, str]:
     """-> (group, block_rows, reason). group is 'muon', 'adamw' or 'none'."""
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
     if name.endswith(NO_GROUP_SUFFIXES):
         return "none", None, "set by Quantile Balancing, not by gradients"
     if not p.requires_grad:
         return "none", None, "requires_grad is False"
+    if isinstance(owner, ADAMW_MODULE_TYPES):
+        return "adamw", None, f"weight of an {type(owner).__name__}"
     if p.dim() < 2:
         return "adamw", None, "vector (norm / bias / gate vector)"
     if min(p.shape[-2:]) == 1 and p.dim() == 2:
@@ -144,8 +149,12 @@ def param_groups(
         head_rows = head_block_rows(cfg) if cfg is not None and hasattr(cfg, "linear_attn_config") else {}
     buckets: dict[tuple[str, int | None], list[tuple[str, nn.Parameter]]] = defaultdict(list)
     rows = []
+    owners = {}
+    for mod_name, mod in model.named_modules():
+        for pname, _ in mod.named_parameters(recurse=False):
+            owners[f"{mod_name}.{pname}" if mod_name else pname] = mod
     for name, p in model.named_parameters():
-        group, block, why = _classify(name, p, head_rows)
+        group, block, why = _classify(name, p, head_rows, owners.get(name))
         label = group if group != "muon" else ("muon_per_head" if block else ("muon_per_expert" if p.dim() == 3 else "muon_whole"))
         rows.append((name, tuple(p.shape), label, why))
         if group != "none":
