@@ -75,7 +75,7 @@ def peak():
     y = torch.empty_like(x)
     ms_copy = bench(lambda: y.copy_(x), rep=100)
     tflops = 2 * 8192**3 / ms / 1e9
-    bw = 2 * x.numel() / ms_copy / 1e9
+    bw = 2 * x.numel() / ms_copy / 1e6  # GB/s
     row("bf16 matmul 8192^3 (random)", f"{tflops:.0f} TFLOP/s")
     row("device copy 2 GiB (read + write)", f"{bw / 1000:.2f} TB/s")
     return tflops, bw
@@ -212,11 +212,22 @@ def recurrent(bw):
     x = kda_inputs(B, 1, H, seed=2)
     h0 = torch.randn(B, H, K, V, device=DEV)
     state_bytes = 2 * h0.numel() * 4
+    from k3rl.kernels.kda import triton_recurrent
+
+    call = lambda: fused_recurrent_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
+        A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE,
+    )  # fmt: skip
     with torch.no_grad():
-        ours = bench(lambda: fused_recurrent_kda(
-            x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
-            A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE,
-        ))  # fmt: skip
+        sweep = {}
+        for bv in (16, 32, 64):
+            for nw in (1, 2, 4, 8):
+                triton_recurrent.CONFIG.update(BV=bv, num_warps=nw)
+                sweep[(bv, nw)] = bench(call)
+        best = min(sweep, key=sweep.get)
+        print("config sweep (BV, warps) -> ms:", {k: round(v, 4) for k, v in sweep.items()}, "best", best)
+        triton_recurrent.CONFIG.update(BV=best[0], num_warps=best[1])
+        ours = bench(call)
         fla = float("nan")
         if fla_fused_recurrent_kda:
             fla = bench(lambda: fla_fused_recurrent_kda(
@@ -251,7 +262,7 @@ def recurrent(bw):
     row("kernel", "ms", "state TB/s", "of measured copy bandwidth")
     row(*["---"] * 4)
     for name, ms in (("ours", ours), ("fla-core", fla)):
-        tbs = state_bytes / ms / 1e9 / 1000
+        tbs = state_bytes / ms / 1e9  # TB/s
         row(name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs * 1000 / bw:.0f}%")
 
 

@@ -26,8 +26,9 @@ import triton.language as tl
 from .gate import l2norm
 from .inputs import check_kda_inputs
 
-BT = 64  # chunk size
-BS = 16  # sub-tile size
+CHUNK = 64  # chunk size (host side)
+BT = tl.constexpr(CHUNK)  # the same, visible inside kernels
+BS = tl.constexpr(16)  # sub-tile size
 
 
 # ----------------------------------------------------------------------------- gate + cumsum
@@ -459,7 +460,7 @@ def grads_bwd_kernel(
 def _chunk_tables(cu: torch.Tensor):
     """(chunk_idx [NT, 2] = (document, chunk in document), chunk_off [N+1], NT, chunks of the longest document)."""
     lens = (cu[1:] - cu[:-1]).tolist()
-    nts = [(n + BT - 1) // BT for n in lens]
+    nts = [(n + CHUNK - 1) // CHUNK for n in lens]
     idx = [(d, c) for d, nt in enumerate(nts) for c in range(nt)]
     off = [0]
     for nt in nts:
@@ -536,8 +537,8 @@ class ChunkKDATriton(torch.autograd.Function):
         N = cu.numel() - 1
         BK, BV = _blocks(K, V)
         dev, dt = q.device, q.dtype
-        Aqk = torch.empty(1, TT, H, BT, dtype=dt, device=dev)
-        Ti = torch.empty(1, TT, H, BT, dtype=torch.float32, device=dev)
+        Aqk = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)
+        Ti = torch.empty(1, TT, H, CHUNK, dtype=torch.float32, device=dev)
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         intra_fwd_kernel[(NT, H)](
@@ -578,7 +579,7 @@ class ChunkKDATriton(torch.autograd.Function):
         dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
         dv = torch.empty_like(v)
         dbeta = torch.zeros(1, TT, H, **f32)
-        dA, dAqk = (torch.empty(1, TT, H, BT, **f32) for _ in range(2))
+        dA, dAqk = (torch.empty(1, TT, H, CHUNK, **f32) for _ in range(2))
         grads_bwd_kernel[(NT, H)](
             q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
             cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=8,
@@ -595,9 +596,9 @@ def chunk_kda_triton(
 ):  # fmt: skip
     """Triton chunk KDA; same contract as ``chunk_kda``. Needs the bounded ("safe") gate."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, "chunk_kda")
-    if chunk_size != BT:
+    if chunk_size != CHUNK:
         raise ValueError(
-            f"chunk_kda (triton): chunk_size must be {BT}, got {chunk_size}; use backend='torch'"
+            f"chunk_kda (triton): chunk_size must be {CHUNK}, got {chunk_size}; use backend='torch'"
         )
     if lower_bound is None or not (-5.0 <= lower_bound < 0):
         raise ValueError(

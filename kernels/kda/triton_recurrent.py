@@ -16,6 +16,9 @@ import triton.language as tl
 from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
 
+# launch configuration (value-block width, warps); benchmarks/kernels.py sweeps these on the GPU
+CONFIG = {"BV": 32, "num_warps": 4}
+
 
 @triton.jit
 def recurrent_fwd_kernel(
@@ -94,7 +97,7 @@ def fused_recurrent_kda_triton(
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     N = cu.numel() - 1
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(32, triton.next_power_of_2(V)))
+    BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
     c = lambda x: x.contiguous()
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
@@ -105,6 +108,7 @@ def fused_recurrent_kda_triton(
         float(K**-0.5 if scale is None else scale),
         H=H, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel), USE_GATE=bool(use_gate_in_kernel),
         HAS_BIAS=dt_bias is not None, BOUNDED=lower_bound is not None, LB=float(lower_bound or 0.0),
-        HAS_H0=initial_state is not None, STORE_HT=bool(output_final_state), EPS=L2NORM_EPS, num_warps=4,
+        HAS_H0=initial_state is not None, STORE_HT=bool(output_final_state), EPS=L2NORM_EPS,
+        num_warps=CONFIG["num_warps"],
     )  # fmt: skip
     return o, (ht if output_final_state else None)

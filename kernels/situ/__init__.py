@@ -7,7 +7,7 @@ import torch
 from .._backend import resolve_backend
 from .reference import SiTUGLUTorch, situ_glu_formula, situ_glu_grads
 
-HAS_TRITON_SITU = False
+HAS_TRITON_SITU = True
 
 
 def situ_glu(

@@ -125,3 +125,18 @@ def test_triton_chunk_refuses_unsafe_settings():
     with pytest.raises(ValueError, match="inference-only"):
         fused_recurrent_kda(q, *args[1:], backend="triton")
     assert triton_recurrent.recurrent_fwd_kernel is not None
+
+
+def test_situ_glu_triton_matches_reference_fwd_bwd():
+    from k3rl.kernels.situ import situ_glu
+
+    gen = torch.Generator().manual_seed(0)
+    g = (torch.randn(3, 1000, generator=gen) * 6).requires_grad_()
+    u = (torch.randn(3, 1000, generator=gen) * 40).requires_grad_()
+    w = torch.randn(3, 1000, generator=gen)
+    (situ_glu(g, u, backend="triton") * w).sum().backward()
+    g2, u2 = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+    out_ref = situ_glu(g2, u2, backend="torch")
+    (out_ref * w).sum().backward()
+    assert torch.allclose(situ_glu(g, u, backend="triton"), out_ref, atol=1e-5)
+    assert torch.allclose(g.grad, g2.grad, atol=1e-5) and torch.allclose(u.grad, u2.grad, atol=1e-5)
