@@ -120,8 +120,8 @@ class ChartMatchEnv(ToolEnv):
             f"Reproduce this {WIDTH}x{HEIGHT} chart. Write matplotlib code (`plt` is imported; draw on a figure) "
             "or an SVG document and call render to see your result. Reply without a tool call when it matches."))]
 
-    @tool
-    def render(self, code: str, language: Literal["matplotlib", "svg"] = "matplotlib") -> ToolResult:
+    @tool(name="render")
+    def render_code(self, code: str, language: Literal["matplotlib", "svg"] = "matplotlib") -> ToolResult:
         """Render matplotlib code or an SVG document in a sandbox and return the picture.
 
         Args:
