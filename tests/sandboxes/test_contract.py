@@ -1,0 +1,223 @@
+"""The Sandbox contract (DESIGN.md §3, §4), checked against each real backend.
+
+Isolation is checked by looking (interfaces, routes, capabilities, mounts), never by
+sending traffic anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from k3rl.sandboxes import (
+    PathEscapeError,
+    SandboxClosedError,
+    SandboxDeadError,
+    SandboxFileError,
+    SandboxLimits,
+    open_sandbox,
+)
+from k3rl.sandboxes.types import TRUNCATION_MARKER
+
+from .conftest import JOB, SMALL
+
+
+def test_exec_reports_exit_code_streams_stdin_env_and_workdir(sb):
+    r = sb.exec("echo out; echo err >&2; exit 7")
+    assert (r.exit_code, r.stdout, r.stderr) == (7, "out\n", "err\n")
+    assert not r.ok and not r.timed_out and not r.oom_killed and not r.truncated
+    assert r.duration_s >= 0
+    assert sb.exec("tr a-z A-Z", stdin="hello sandbox").stdout == "HELLO SANDBOX"
+    assert sb.exec("echo $GREETING", env={"GREETING": "bonjour"}).stdout == "bonjour\n"
+    sb.exec("mkdir -p sub/dir")
+    assert sb.exec("pwd", workdir="sub/dir").stdout == "/work/sub/dir\n"
+    assert sb.exec(["printf", "%s|", "a b", "c;d"]).stdout == "a b|c;d|"  # argv lists are quoted
+
+
+def test_sees_only_loopback_and_no_route(sb):
+    # /proc/net/* describe the sandbox's own network namespace
+    interfaces = [line.split(":")[0].strip() for line in sb.exec("cat /proc/net/dev").stdout.splitlines()[2:]]
+    assert interfaces == ["lo"]
+    routes = sb.exec("cat /proc/net/route").stdout.splitlines()
+    assert routes[0].startswith("Iface") and routes[1:] == []  # no default (or any) route
+    if sb.backend == "docker":
+        assert sb.exec("ls /sys/class/net").stdout.split() == ["lo"]
+
+
+def test_runs_as_non_root_without_capabilities(sb):
+    assert sb.exec("id -u; id -g").stdout.split() == ["1000", "1000"]
+    status = dict(
+        line.split(":\t", 1) for line in sb.exec("cat /proc/self/status").stdout.splitlines() if ":\t" in line
+    )
+    for cap in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[cap], 16) == 0, f"{cap}={status[cap]}"
+    assert status["NoNewPrivs"].strip() == "1"
+
+
+def test_writes_outside_the_work_dir_fail(sb):
+    for target in ("/etc/k3rl", "/usr/k3rl", "/k3rl", "/home/sandbox/k3rl", "/var/k3rl"):
+        r = sb.exec(f"echo x > {target}")
+        assert r.exit_code != 0, target
+        assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr, r.stderr
+    assert sb.exec("echo x > /work/ok && echo y > /tmp/ok && cat /work/ok /tmp/ok").stdout == "x\ny\n"
+
+
+def test_timeout_kills_the_whole_process_tree(sb):
+    t0 = time.monotonic()
+    r = sb.exec("sleep 100", timeout=2)
+    assert r.timed_out and r.exit_code == 137
+    assert time.monotonic() - t0 < 8
+    # children that left the process group (setsid) are killed too
+    r = sb.exec("setsid sleep 300 & (sleep 301 &) ; sleep 302", timeout=1)
+    assert r.timed_out
+    assert "sleep" not in sb.exec("ps -eo comm").stdout
+
+
+def test_background_job_holding_the_output_is_ended_with_the_exec(sb):
+    t0 = time.monotonic()
+    r = sb.exec("sleep 300 & echo started", timeout=20)
+    assert r.stdout == "started\n" and not r.timed_out
+    assert time.monotonic() - t0 < 8
+    assert "sleep" not in sb.exec("ps -eo comm").stdout
+
+
+def test_fork_bomb_is_contained_and_sandbox_stays_usable(backend):
+    with open_sandbox(backend, job=JOB, limits=SMALL.with_(pids=48)) as box:
+        r = box.exec("bash -c ':(){ :|:& };:'", timeout=5)
+        assert "Resource temporarily unavailable" in r.stderr or r.timed_out
+        after = box.exec("echo alive; ps -e --no-headers | wc -l")
+        lines = after.stdout.split()
+        assert lines[0] == "alive" and int(lines[1]) < 10
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 15  # closing is quick
+    assert box.closed
+
+
+def test_memory_bomb_is_oom_killed(backend):
+    with open_sandbox(backend, job=JOB, limits=SMALL.with_(memory_mb=128)) as box:
+        r = box.exec("python3 -c 'x = \"x\" * (1 << 30); print(len(x))'", timeout=30)
+        assert r.oom_killed and r.exit_code == 137 and not r.timed_out
+        assert box.exec("echo still here").stdout == "still here\n"
+
+
+def test_large_output_is_truncated_and_marked(sb):
+    cap = sb.limits.output_bytes
+    r = sb.exec("head -c 100000000 /dev/zero | tr '\\0' a; head -c 5000 /dev/zero | tr '\\0' b >&2", timeout=60)
+    assert r.truncated and r.exit_code == 0
+    marker = TRUNCATION_MARKER.format(shown=cap, total=100_000_000)
+    assert r.stdout.endswith(marker + "\n")
+    assert r.stdout.startswith("a" * cap)
+    assert r.stderr == "b" * 5000  # under the cap: untouched
+
+
+def test_files_round_trip_and_are_visible_to_exec(sb):
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    sb.write_file("data/blob.bin", blob)
+    assert sb.read_file("data/blob.bin") == blob
+    assert sb.read_file("/work/data/blob.bin") == blob  # absolute inside /work is fine
+    assert sb.exec("wc -c < data/blob.bin").stdout.strip() == str(len(blob))
+    sb.write_file("note.txt", "héllo")
+    assert sb.exec("cat note.txt").stdout == "héllo"
+    sb.exec("ln -s note.txt alias.txt")
+    assert sb.read_file("alias.txt") == "héllo".encode()  # a link that stays inside is followed
+    with pytest.raises(SandboxFileError, match="no such file"):
+        sb.read_file("missing.txt")
+    with pytest.raises(SandboxFileError, match="directory"):
+        sb.read_file("data")
+    big = SandboxLimits(max_file_bytes=1000)
+    with open_sandbox(sb.backend, job=JOB, limits=big) as small_box:
+        with pytest.raises(SandboxFileError, match="max_file_bytes"):
+            small_box.write_file("x", b"0" * 1001)
+
+
+@pytest.mark.parametrize(
+    "path", ["../escape", "a/../../escape", "/etc/passwd", "/work/../etc/passwd", "/workshop/x", ""]
+)
+def test_lexical_path_escapes_are_refused(sb, path):
+    with pytest.raises(PathEscapeError):
+        sb.write_file(path, b"x")
+    with pytest.raises(PathEscapeError):
+        sb.read_file(path)
+
+
+def test_symlink_escapes_are_refused(sb):
+    sb.exec("ln -s /etc etc_link; ln -s /etc/passwd passwd_link; ln -s /tmp tmp_link")
+    with pytest.raises(PathEscapeError, match="outside /work"):
+        sb.read_file("passwd_link")
+    with pytest.raises(PathEscapeError, match="outside /work"):
+        sb.read_file("etc_link/hostname")
+    with pytest.raises(PathEscapeError, match="outside /work"):
+        sb.write_file("tmp_link/planted", b"x")
+    with pytest.raises(PathEscapeError, match="outside /work"):
+        sb.write_file("passwd_link", b"x")
+    assert sb.exec("ls /tmp").stdout == ""  # nothing was planted through the link
+    with pytest.raises(PathEscapeError):
+        sb.exec("pwd", workdir="../")
+    with pytest.raises(PathEscapeError):
+        sb.exec("pwd", workdir="etc_link")
+
+
+def test_close_leaves_nothing_and_refuses_further_use(backend):
+    box = open_sandbox(backend, job=JOB, limits=SMALL)
+    box.exec("sleep 1000 > /dev/null 2>&1 &")  # a daemon that survives its exec
+    box.close()
+    box.close()  # idempotent
+    if backend == "docker":
+        import docker.errors
+
+        with pytest.raises(docker.errors.NotFound):
+            box.api.inspect_container(box.id)
+    else:
+        assert not box.base.exists()
+        assert box.cgroup is None or all(not d.exists() for d in box.cgroup.dirs.values())
+    with pytest.raises(SandboxClosedError):
+        box.exec("true")
+
+
+def test_killed_from_outside_mid_exec_gives_a_clear_error(backend):
+    box = open_sandbox(backend, job=JOB, limits=SMALL)
+    try:
+        def kill_soon():
+            time.sleep(1.0)
+            if backend == "docker":
+                box.client.api.kill(box.id)
+            else:  # the exec's bwrap process, as an admin's `kill -9` would
+                for proc in list(box._procs):
+                    os.kill(proc.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(SandboxDeadError, match="killed"):
+            box.exec("sleep 60", timeout=30)
+        killer.join()
+        assert time.monotonic() - t0 < 10
+    finally:
+        box.close()
+
+
+def test_limits_are_validated_with_clear_messages():
+    with pytest.raises(TypeError, match="memroy_mb"):
+        open_sandbox("bwrap", memroy_mb=10)
+    with pytest.raises(ValueError, match="pids"):
+        SandboxLimits(pids=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxLimits(memory_mb=8)
+    with pytest.raises(ValueError, match="unknown sandbox backend"):
+        open_sandbox("podman")
+
+
+def test_async_variants(sb):
+    import asyncio
+
+    async def go():
+        await sb.awrite_file("a.txt", "async")
+        results = await asyncio.gather(*(sb.aexec(f"cat a.txt; echo {i}") for i in range(4)))
+        return [r.stdout for r in results], await sb.aread_file("a.txt")
+
+    outs, data = asyncio.run(go())
+    assert outs == [f"async{i}\n" for i in range(4)] and data == b"async"
