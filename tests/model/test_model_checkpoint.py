@@ -1,0 +1,115 @@
+"""Checkpoints in the official Kimi-K3 HF layout: names, shards, index, bit-exact round trip, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from k3rl.learner.model import K3Config, load_hf, load_state_into, save_hf
+from k3rl.learner.model.checkpoint import CheckpointMismatchError, read_hf_tensors
+
+from k3_model_helpers import make_tiny
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = make_tiny(seed=7).to_param_dtype(torch.bfloat16)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_hf(model, path, max_shard_bytes=400_000)
+    return model, path
+
+
+def test_layout_and_official_names(saved):
+    model, path = saved
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and all((path / s).exists() for s in shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    tensors = read_hf_tensors(path)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    c = model.config
+    E = c.num_experts
+    for name in [
+        "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+        "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.0.self_attn.f_a_proj.weight", "model.layers.0.self_attn.o_norm.weight",
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attention_res_proj.weight",
+        "model.layers.0.mlp_res_norm.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.3.self_attn.q_a_layernorm.weight", "model.layers.3.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
+        f"model.layers.1.mlp.experts.{E - 1}.w2.weight", "model.layers.1.mlp.routed_expert_down_proj.weight",
+        "model.layers.1.mlp.routed_expert_norm.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
+        "vision_tower.encoder.blocks.1.wqkv.weight", "vision_tower.encoder.final_layernorm.weight",
+        "mm_projector.proj.0.weight", "mm_projector.proj.2.weight", "mm_projector.post_norm.weight",
+    ]:
+        assert name in tensors, name
+    assert tensors["model.layers.1.mlp.experts.0.w1.weight"].shape == (c.moe_intermediate_size, c.routed_expert_hidden_size)
+    a_log = tensors["model.layers.0.self_attn.A_log"]
+    H = c.linear_attn_config.num_heads
+    assert a_log.shape == (128,) and a_log.dtype == torch.float32 and bool((a_log[H:] == 0).all())
+    assert tensors["model.layers.0.self_attn.dt_bias"].dtype == torch.float32
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert not any(".experts.w1" in n for n in tensors)  # no stacked names leak out
+    assert K3Config.from_hf(path) == model.config
+
+
+def test_round_trip_is_bit_exact(saved):
+    model, path = saved
+    loaded = load_hf(path)
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+
+
+def _rewrite(src, dst, edit):
+    tensors = read_hf_tensors(src)
+    edit(tensors)
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_mismatches_are_reported_by_name(saved, tmp_path):
+    model, path = saved
+
+    def edit(t):
+        del t["model.layers.2.self_attn.g_proj.weight"]
+        del t["model.layers.1.mlp.experts.3.w3.weight"]
+        t["model.layers.0.extra.weight"] = torch.zeros(2)
+        t["model.norm.weight"] = torch.zeros(5, dtype=torch.bfloat16)
+
+    bad = _rewrite(path, tmp_path / "bad", edit)
+    target = make_tiny(seed=8).to_param_dtype(torch.bfloat16)
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_state_into(target, bad)
+    msg = str(err.value)
+    assert "missing (2)" in msg and "model.layers.2.self_attn.g_proj.weight" in msg
+    assert "model.layers.1.mlp.experts.3.w3.weight" in msg
+    assert "unexpected (1): model.layers.0.extra.weight" in msg
+    assert "model.norm.weight: checkpoint (5,) vs model (128,)" in msg
+
+
+def test_single_file_checkpoint_loads(saved, tmp_path):
+    model, path = saved
+    single = _rewrite(path, tmp_path / "single", lambda t: None)
+    target = make_tiny(seed=9).to_param_dtype(torch.bfloat16)
+    load_state_into(target, single)
+    assert torch.equal(target.model.layers[1].mlp.experts.w2, model.model.layers[1].mlp.experts.w2)
+    with safe_open(str(single / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.1.mlp.experts.0.w2.weight" in f.keys()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json or model.safetensors"):
+        load_state_into(target, tmp_path)
