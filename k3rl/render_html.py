@@ -30,8 +30,10 @@ def _pre(text: str) -> str:
 
 def _image(png: bytes, label: str) -> str:
     w, h = png_size(png)
+    scale = max(1, 128 // max(w, h))  # small observations are shown enlarged (pixelated), at least 128 px
     data = base64.b64encode(png).decode("ascii")
-    return (f'<figure><img src="data:image/png;base64,{data}" width="{w}" height="{h}" alt="{escape(label)}">'
+    return (f'<figure><img src="data:image/png;base64,{data}" width="{w * scale}" height="{h * scale}" '
+            f'alt="{escape(label)}">'
             f"<figcaption>{escape(label)} ({w}x{h}, {len(png)} bytes)</figcaption></figure>")
 
 

@@ -7,8 +7,8 @@ Layout under the run directory `root`:
     root/images/<episode_id>/<turn>_<k>.png the k-th image of turn `turn`, for browsing
 
 Crash safety: a part (and every PNG) is written to a hidden temp file in the same directory,
-fsync'd, then published under its final name with `os.link` (atomic, and it refuses to
-overwrite another writer's part) and the directory is fsync'd. Readers only ever list
+fsync'd, then published under its final name (`os.link` for parts: atomic, and it refuses to
+overwrite another writer's part; `os.replace` for PNGs) and the directory is fsync'd. Readers only ever list
 `part-*.parquet`, so a writer killed at any instant leaves either a complete part or nothing
 visible; its temp file (named with the writer's pid) is removed by the next store opened
 on the directory once that pid is gone. Images are written before the part that refers to
@@ -68,17 +68,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def write_bytes_atomic(final: Path, data: bytes, *, overwrite: bool = True) -> bool:
-    """Write `data` to `final` so that `final` is either absent/old or complete, never partial.
-
-    With overwrite=False an existing `final` is left alone and False is returned.
-    """
-    tmp = _temp_name(final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return _publish(tmp, final, overwrite=overwrite)
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _publish(tmp: Path, final: Path, *, overwrite: bool) -> bool:
@@ -194,8 +189,7 @@ class TrajectoryStore:
                 return None
             batch = self._buffer
             if self.write_images:
-                for t in batch:
-                    self._write_images(t)
+                self._write_images(batch)
             table = self._to_table(batch)
             path = self._write_part(table)
             self._indexed.add(path.name)
@@ -212,13 +206,26 @@ class TrajectoryStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _write_images(self, t: Trajectory) -> None:
-        for turn_index, turn in enumerate(t.turns):
-            for k, png in enumerate(turn.images):
-                final = self.image_path(t.id, turn_index, k)
-                if not final.exists():
+    def _write_images(self, batch: list[Trajectory]) -> None:
+        """Every image of the batch as a PNG file: all written to temp files, fsync'd, then renamed,
+        then each touched directory fsync'd once (fewer syncs than one file at a time)."""
+        written: list[tuple[Path, Path]] = []
+        for t in batch:
+            for turn_index, turn in enumerate(t.turns):
+                for k, png in enumerate(turn.images):
+                    final = self.image_path(t.id, turn_index, k)
+                    if final.exists():
+                        continue
                     final.parent.mkdir(parents=True, exist_ok=True)
-                    write_bytes_atomic(final, png)
+                    tmp = _temp_name(final)
+                    tmp.write_bytes(png)
+                    written.append((tmp, final))
+        for tmp, _ in written:
+            _fsync_file(tmp)
+        for tmp, final in written:
+            os.replace(tmp, final)
+        for directory in {final.parent for _, final in written} | ({self.images_dir} if written else set()):
+            _fsync_dir(directory)
 
     @staticmethod
     def _to_table(batch: list[Trajectory]) -> pa.Table:
@@ -249,6 +256,7 @@ class TrajectoryStore:
             raise StoreError(f"cannot read trajectory part {path}: {e}") from e
 
     def _refresh_index(self) -> None:
+        """Add the ids of parts published since the last look (by any writer) to the index."""
         for p in self.parts():
             if p.name not in self._indexed:
                 ids = self._read_part_column(p, "id")
@@ -269,30 +277,34 @@ class TrajectoryStore:
             self._refresh_index()
             return episode_id in self._ids
 
-    def _rows(self, step: int | None = None) -> Iterator[dict]:
-        filters = [("step", "=", int(step))] if step is not None else None
+    @staticmethod
+    def _filter(step: int | None, episode: str | None):
+        """A pyarrow filter expression (evaluated while reading, before any row is decoded)."""
+        expr = None
+        if step is not None:
+            expr = pc.field("step") == int(step)
+        if episode is not None:
+            prefix = pc.starts_with(pc.field("id"), pattern=episode)
+            expr = prefix if expr is None else expr & prefix
+        return expr
+
+    def iter_all(self, step: int | None = None, episode: str | None = None) -> Iterator[Trajectory]:
+        """Every stored episode once (first copy of an id wins), in write order; optionally only
+        those consumed at training `step` and/or whose id starts with `episode`."""
+        filters = self._filter(step, episode)
         schema_names = set(Trajectory.arrow_schema().names)
+        seen: set[str] = set()
         for p in self.parts():
             for row in self._read_part(p, filters).to_pylist():
-                yield {k: v for k, v in row.items() if k in schema_names}
-
-    def iter_all(self, step: int | None = None) -> Iterator[Trajectory]:
-        """Every stored episode once (first copy of an id wins), in write order."""
-        seen: set[str] = set()
-        for row in self._rows(step):
-            if row["id"] in seen:
-                continue
-            seen.add(row["id"])
-            yield Trajectory.from_arrow_row(row)
+                if row["id"] in seen:
+                    continue
+                seen.add(row["id"])
+                yield Trajectory.from_arrow_row({k: v for k, v in row.items() if k in schema_names})
 
     def read(self, step: int | None = None, episode: str | None = None) -> list[Trajectory]:
-        """Stored episodes, optionally only those consumed at training `step` and/or whose id
-        starts with `episode` (a full id or a prefix)."""
-        out = []
-        for t in self.iter_all(step=step):
-            if episode is None or t.id.startswith(episode):
-                out.append(t)
-        return out
+        """Stored episodes, optionally only those consumed at training `step` (metadata["step"])
+        and/or whose id starts with `episode` (a full id or a prefix)."""
+        return list(self.iter_all(step=step, episode=episode))
 
     def ids(self) -> list[str]:
         """Episode ids on disk, in write order, without duplicates."""

@@ -150,44 +150,49 @@ def _size(path: Path) -> int:
         return 0
 
 
-def test_sigkill_mid_write_leaves_only_complete_parts(tmp_path):
-    """A real writer process is SIGKILLed while a part is being written: every visible part is
-    complete, holds exactly whole flushes of the episodes the writer produced, and the temp file
-    it left is invisible to readers and removed by the next writer."""
-    root = tmp_path / "run"
-    every, gen = 6, 100_000  # ~10 MB of log-probs per part: writing takes long enough to be caught in
+def _unpublished_temps(parts_dir: Path) -> list[Path]:
+    """Temp parts whose final name is not published yet: their writer is inside the write
+    (a temp seen after publishing exists only for the instant between link and unlink)."""
+    return [tmp for tmp in parts_dir.glob(".part-*.tmp-*")
+            if _size(tmp) > 0 and not (parts_dir / tmp.name[1:].split(".tmp-")[0]).exists()]
+
+
+def _kill_writer_mid_write(root: Path, every: int, gen: int) -> str:
+    """Start a writer, SIGKILL it as soon as it is inside the write of its third part; its stdout."""
     script = WRITER.format(tests=str(Path(__file__).parent), root=str(root), every=every, gen=gen)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     parts_dir = root / "trajectories"
-    killed_mid_write = False
     deadline = time.monotonic() + 60
     try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"writer exited early with {proc.returncode}")
-            # a temp part whose final name is not published yet: the writer is inside the write
-            # (a temp seen after publishing is only the instant between link and unlink)
-            if len(list(parts_dir.glob("part-*.parquet"))) >= 2 and any(
-                size > 0 and not (parts_dir / tmp.name[1:].split(".tmp-")[0]).exists()
-                for tmp in parts_dir.glob(".part-*.tmp-*") for size in [_size(tmp)]
-            ):
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(list(parts_dir.glob("part-*.parquet"))) >= 2 and _unpublished_temps(parts_dir):
                 os.kill(proc.pid, signal.SIGKILL)
-                killed_mid_write = True
                 break
             time.sleep(0.0005)
     finally:
-        if proc.poll() is None and not killed_mid_write:
+        if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         out = proc.stdout.read()
         proc.stdout.close()
-    assert killed_mid_write, "never saw the writer mid-write"
-    assert proc.returncode == -signal.SIGKILL
-    flushed = max([int(line.split()[1]) for line in out.splitlines() if line.startswith("flushed")], default=0)
+    assert proc.returncode == -signal.SIGKILL, f"writer exited by itself with {proc.returncode}"
+    return out
 
-    stray = list(parts_dir.glob(".part-*.tmp-*"))
-    assert len(stray) == 1, "the kill should have left the writer's temp file behind"
-    assert not (parts_dir / stray[0].name[1:].split(".tmp-")[0]).exists()  # killed before publishing
+
+def test_sigkill_mid_write_leaves_only_complete_parts(tmp_path):
+    """A real writer process is SIGKILLed while a part is being written: every visible part is
+    complete, holds exactly whole flushes of the episodes the writer produced, and the temp file
+    it left is invisible to readers and removed by the next writer."""
+    every, gen = 6, 20_000  # ~2 MB of log-probs per part: a write takes long enough to be caught in
+    for attempt in range(5):  # on a loaded machine the write may finish before the kill lands: retry
+        root = tmp_path / f"run{attempt}"
+        out = _kill_writer_mid_write(root, every, gen)
+        parts_dir = root / "trajectories"
+        stray = _unpublished_temps(parts_dir)
+        if stray:
+            break
+    assert len(stray) == 1, "never killed the writer inside a write"
+    flushed = max([int(line.split()[1]) for line in out.splitlines() if line.startswith("flushed")], default=0)
     reader = TrajectoryStore(root, readonly=True)
     assert stray[0].exists()  # read-only open does not touch the directory
     got = reader.read()
