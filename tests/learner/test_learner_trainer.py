@@ -1,0 +1,198 @@
+"""The trainer on the real k3-tiny model: steps, schedule, replay, QB, checkpoints, export."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3rl.config import JobConfig, LearnerSection
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.learner.model.state_dict_adapter import from_hf
+from k3rl.learner.trainer import Trainer, lr_at
+from learner_helpers import make_trajectories
+
+torch.set_num_threads(1)
+
+
+def tiny(seed=0) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    return K3ForCausalLM(K3Config.preset("k3-tiny"))
+
+
+def trainer(seed=0, **cfg) -> Trainer:
+    cfg.setdefault("micro_batch_tokens", 64)
+    cfg.setdefault("steps", 10)
+    return Trainer(tiny(seed), LearnerSection(**cfg))
+
+
+def params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+
+def test_lr_schedule_linear_warmup_then_cosine():
+    peak = 1.0
+    assert lr_at(0, 100, peak, 0.05, 0.1) == pytest.approx(0.2)  # warmup 5 steps: (0+1)/5
+    assert lr_at(4, 100, peak, 0.05, 0.1) == pytest.approx(1.0)
+    assert lr_at(5, 100, peak, 0.05, 0.1) == pytest.approx(1.0)  # cosine starts at the peak
+    mid = 5 + 95 / 2
+    assert lr_at(int(mid), 100, peak, 0.05, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 47 / 95)))
+    assert lr_at(100, 100, peak, 0.05, 0.1) == pytest.approx(0.1)
+    assert lr_at(500, 100, peak, 0.05, 0.1) == pytest.approx(0.1)  # stays at the floor
+    assert lr_at(0, 20, 3e-3, 0.01, 0.1) == pytest.approx(3e-3)  # ceil(0.2) = 1 warmup step
+
+
+def test_train_step_reports_every_term_and_changes_the_weights():
+    t = trainer(kl_coef=0.05)
+    before = params(t)
+    m = t.train_step(make_trajectories(0))
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_masked_frac", "tis_truncated_frac",
+                "is_ratio_mean", "is_ratio_max", "grad_norm", "lr", "tokens", "micro_batches", "staleness_mean"):
+        assert key in m and math.isfinite(m[key]), key
+    assert m["kl"] == 0.0  # the policy is still the reference
+    assert m["entropy"] == pytest.approx(math.log(320), rel=0.05)  # near-uniform at init
+    assert m["micro_batches"] > 1 and t.step == 1
+    assert 1.0 < m["is_ratio_max"] and m["tis_truncated_frac"] > 0  # behaviour log-probs below the policy's
+    after = params(t)
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], after["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(before["model.layers.1.mlp.gate.e_score_correction_bias"],
+                       after["model.layers.1.mlp.gate.e_score_correction_bias"])  # QB frozen by default
+    m2 = t.train_step(make_trajectories(1, version=0))
+    assert m2["kl"] > 0 and m2["staleness_mean"] == 1.0
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch():
+    a, b = trainer(micro_batch_tokens=4096), trainer(micro_batch_tokens=40)
+    batch = make_trajectories(2)
+    ma, mb = a.train_step(batch), b.train_step(batch)
+    assert ma["micro_batches"] == 1 and mb["micro_batches"] > 2
+    assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-6)
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+    pa, pb = params(a), params(b)
+    assert max((pa[k] - pb[k]).abs().max().item() for k in pa) < 1e-5
+
+
+def test_resume_is_bit_identical():
+    batches = [make_trajectories(s) for s in range(4)]
+    a = trainer(steps=6)
+    a.sft_step(batches[0])
+    a.train_step(batches[1])
+    a.data_state = {"cursor": 17}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        a.save_checkpoint(d)
+        ref = [a.train_step(batches[2]), a.train_step(batches[3])]
+        b = trainer(seed=123, steps=6)  # other initial weights: everything must come from the checkpoint
+        b.load_checkpoint(d)
+        assert b.step == 1 and b.sft_step_count == 1 and b.data_state == {"cursor": 17}
+        got = [b.train_step(batches[2]), b.train_step(batches[3])]
+    for r, g in zip(ref, got):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "lr", "is_ratio_mean"):
+            assert r[key] == g[key], key
+    pa, pb = params(a), params(b)
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            va, vb = sa[i][k], sb[i][k]
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb
+    assert a.data_position == b.data_position
+
+
+def test_load_checkpoint_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trainer.json"):
+        trainer().load_checkpoint(tmp_path)
+
+
+def test_sft_lowers_the_nll_of_demonstrations():
+    t = trainer(sft_steps=6, sft_lr=3e-3)
+    demos = make_trajectories(5, n=4)
+    first = t.sft_step(demos)["nll"]
+    for _ in range(5):
+        last = t.sft_step(demos)["nll"]
+    assert last < first - 0.5, (first, last)
+
+
+def test_routing_replay_uses_the_recorded_experts():
+    model = tiny()
+    n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
+    batch = make_trajectories(3, n=4)
+    own, forced = [], []
+    with torch.no_grad():
+        for tr in batch:
+            ids = torch.tensor([tr.prompt_ids + tr.completion_ids])
+            _, routes = model(ids, return_routing=True)
+            P = len(tr.prompt_ids)
+            own.append(tr.model_copy(update={"routed_experts": routes[0, P:].tolist()}))
+            forced.append(tr.model_copy(update={"routed_experts": [[[0, 1]] * n_moe] * len(tr.completion_ids)}))
+    assert len(own[0].routed_experts[0]) == n_moe and len(own[0].routed_experts[0][0]) == k
+    base = trainer().train_step(batch)["loss"]
+    replay_own = trainer(routing_replay=True).train_step(own)["loss"]
+    replay_forced = trainer(routing_replay=True).train_step(forced)["loss"]
+    no_replay = trainer(routing_replay=False).train_step(forced)["loss"]
+    assert replay_own == pytest.approx(base, abs=1e-5)  # the model's own routes: same result
+    assert no_replay == pytest.approx(base, abs=1e-6)  # records ignored when replay is off
+    assert abs(replay_forced - base) > 1e-4  # other experts: another function
+
+
+def test_quantile_balancing_updates_only_when_unfrozen():
+    t = trainer(qb_frozen=False)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    before = params(t)[bias]
+    m = t.train_step(make_trajectories(4))
+    assert m["qb_layers_updated"] == len(t.model.moe_layer_ids)
+    after = params(t)[bias]
+    assert not torch.equal(before, after)
+    assert after.sum().abs().item() < 1e-5  # mean-centred
+
+
+def test_activation_checkpointing_gives_the_same_step_and_bf16_is_close():
+    batch = make_trajectories(6)
+    plain, ckpt = trainer(), trainer(activation_checkpointing=True)
+    mp, mc = plain.train_step(batch), ckpt.train_step(batch)
+    assert ckpt.model.gradient_checkpointing
+    assert mp["loss"] == mc["loss"] and mp["grad_norm"] == pytest.approx(mc["grad_norm"], rel=1e-6)
+    pp, pc = params(plain), params(ckpt)
+    assert max((pp[k] - pc[k]).abs().max().item() for k in pp) < 1e-6
+    mb = trainer(bf16=True).train_step(batch)
+    assert math.isfinite(mb["loss"]) and mb["entropy"] == pytest.approx(mp["entropy"], rel=2e-2)
+
+
+def test_export_weights_uses_official_names_and_keeps_fp32_allow_list():
+    t = trainer()
+    update = t.export_weights(version=7, dtype=torch.bfloat16)
+    assert update.version == 7
+    state = update.state_dict()
+    assert "model.layers.1.mlp.experts.0.w1.weight" in state and "model.layers.1.mlp.experts.w1" not in state
+    assert state["model.layers.0.self_attn.A_log"].shape == (128,)  # zero-padded to 128 as in the checkpoint
+    assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    for name in ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
+                 "model.layers.0.self_attn.q_conv1d.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+        assert state[name].dtype == torch.float32, name
+    exact = t.export_weights(version=8).state_dict()
+    ours, unexpected = from_hf(exact, t.model.state_dict())
+    assert not unexpected
+    own = t.model.state_dict()
+    assert ours.keys() == own.keys() and all(torch.equal(ours[k], own[k]) for k in own)
+
+
+def test_bad_batches_and_config_raise_clear_errors():
+    t = trainer()
+    batch = make_trajectories(0, n=2)
+    batch[0].group_id = ""
+    with pytest.raises(ValueError, match="group_id"):
+        t.train_step(batch)
+    with pytest.raises(ValueError, match="no trajectories"):
+        t.sft_step([])
+    with pytest.raises(ValueError, match="world_size"):
+        Trainer(tiny(), LearnerSection(data_parallel="fsdp", world_size=2))
+
+
+def test_trainer_from_job_config():
+    job = JobConfig.from_dict({"learner": {"optimizer": "adamw", "lr": 1e-3}})
+    t = Trainer.from_job(job)
+    assert all(g["kind"] == "adamw" for g in t.optimizer.param_groups)
+    assert t.model.config == K3Config.preset("k3-tiny")
