@@ -5,6 +5,7 @@ Layout under the run directory `root`:
     root/trajectories/part-000000.parquet   one file per flush (zstd, the Trajectory Arrow schema
     root/trajectories/part-000001.parquet   plus `step` and `policy_version` columns for filtering)
     root/images/<episode_id>/<turn>_<k>.png the k-th image of turn `turn`, for browsing
+    root/images/.staging/                   image temp files before they are renamed into place
 
 Crash safety: a part (and every PNG) is written to a hidden temp file in the same directory,
 fsync'd, then published under its final name (`os.link` for parts: atomic, and it refuses to
@@ -13,6 +14,9 @@ overwrite another writer's part; `os.replace` for PNGs) and the directory is fsy
 visible; its temp file (named with the writer's pid) is removed by the next store opened
 on the directory once that pid is gone. Images are written before the part that refers to
 them, so a visible episode always has its PNGs.
+
+`append` takes a snapshot (the Arrow row and the PNG bytes), so changing a Trajectory object
+after appending it does not change what is stored.
 
 Episodes are unique by id: `append` drops an id the store already holds (a re-run episode of a
 restarted worker is not counted twice) and reads keep the first copy if two writers raced.
@@ -38,6 +42,7 @@ PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 # Columns added to the Trajectory schema in the files so a reader can filter without parsing metadata.
 EXTRA_COLUMNS = [("step", pa.int64()), ("policy_version", pa.int64())]
+PART_SCHEMA = pa.schema([*Trajectory.arrow_schema(), *(pa.field(n, t) for n, t in EXTRA_COLUMNS)])
 
 
 class StoreError(RuntimeError):
@@ -113,12 +118,15 @@ class TrajectoryStore:
         self.root = Path(root)
         self.parts_dir = self.root / "trajectories"
         self.images_dir = self.root / "images"
+        self.staging_dir = self.images_dir / ".staging"  # image temp files, renamed into place
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self.write_images = write_images
         self.readonly = readonly
         self._lock = threading.RLock()
-        self._buffer: list[Trajectory] = []
+        # snapshots taken at append time: later changes to a Trajectory object do not leak in
+        self._buffer: list[dict] = []  # Arrow rows (Trajectory.to_arrow_row + the filter columns)
+        self._buffer_images: list[tuple[str, int, int, bytes]] = []  # (episode id, turn, k, png)
         self._buffer_since: float | None = None
         self._ids: set[str] = set()  # ids on disk (indexed parts) and in the buffer
         self._indexed: set[str] = set()  # part names whose ids are in self._ids
@@ -127,7 +135,7 @@ class TrajectoryStore:
                 raise StoreError(f"{self.root} holds no trajectory store (no {self.parts_dir.name}/ directory)")
         else:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
-            self.images_dir.mkdir(parents=True, exist_ok=True)
+            self.staging_dir.mkdir(parents=True, exist_ok=True)
             self.clean_stray_temp_files()
 
     # -- files -------------------------------------------------------------------------
@@ -141,10 +149,9 @@ class TrajectoryStore:
     def clean_stray_temp_files(self) -> list[Path]:
         """Remove temp files left by writers that died mid-write (their pid is gone)."""
         removed = []
-        dirs = [self.parts_dir]
-        if self.images_dir.is_dir():
-            dirs += [d for d in self.images_dir.iterdir() if d.is_dir()]
-        for directory in dirs:
+        for directory in (self.parts_dir, self.staging_dir):
+            if not directory.is_dir():
+                continue
             for p in directory.iterdir():
                 m = TMP_RE.match(p.name)
                 if m and not _pid_alive(int(m.group("pid"))):
@@ -165,7 +172,13 @@ class TrajectoryStore:
         with self._lock:
             if self.contains(trajectory.id):
                 return False
-            self._buffer.append(trajectory)
+            row = trajectory.to_arrow_row()
+            for name, _ in EXTRA_COLUMNS:
+                row[name] = _meta_int(trajectory.metadata, name)
+            self._buffer.append(row)
+            if self.write_images:
+                self._buffer_images += [(trajectory.id, ti, k, png) for ti, turn in enumerate(trajectory.turns)
+                                        for k, png in enumerate(turn.images)]
             self._ids.add(trajectory.id)
             if self._buffer_since is None:
                 self._buffer_since = time.monotonic()
@@ -187,13 +200,10 @@ class TrajectoryStore:
         with self._lock:
             if not self._buffer:
                 return None
-            batch = self._buffer
-            if self.write_images:
-                self._write_images(batch)
-            table = self._to_table(batch)
-            path = self._write_part(table)
+            self._write_images(self._buffer_images)
+            path = self._write_part(pa.Table.from_pylist(self._buffer, schema=PART_SCHEMA))
             self._indexed.add(path.name)
-            self._buffer, self._buffer_since = [], None
+            self._buffer, self._buffer_images, self._buffer_since = [], [], None
             return path
 
     def close(self) -> None:
@@ -206,33 +216,28 @@ class TrajectoryStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _write_images(self, batch: list[Trajectory]) -> None:
-        """Every image of the batch as a PNG file: all written to temp files, fsync'd, then renamed,
-        then each touched directory fsync'd once (fewer syncs than one file at a time)."""
+    def _write_images(self, images: list[tuple[str, int, int, bytes]]) -> None:
+        """The images as PNG files: all written to temp files in images/.staging, fsync'd, renamed
+        into images/<episode>/, then each touched directory fsync'd once."""
         written: list[tuple[Path, Path]] = []
-        for t in batch:
-            for turn_index, turn in enumerate(t.turns):
-                for k, png in enumerate(turn.images):
-                    final = self.image_path(t.id, turn_index, k)
-                    if final.exists():
-                        continue
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = _temp_name(final)
-                    tmp.write_bytes(png)
-                    written.append((tmp, final))
-        for tmp, _ in written:
-            _fsync_file(tmp)
-        for tmp, final in written:
-            os.replace(tmp, final)
+        try:
+            for episode_id, turn, k, png in images:
+                final = self.image_path(episode_id, turn, k)
+                if final.exists():
+                    continue
+                final.parent.mkdir(parents=True, exist_ok=True)
+                tmp = _temp_name(self.staging_dir / f"{episode_id}-{turn}_{k}.png")
+                written.append((tmp, final))
+                tmp.write_bytes(png)
+            for tmp, _ in written:
+                _fsync_file(tmp)
+            for tmp, final in written:
+                os.replace(tmp, final)
+        finally:
+            for tmp, _ in written:
+                tmp.unlink(missing_ok=True)
         for directory in {final.parent for _, final in written} | ({self.images_dir} if written else set()):
             _fsync_dir(directory)
-
-    @staticmethod
-    def _to_table(batch: list[Trajectory]) -> pa.Table:
-        table = Trajectory.to_arrow(batch)
-        for name, typ in EXTRA_COLUMNS:
-            table = table.append_column(pa.field(name, typ), pa.array([_meta_int(t.metadata, name) for t in batch], typ))
-        return table
 
     def _write_part(self, table: pa.Table) -> Path:
         existing = self.parts()
@@ -240,10 +245,14 @@ class TrajectoryStore:
         while True:
             final = self.parts_dir / f"part-{index:06d}.parquet"
             tmp = _temp_name(final)
-            with open(tmp, "wb") as f:
-                pq.write_table(table, f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(tmp, "wb") as f:
+                    pq.write_table(table, f, compression="zstd")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
             if _publish(tmp, final, overwrite=False):
                 return final
             index += 1  # another writer published this number first

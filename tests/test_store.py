@@ -119,6 +119,36 @@ def test_bad_input_and_unreadable_part(tmp_path):
         ro.read()
 
 
+def test_append_takes_a_snapshot(tmp_path):
+    store = TrajectoryStore(tmp_path, flush_every=10)
+    t = make_episode(2)
+    store.append(t)
+    t.reward = -5.0  # changed after appending (e.g. by the caller's bookkeeping)
+    t.metadata["step"] = 99
+    t.turns[0].images.clear()
+    store.flush()
+    (got,) = store.read()
+    assert got == make_episode(2)
+    assert store.read(step=99) == [] and store.image_path(t.id, 0, 0).read_bytes() == got.turns[0].images[0]
+
+
+def test_stray_temp_files_of_dead_writers_are_ignored_and_cleaned(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    parts, staging = tmp_path / "trajectories", tmp_path / "images" / ".staging"
+    TrajectoryStore(tmp_path, flush_every=1).append(make_episode(2))
+    half = parts / f".part-000009.parquet.tmp-{dead_pid}-00ff"
+    half.write_bytes(b"PAR1" + os.urandom(100))  # the start of a Parquet file, cut off
+    dead_img = staging / f".ep00003-0_0.png.tmp-{dead_pid}-00ff"
+    live_img = staging / f".ep00004-0_0.png.tmp-{os.getpid()}-00ff"  # a writer still at work
+    dead_img.write_bytes(b"\x89PNG")
+    live_img.write_bytes(b"\x89PNG")
+    assert [t.id for t in TrajectoryStore(tmp_path, readonly=True).read()] == ["ep00002"]
+    assert half.exists() and dead_img.exists()  # readers leave the directory alone
+    TrajectoryStore(tmp_path)
+    assert not half.exists() and not dead_img.exists() and live_img.exists()
+
+
 def test_time_based_flush(tmp_path):
     store = TrajectoryStore(tmp_path, flush_every=1000, flush_interval_s=0.0)
     store.append(make_episode(3))
