@@ -245,9 +245,12 @@ def env_kwargs_for(traj: Trajectory, run_dir: Path | None) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     cfg_file = run_dir / "config.yaml" if run_dir is not None else None
     if cfg_file is not None and cfg_file.exists():
-        from k3rl.config import JobConfig
+        from k3rl.config import ConfigError, JobConfig
 
-        cfg = JobConfig.load(cfg_file)
+        try:
+            cfg = JobConfig.load(cfg_file)
+        except ConfigError as e:
+            raise ReplayError(f"cannot read the run's config {cfg_file} for the env's kwargs: {e}") from None
         for spec in cfg.envs.train:
             if spec.id == traj.env_id:
                 kwargs.update(spec.kwargs)
@@ -267,8 +270,9 @@ def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = Non
         pass
     try:
         env = gymnasium.make(traj.env_id, **(env_kwargs or {})).unwrapped
-    except gymnasium.error.Error as e:
-        raise ReplayError(f"cannot make environment {traj.env_id!r} to re-execute episode {traj.id}: {e}") from None
+    except (gymnasium.error.Error, TypeError) as e:
+        raise ReplayError(f"cannot make environment {traj.env_id!r} with kwargs {env_kwargs or {}} to re-execute "
+                          f"episode {traj.id}: {e}") from None
     out = ReExecution()
     try:
         obs, _info = env.reset(seed=traj.seed)

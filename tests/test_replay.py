@@ -14,6 +14,7 @@ import pytest
 from k3rl.rollout.agent import EpisodeSpec, run_episode
 from PIL import Image
 from rich.console import Console
+from test_store import make_episode
 from typer.testing import CliRunner
 
 from k3rl.chat import OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseError
@@ -159,6 +160,13 @@ def test_selection_and_bad_input(run_dir, tmp_path):
     c = console()
     assert replay_command(str(tmp_path / "nope"), console=c) == 2
     assert "is not a run directory with trajectories/" in c.export_text()
+    # an episode of an environment that is not registered (any more) cannot be re-executed
+    with TrajectoryStore(tmp_path / "gone", flush_every=1) as store:
+        store.append(make_episode(1))
+    c = console()
+    assert replay_command(str(tmp_path / "gone"), re_execute=True, console=c) == 2
+    text = c.export_text()
+    assert "ep00001" in text and "cannot make environment 'k3rl/Test-v0'" in text
 
 
 def test_re_execute_identical_then_divergent(run_dir):
