@@ -208,7 +208,8 @@ class EmbeddedEngine(InferenceEngine):
     prefix_cache_size   cached prefix states kept (LRU); 0 disables cross-request reuse
                      (groups submitted together still prefill once)
     background       run the scheduler in a thread (default). Without it, `generate` and
-                     `agenerate` drive `step()` themselves (single-threaded, deterministic).
+                     `agenerate` drive `step()` themselves (single-threaded, deterministic),
+                     and `abort` / `update_weights` run one step to take effect.
     """
 
     def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
@@ -568,7 +569,15 @@ class EmbeddedEngine(InferenceEngine):
             if n_img:
                 images = seq.images[seq.image_cursor : seq.image_cursor + n_img]
             ids = torch.tensor([seq.prompt[start:end]], device=self.device)
-            logits = self.model(ids, images=images, cache=seq.cache)
+            try:
+                logits = self.model(ids, images=images, cache=seq.cache)
+            except Exception as e:  # noqa: BLE001 - a bad prompt fails its own group, nobody else
+                self._prefilling.remove(seq)
+                for s in [seq, *seq.followers]:
+                    with self._cv:
+                        self._live.pop(s.id, None)
+                    s.future.set_exception(e)
+                continue
             seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
             budget -= end - start
             self.stats["prefill_tokens"] += end - start

@@ -241,3 +241,28 @@ def test_many_coroutines_share_one_background_engine(model):
         eng.close()
     for p, r in zip(prompts, results):
         assert r.token_ids == _engine(model).generate(p, SamplingParams(temperature=0, max_tokens=5)).token_ids
+
+
+def test_sampling_distribution_filters_exactly():
+    from k3rl.rollout.sampling import filtered_probs, new_generator, sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    one = torch.ones(1)
+    q = filtered_probs(logits, one, torch.tensor([2]), one)  # top-k 2: renormalised 0.5 : 0.2
+    assert torch.allclose(q, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]], dtype=torch.float64))
+    q = filtered_probs(logits, one, torch.tensor([0]), torch.tensor([0.8]))  # top-p 0.8: 0.5+0.2 < 0.8 -> keep 3
+    assert torch.allclose(q, torch.tensor([[0.5, 0.2, 0.15, 0, 0]], dtype=torch.float64) / 0.85)
+    q = filtered_probs(logits, torch.tensor([0.5]), torch.tensor([0]), one)  # T = 0.5 squares the odds
+    p2 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64) ** 2
+    assert torch.allclose(q[0], p2 / p2.sum())
+    # empirical frequencies of the inverse-CDF draw follow q (4000 draws, 5 sigma bounds)
+    params = [SamplingParams(temperature=1.0, top_k=3)]
+    g = new_generator(0)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample(logits, params, [g])[0]] += 1
+    expect = torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85 * 4000
+    assert counts[3:].sum() == 0
+    assert ((counts - expect).abs() <= 5 * (expect * (1 - expect / 4000)).sqrt() + 1).all()
+    # the banned id is never drawn, even when it is the argmax
+    assert sample(logits, [SamplingParams(temperature=0.0)], [g], banned=0).item() == 1

@@ -1,0 +1,269 @@
+"""Embedded-engine throughput and weight-sync bandwidth.
+
+    # CPU (k3-tiny, fp32): decode and prefill tokens/s, object-store and gloo weight sync
+    python benchmarks/engine.py
+    # one H200: k3-small bf16 decode tokens/s at batch 1 / 32 / 256 against the memory-bandwidth
+    # limit, weight sync GB/s per transport (object store, CUDA IPC; NCCL when >= 2 GPUs)
+    python benchmarks/engine.py --preset k3-small --device cuda
+
+Decode tokens/s counts generated tokens over the time of pure decode steps (every sequence
+already prefilled, one token per sequence per step, greedy). The bandwidth limit of a decode
+step is
+
+    tokens/s_max = B / (bytes read per step / copy bandwidth)
+    bytes per step = non-expert weights + n_moe_layers * E[experts touched by B tokens] * expert bytes
+                     + B * (KDA state read + written, conv windows, MLA latents of the context)
+    E[touched] = E * (1 - (1 - k/E)^B)         (uniform routing)
+
+and the copy bandwidth is measured with a large device-to-device copy (2 * bytes / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
+from k3rl.learner.model.state_dict_adapter import to_hf  # noqa: E402
+from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
+from k3rl.types import SamplingParams, WeightUpdate  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(preset: str, device: str, dtype: str) -> K3ForCausalLM:
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset(preset)).eval()
+    if dtype != "float32":
+        model.to_param_dtype(getattr(torch, dtype))
+    return model.to(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """GB/s of a large copy on `device`, counting the read and the write."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / min(times) / 1e9
+
+
+def bytes_per_decode_step(model: K3ForCausalLM, batch: int, context: int) -> float:
+    cfg = model.config
+    expert_bytes = 0.0
+    other = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith(("vision_tower", "mm_projector")):
+            continue  # not used while decoding text
+        if ".mlp.experts." in name:
+            expert_bytes += p.numel() * p.element_size()
+        else:
+            other += p.numel() * p.element_size()
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    touched_fraction = 1 - (1 - k / E) ** batch  # E[distinct experts] / E under uniform routing
+    weights = other + expert_bytes * touched_fraction
+    la = cfg.linear_attn_config
+    n_mla = len(cfg.mla_layer_ids)
+    n_kda = cfg.num_hidden_layers - n_mla
+    act = model.activation_dtype.itemsize if hasattr(model.activation_dtype, "itemsize") else 4
+    kda_state = la.num_heads * la.head_dim * la.head_dim * 4 * 2  # fp32, read + write
+    kda_conv = (la.short_conv_kernel_size - 1) * 3 * la.num_heads * la.head_dim * act
+    mla = context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * act
+    per_seq = n_kda * (kda_state + kda_conv) + n_mla * mla
+    return weights + batch * per_seq
+
+
+def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, warmup: int = 3) -> dict:
+    device = model.lm_head.weight.device
+    eng = EmbeddedEngine(model, background=False, max_num_seqs=batch, prefill_chunk=prompt_len,
+                         max_prefill_tokens=prompt_len * batch, prefix_cache_size=0)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + warmup + 2)
+    futures = [eng.submit([(i * 7 + j * 13) % 250 + 1 for j in range(prompt_len)], params) for i in range(batch)]
+    sync(device)
+    t = time.perf_counter()
+    eng.step()  # admits and prefills everybody, samples the first tokens
+    sync(device)
+    prefill_s = time.perf_counter() - t
+    for _ in range(warmup):
+        eng.step()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(new_tokens):
+        eng.step()
+    sync(device)
+    decode_s = time.perf_counter() - t
+    while not all(f.done() for f in futures):
+        eng.step()
+    return {"batch": batch, "decode_tok_s": batch * new_tokens / decode_s, "step_ms": 1e3 * decode_s / new_tokens,
+            "prefill_tok_s": batch * prompt_len / prefill_s, "context": prompt_len + warmup + new_tokens // 2}
+
+
+# ----- weight sync ---------------------------------------------------------------------------------
+
+
+def _update_for(model) -> WeightUpdate:
+    state = {k: v.detach() for k, v in to_hf(model.state_dict()).items()}
+    return WeightUpdate.from_state_dict(1, state, bucket_bytes=256 << 20)
+
+
+def object_store_gbps(update: WeightUpdate) -> float:
+    import ray
+
+    from k3rl.rollout.weight_sync import publish, receive
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def take(self, packed) -> int:
+            return receive(packed).nbytes
+
+    r = Receiver.remote()
+    ray.get(r.take.remote(publish(WeightUpdate.from_state_dict(0, {"x": torch.zeros(4)}))))  # warm
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        ref = publish(update)
+        ray.get(r.take.remote(ref))
+        times.append(time.perf_counter() - t)
+    if started:
+        ray.shutdown()
+    return update.nbytes / min(times) / 1e9
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective_receiver(port: int, backend: str, device: str, rounds: int) -> None:
+    from k3rl.rollout.weight_sync import CollectiveWeightSync
+
+    sync_ = CollectiveWeightSync(1, 2, port=port, backend=backend, device=device)
+    for _ in range(rounds):
+        sync_.recv()
+
+
+def collective_gbps(update: WeightUpdate, backend: str, devices: tuple[str, str], rounds: int = 3) -> float:
+    import torch.multiprocessing as mp
+
+    from k3rl.rollout.weight_sync import CollectiveWeightSync
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_collective_receiver, args=(port, backend, devices[1], rounds + 1))
+    proc.start()
+    sender = CollectiveWeightSync(0, 2, port=port, backend=backend, device=devices[0])
+    buckets = [b.model_copy(update={"tensors": {k: v.to(devices[0]) for k, v in b.tensors.items()}})
+               for b in update.buckets]
+    upd = update.model_copy(update={"buckets": buckets})
+    sender.send(upd)  # warm-up round
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        sender.send(upd)
+        times.append(time.perf_counter() - t)
+    proc.join(timeout=120)
+    return update.nbytes / statistics.median(times) / 1e9
+
+
+def _ipc_receiver(share, queue) -> None:
+    from k3rl.rollout.weight_sync import open_cuda_ipc
+
+    t = time.perf_counter()
+    upd = open_cuda_ipc(share)
+    queue.put((time.perf_counter() - t, upd.nbytes))
+
+
+def cuda_ipc_gbps(update: WeightUpdate) -> float:
+    import torch.multiprocessing as mp
+
+    from k3rl.rollout.weight_sync import share_cuda_ipc
+
+    t = time.perf_counter()
+    share = share_cuda_ipc(update)
+    pack_s = time.perf_counter() - t
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_ipc_receiver, args=(share, queue))
+    proc.start()
+    open_s, nbytes = queue.get(timeout=300)
+    proc.join(timeout=60)
+    share.release()
+    return nbytes / (pack_s + open_s) / 1e9
+
+
+# ----- main -----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="k3-tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--batches", default=None, help="comma list; default 1,8,32 (CPU) or 1,32,256 (CUDA)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync measurements")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    batches = [int(b) for b in (args.batches or ("1,32,256" if device.type == "cuda" else "1,8,32")).split(",")]
+    model = build(args.preset, args.device, dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
+    print(f"# engine benchmark: {args.preset} {dtype} on {name}")
+    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} timed decode steps after 3 warm-up steps, greedy")
+    bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
+    print(f"measured copy bandwidth: {bw:.1f} GB/s\n")
+    print("| batch | decode tok/s | step ms | prefill tok/s | bytes/step (MB) | bandwidth limit tok/s | % of limit |")
+    print("|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for b in batches:
+            r = decode_throughput(model, b, args.prompt_len, args.new_tokens)
+            nbytes = bytes_per_decode_step(model, b, r["context"])
+            limit = b / (nbytes / (bw * 1e9))
+            print(f"| {b} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | {r['prefill_tok_s']:.0f} | "
+                  f"{nbytes / 1e6:.1f} | {limit:.0f} | {100 * r['decode_tok_s'] / limit:.2f} |", flush=True)
+    if args.skip_sync:
+        return
+    update = _update_for(model.cpu() if device.type == "cpu" else model)
+    cpu_update = update.model_copy(update={"buckets": [b.model_copy(update={"tensors": {k: v.cpu() for k, v in b.tensors.items()}})
+                                                       for b in update.buckets]})
+    print(f"\nweight update: {update.nbytes / 1e6:.1f} MB in {len(update.buckets)} bucket(s)")
+    print("| transport | GB/s |\n|---|---|")
+    print(f"| object store (ray.put once + ray.get + unpack in an actor) | {object_store_gbps(cpu_update):.2f} |", flush=True)
+    if device.type == "cuda":
+        print(f"| CUDA IPC (pack on GPU, open + copy in another process) | {cuda_ipc_gbps(update):.2f} |", flush=True)
+        if torch.cuda.device_count() >= 2:
+            print(f"| NCCL broadcast (cuda:0 -> cuda:1) | {collective_gbps(update, 'nccl', ('cuda:0', 'cuda:1')):.2f} |")
+        else:
+            print("| NCCL broadcast | skipped: needs 2 GPUs (one per rank) |")
+    else:
+        print(f"| gloo broadcast (CPU, 2 processes; the NCCL code path) | {collective_gbps(cpu_update, 'gloo', ('cpu', 'cpu')):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
