@@ -46,23 +46,22 @@ from k3rl.envs.actions import assistant_text, parse_action
 from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
 from k3rl.envs.timings import Timings
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, collect_tools
+from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError
 from k3rl.types import ToolCall
 
 
-def _sandbox_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(errors the model caused, infrastructure errors) among the sandbox exceptions.
-
-    A bad path, a missing file or drawing code that fails are the model's doing and come back
-    as tool errors; any other SandboxError (the sandbox died, the backend failed) is not, and
-    ends the episode with the exception.
-    """
-    from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError
-
-    return (PathEscapeError, SandboxFileError, RenderError), (SandboxError,)
+# Sandbox errors the model caused (a bad path, a missing file, drawing code that fails) come
+# back to it as tool errors; any other SandboxError (the sandbox died, the backend failed) is
+# an infrastructure failure that ends the episode with the exception.
+MODEL_SANDBOX_ERRORS = (PathEscapeError, SandboxFileError, RenderError)
 
 
 class EpisodeNotActiveError(RuntimeError):
     """`step` was called before `reset` or after the episode ended."""
+
+
+class SandboxSetupError(SandboxError):
+    """`setup_sandbox` failed: an infrastructure failure (never reported to the model), whatever the cause."""
 
 
 class NoOracleError(RuntimeError):
@@ -192,6 +191,9 @@ class ToolEnv(gym.Env, abc.ABC):
             self._sandbox = sb
             try:
                 self.setup_sandbox(sb)
+            except Exception as e:
+                self._release_sandbox()
+                raise SandboxSetupError(f"{type(self).__name__}.setup_sandbox failed: {type(e).__name__}: {e}") from e
             except BaseException:
                 self._release_sandbox()
                 raise
@@ -294,7 +296,6 @@ class ToolEnv(gym.Env, abc.ABC):
 
     def _run_tool(self, call: ToolCall, timings: Timings, info: dict[str, Any]) -> tuple[Message, ToolResult]:
         t = time.perf_counter()
-        model_errors, infra_errors = _sandbox_errors()
         tool = self._tools.get(call.name)
         record: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments), "index": call.index,
                                   "id": call.id, "ok": True, "error": None}
@@ -307,9 +308,9 @@ class ToolEnv(gym.Env, abc.ABC):
                 result = ToolResult.coerce(tool.fn(**kwargs))
             except (ToolArgumentError, ToolError) as e:
                 result = ToolResult(f"Error: {e}", error=True)
-            except model_errors as e:
+            except MODEL_SANDBOX_ERRORS as e:
                 result = ToolResult(f"Error: {call.name} failed: {e}", error=True)
-            except infra_errors:
+            except SandboxError:
                 raise
             except Exception as e:  # the tool failed on the model's input: tell the model
                 result = ToolResult(f"Error: {call.name} failed: {type(e).__name__}: {e}", error=True)

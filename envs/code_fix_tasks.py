@@ -58,7 +58,7 @@ def inclusive_range(r) -> CodeFixTask:
     hidden = (f"from ranges import inclusive_range\n\n\ndef test_range():\n"
               f"    assert inclusive_range({lo}, {hi}) == {list(range(lo, hi + 1))}\n"
               "    assert inclusive_range(3, 3) == [3]\n    assert inclusive_range(4, 2) == []\n")
-    return _task("inclusive_range", "ranges.py", src, tests, hidden, ("range(lo, hi)", "range(lo, hi + 1)"),
+    return _task("inclusive_range", "ranges.py", src, tests, hidden, ("list(range(lo, hi))", "list(range(lo, hi + 1))"),
                  f"{lo},{hi}")
 
 

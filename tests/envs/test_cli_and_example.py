@@ -1,0 +1,72 @@
+"""`k3rl envs list|check` and the custom-environment example."""
+
+import importlib.util
+import io
+from pathlib import Path
+
+import gymnasium as gym
+from gymnasium.utils.env_checker import check_env
+from rich.console import Console
+from typer.testing import CliRunner
+
+from k3rl.cli import app
+from k3rl.envs.builtin import BUILTIN_ENVS
+from k3rl.envs.cli import check_env_command, list_envs
+from k3rl.envs.episode import run_oracle_episode
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_env.py"
+
+
+def console():
+    return Console(file=io.StringIO(), width=200, color_system=None)
+
+
+def test_list_shows_every_builtin():
+    c = console()
+    ids = list_envs(c)
+    out = c.file.getvalue()
+    assert set(BUILTIN_ENVS) <= set(ids)
+    for env_id in BUILTIN_ENVS:
+        assert env_id in out
+    assert "bash, read_file, write_file, str_replace, run_tests" in out
+
+
+def test_check_prints_the_oracle_transcript():
+    c = console()
+    assert check_env_command("k3rl/KeyLookup-v0", seed=3, console=c) == 0
+    out = c.file.getvalue()
+    env = gym.make("k3rl/KeyLookup-v0").unwrapped
+    env.reset(seed=3)
+    assert "env checker passed" in out and env.history[0].content in out
+    assert f"-> lookup(key='{env.task.key}')" in out and f"\n  {env.task.value}\n" in out
+    assert "reward 1.0000, 2 turns, terminated" in out
+
+
+def test_check_unknown_id_exits_2():
+    c = console()
+    assert check_env_command("k3rl/Nope-v0", console=c) == 2
+    assert "no environment 'k3rl/Nope-v0' is registered; known: k3rl/ChartMatch-v0" in c.file.getvalue()
+
+
+def test_cli_commands():
+    runner = CliRunner()
+    result = runner.invoke(app, ["envs", "check", "k3rl/KeyLookup-v0", "--seed", "1"])
+    assert result.exit_code == 0 and "reward 1.0000" in result.output
+    result = runner.invoke(app, ["envs", "list"])
+    assert result.exit_code == 0 and "KeyLookup" in result.output
+
+
+def test_custom_env_example():
+    assert len(EXAMPLE.read_text().splitlines()) < 50
+    spec = importlib.util.spec_from_file_location("custom_env_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    env = gym.make("examples/Units-v0")
+    check_env(env.unwrapped)
+    for seed in range(8):
+        assert run_oracle_episode(env, seed=seed).reward == 1.0
+    base = env.unwrapped
+    base.reset(seed=0)
+    obs, *_ = base.step(base.say(tool_calls=[{"name": "convert", "arguments": {"value": 1, "src": "m", "dst": "km"}}]))
+    assert obs[0]["content"].startswith("Error: cannot convert m to km")
+    assert base.tools[0]["function"]["parameters"]["required"] == ["value", "src", "dst"]

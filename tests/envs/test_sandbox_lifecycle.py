@@ -1,0 +1,134 @@
+"""The episode's sandbox is released on every exit path: end, truncation, reset, close, exceptions, garbage, pools."""
+
+import asyncio
+import gc
+import threading
+
+import gymnasium as gym
+import pytest
+
+import k3rl.envs  # noqa: F401
+from k3rl.envs.episode import run_oracle_episode
+from k3rl.envs.sandboxed import pooled
+from k3rl.sandboxes import SandboxClosedError, SandboxError, SandboxFileError, SandboxPool, open_sandbox
+
+from .conftest import BACKEND
+
+
+class Opened:
+    """A sandbox factory that opens real sandboxes and remembers them."""
+
+    def __init__(self, **limits):
+        self.limits = limits
+        self.sandboxes = []
+
+    def __call__(self):
+        sb = open_sandbox(backend=BACKEND, **self.limits)
+        self.sandboxes.append(sb)
+        return sb
+
+    def all_gone(self):
+        return all(sb.closed and not sb.is_alive() for sb in self.sandboxes)
+
+
+def python_env(factory, **kw):
+    return gym.make("k3rl/PythonTool-v0", sandbox_factory=factory, **kw).unwrapped
+
+
+def run_code(env, code="print(6 * 7)"):
+    return env.step(env.say(tool_calls=[{"name": "python", "arguments": {"code": code}}]))
+
+
+def test_released_when_the_episode_terminates_or_truncates(require_sandbox):
+    require_sandbox()
+    opened = Opened()
+    env = python_env(opened, max_turns=2)
+    ep = run_oracle_episode(env, seed=0)
+    assert ep.reward == 1.0 and len(opened.sandboxes) == 1 and opened.all_gone()
+    env.reset(seed=1)
+    run_code(env)
+    assert env.has_sandbox and opened.sandboxes[-1].is_alive()
+    *_, truncated, info = run_code(env)
+    assert truncated and info["truncated_by"] == "max_turns"
+    assert not env.has_sandbox and len(opened.sandboxes) == 2 and opened.all_gone()
+
+
+def test_released_on_reset_and_close(require_sandbox):
+    require_sandbox()
+    opened = Opened()
+    env = python_env(opened)
+    env.reset(seed=0)
+    run_code(env)
+    first = opened.sandboxes[0]
+    env.reset(seed=1)  # mid-episode reset: the old sandbox goes, the new episode gets a fresh one
+    assert first.closed and not first.is_alive() and not env.has_sandbox
+    assert run_code(env)[0][0]["content"] == "42"
+    env.close()
+    env.close()  # idempotent
+    assert len(opened.sandboxes) == 2 and opened.all_gone()
+
+
+def test_released_when_step_raises(require_sandbox):
+    require_sandbox()
+    opened = Opened()
+    env = python_env(opened)
+    env.reset(seed=0)
+    run_code(env)
+    with pytest.raises(TypeError, match="unsupported action"):
+        env.step({"not": "an action"})
+    assert opened.all_gone() and not env.active
+    # an infrastructure failure (the sandbox killed from outside) raises and leaves nothing held
+    env.reset(seed=0)
+    run_code(env)
+    opened.sandboxes[-1].close()
+    with pytest.raises(SandboxClosedError):
+        run_code(env)
+    assert not env.has_sandbox and not env.active
+
+
+def test_released_when_setup_fails(require_sandbox):
+    require_sandbox()
+    opened = Opened(max_file_bytes=16)  # too small for the repository files: setup_sandbox raises
+    env = gym.make("k3rl/CodeFix-v0", sandbox_factory=opened).unwrapped
+    env.reset(seed=0)
+    with pytest.raises(SandboxError, match="setup_sandbox failed: SandboxFileError.*over max_file_bytes=16") as e:
+        env.step(env.oracle())
+    assert isinstance(e.value.__cause__, SandboxFileError)
+    assert len(opened.sandboxes) == 1 and opened.all_gone() and not env.has_sandbox
+
+
+def test_released_when_the_env_is_garbage_collected(require_sandbox):
+    require_sandbox()
+    opened = Opened()
+    env = python_env(opened)
+    env.reset(seed=0)
+    run_code(env)
+    sb = opened.sandboxes[0]
+    assert sb.is_alive()
+    del env
+    gc.collect()
+    assert sb.closed and not sb.is_alive()
+
+
+def test_sandboxes_from_a_pool_go_back_to_it(require_sandbox):
+    require_sandbox()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    pool = SandboxPool(backend=BACKEND, max_size=2, min_idle=1)
+    try:
+        asyncio.run_coroutine_threadsafe(pool.start(), loop).result(timeout=120)
+        env = gym.make("k3rl/PythonTool-v0", **pooled(pool, loop)).unwrapped
+        for seed in range(2):
+            env.reset(seed=seed)
+            run_code(env, "open('mark', 'w').write('x'); import os; print(sorted(os.listdir('.')))")
+            assert pool.leased == 1
+            ep_end = env.step(env.say(tool_calls=[{"name": "python", "arguments": {"code": "print(0)"}}]))
+            env.close()
+            assert ep_end is not None and pool.leased == 0
+        assert pool.live <= 2
+    finally:
+        asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
