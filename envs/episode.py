@@ -5,6 +5,7 @@ Used by `k3rl envs check`, the tests, and the SFT warm start (oracle demonstrati
     ep = run_oracle_episode(gym.make("k3rl/KeyLookup-v0"), seed=3)
     ep.messages   # the whole conversation as k3rl.chat.Message (assistant turns included)
     ep.reward     # terminal reward
+    r = ep.rendered(env.unwrapped.template)   # r.ids, r.mask (1 on assistant-generated tokens)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3rl.chat import Message
+from k3rl.chat import ChatTemplate, Message, Rendered
 
 
 @dataclass
@@ -32,6 +33,15 @@ class Episode:
     context_tokens: int = 0
     seconds: float = 0.0
     infos: list[dict[str, Any]] = field(default_factory=list)
+
+    def rendered(self, template: ChatTemplate | None = None) -> Rendered:
+        """Token ids of the whole episode and the loss mask over the assistant's tokens (SFT demonstrations).
+
+        With the env's own template these are exactly the tokens the env counted while it ran
+        (except after a malformed assistant message, whose raw tokens only the agent loop keeps).
+        """
+        template = template or ChatTemplate()
+        return template.render(self.messages, tools=self.tools or None, add_generation_prompt=False)
 
 
 def run_episode(env: Any, policy: Callable[[list[Message]], Any], seed: int | None = None,
@@ -54,6 +64,11 @@ def run_episode(env: Any, policy: Callable[[list[Message]], Any], seed: int | No
     ep.context_tokens = base.context_tokens
     ep.seconds = time.perf_counter() - t
     return ep
+
+
+def oracle_policy(env: Any) -> Callable[[list[Message]], str]:
+    """The scripted oracle of `env` (wrapped or not) as a policy: history -> assistant action text."""
+    return env.unwrapped.oracle
 
 
 def run_oracle_episode(env: Any, seed: int | None = None, options: dict[str, Any] | None = None) -> Episode:

@@ -1,9 +1,8 @@
 """KeyLookup-v0: the oracle always wins, difficulty knob, and the episode's token budget with the byte tokenizer."""
 
 import gymnasium as gym
-import pytest
-
 import k3rl.envs  # noqa: F401
+import pytest
 from k3rl.envs.episode import run_oracle_episode
 
 
@@ -48,3 +47,15 @@ def test_token_budget_of_an_episode():
 def test_bad_difficulty_is_refused():
     with pytest.raises(ValueError, match="num_keys must be in 1..26"):
         gym.make("k3rl/KeyLookup-v0", num_keys=0)
+
+
+def test_oracle_demonstration_tokens_are_what_the_env_counted():
+    env = gym.make("k3rl/KeyLookup-v0", declare_tools=True)
+    ep = run_oracle_episode(env, seed=9)
+    base = env.unwrapped
+    r = ep.rendered(base.template)
+    assert r.ids == base._session.rendered.ids  # token in, token out: no re-tokenisation drift
+    trained = [i for i, m in zip(r.ids, r.mask, strict=True) if m]
+    body = base.template.assistant_body
+    calls = ep.messages[1].tool_calls
+    assert trained == body("", calls, None) + body(base.task.value, [], None)

@@ -3,14 +3,14 @@
 import time
 
 import gymnasium as gym
+import k3rl.envs  # noqa: F401
 import numpy as np
 import pytest
-
-import k3rl.envs  # noqa: F401
-from k3rl.chat import ChatTemplate, Message
 from k3rl.envs import EpisodeNotActiveError, NoOracleError, ToolEnv, ToolResult, tool
 from k3rl.envs.actions import action_to_ids, parse_action
 from k3rl.envs.episode import run_oracle_episode
+
+from k3rl.chat import ChatTemplate, Message
 from k3rl.types import ToolCall
 
 
