@@ -14,6 +14,7 @@ a weight update (partial rollouts) carry a version per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -42,22 +43,13 @@ class LearnerActor:
     def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
         import torch
 
-        from k3rl.learner.model import K3ForCausalLM
         from k3rl.learner.trainer import Trainer
 
         torch.set_num_threads(max(1, int(os.environ.get("K3RL_LEARNER_THREADS", "1"))))
         self.cfg = JobConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
-        torch.manual_seed(self.cfg.model.seed)
-        mcfg = self.cfg.model.k3_config()
-        if self.cfg.model.checkpoint:
-            from k3rl.learner.model import load_hf
-
-            model = load_hf(self.cfg.model.checkpoint)
-        else:
-            model = K3ForCausalLM(mcfg)
         device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.trainer = Trainer(model.to(device), self.cfg.learner)
+        self.trainer = Trainer.from_job(self.cfg, device=device)
 
     def sft(self, trajectories: list[Trajectory], steps: int) -> list[dict[str, float]]:
         out = []
@@ -73,14 +65,21 @@ class LearnerActor:
     def export_weights(self, version: int):
         return self.trainer.export_weights(version)
 
+    def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        return self.trainer.logprobs(trajectories)
+
     def save(self, step: int, extra: dict[str, Any]) -> str:
         path = self.run_dir / "checkpoints" / f"step-{step:06d}"
-        self.trainer.save_checkpoint(path, extra=extra)
-        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        self.trainer.data_state = dict(extra)
+        self.trainer.save_checkpoint(path)
+        tmp = self.run_dir / "checkpoints" / "latest.tmp"
+        tmp.write_text(path.name)
+        tmp.replace(self.run_dir / "checkpoints" / "latest")  # atomic: never points at a half-written step
         return str(path)
 
     def load(self, path: str) -> dict[str, Any]:
-        return self.trainer.load_checkpoint(path)
+        self.trainer.load_checkpoint(path)
+        return {"step": self.trainer.step, **self.trainer.data_state}
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -194,7 +193,7 @@ def _table(step: int, total: int, m: dict[str, float], extra: dict[str, Any]) ->
         f"{m.get('reward/mean', float('nan')):.3f}", f"{m.get('episodes/success_rate', float('nan')):.2f}",
         f"{m.get('episodes/turns', float('nan')):.2f}", f"{m.get('throughput/rollout_tokens_per_s', 0):.0f}",
         f"{m.get('throughput/train_tokens_per_s', 0):.0f}", f"{m.get('staleness/mean', 0):.2f}",
-        f"{m.get('time/weight_sync_s', 0):.2f}", f"{m.get('loss/total', m.get('loss', float('nan'))):.4f}",
+        f"{m.get('time/weight_sync_s', 0):.2f}", f"{m.get('loss', float('nan')):.4f}",
         str(extra.get("restarts", 0)),
     )
     return t
@@ -227,7 +226,7 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     import ray
 
     from k3rl.rollout.buffer import TrajectoryBuffer
-    from k3rl.rollout.pool import InferencePool
+    from k3rl.rollout.pool import EngineSpec, PoolActor
     from k3rl.rollout.worker import RolloutWorker
     from k3rl.tracking import Tracker
 
@@ -243,7 +242,7 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
 
     init_ray(cfg)
     tracker = Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_name=run_name,
-                      run_id=meta.get("mlflow_run_id"), artifact_root=str(Path(cfg.tracking.runs_dir) / "artifacts"))
+                      run_id=meta.get("mlflow_run_id"), run_dir=run_dir)
     meta["mlflow_run_id"] = tracker.run_id
     meta_file.write_text(json.dumps(meta))
     if not meta.get("params_logged"):
@@ -273,9 +272,18 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
         console.log(f"SFT warm start: {len(demos)} oracle episodes, {cfg.learner.sft_steps} steps, "
                     f"loss {sft_metrics[0].get('loss', float('nan')):.3f} -> {sft_metrics[-1].get('loss', float('nan')):.3f}")
 
-    weights = await learner.export_weights.remote(start_step)
-    pool = InferencePool.from_config(cfg, weights)
-    await pool.start()
+    # Policy versions: the weights after `step` RL steps are version step + 1 (the engines'
+    # own random init is version 0 and never serves an episode).
+    spec = EngineSpec(kind=cfg.rollout.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
+                      checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype,
+                      device="cuda" if cfg.rollout.gpus_per_inference_worker > 0 else "cpu", seed=cfg.model.seed,
+                      engine_kwargs={"max_num_seqs": cfg.rollout.max_batch_sequences})
+    pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(
+        cfg.rollout.num_inference_workers, spec,
+        actor_options={"num_cpus": 1, "num_gpus": cfg.rollout.gpus_per_inference_worker, "max_concurrency": 10_000})
+    await pool.wait_ready.remote()
+    weights = await learner.export_weights.remote(start_step + 1)
+    await pool.update_weights.remote(weights)
     buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(
         cfg.rollout.group_size, store_dir=str(run_dir))
 
@@ -306,9 +314,9 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     step = start_step
     completed = False
     t_job = time.monotonic()
-    live = Live(_table(step, cfg.learner.steps, {}, {}), console=console, refresh_per_second=2, transient=False,
-                disable=quiet)
-    with live:
+    live = Live(_table(step, cfg.learner.steps, {}, {}), console=console, refresh_per_second=2, transient=False)
+    use_live = not quiet and console.is_terminal
+    with live if use_live else contextlib.nullcontext():
         issue()
         while step < cfg.learner.steps and not stop.is_set():
             t0 = time.monotonic()
@@ -324,15 +332,15 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             t_wait = time.monotonic() - t0
             for t in trajs:
                 t.metadata["step"] = step
-            m = rollout_metrics(trajs, version)
+            m = rollout_metrics(trajs, version + 1)
             t1 = time.monotonic()
             train_m = await learner.train_step.remote(trajs)
             t_train = time.monotonic() - t1
             m.update(train_m)
             version = step + 1
             t2 = time.monotonic()
-            weights = await learner.export_weights.remote(version)
-            await pool.update_weights(weights)
+            weights = await learner.export_weights.remote(version + 1)
+            await pool.update_weights.remote(weights)
             m["time/weight_sync_s"] = time.monotonic() - t2
             m["time/wait_for_rollouts_s"] = t_wait
             m["time/train_s"] = t_train
@@ -347,12 +355,14 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             issue()
             history.append(m)
             tracker.log_metrics(m, step=step)
-            if cfg.tracking.sample_episodes and (step % cfg.tracking.log_every == 0 or step == cfg.learner.steps):
+            if cfg.tracking.sample_episodes and (step % (5 * cfg.tracking.log_every) == 0 or step == cfg.learner.steps):
                 for t in sorted(trajs, key=lambda t: -t.reward)[: cfg.tracking.sample_episodes]:
                     tracker.log_episode_html(t, step=step)
-            live.update(_table(step, cfg.learner.steps, m, {"restarts": sup.restarts}))
-            if not quiet and not live.is_started:
-                console.log(f"step {step}: reward {m['reward/mean']:.3f}")
+            if use_live:
+                live.update(_table(step, cfg.learner.steps, m, {"restarts": sup.restarts}))
+            elif not quiet:  # logs and CI: one line per step
+                console.log(f"step {step}: reward {m['reward/mean']:.3f} success {m['episodes/success_rate']:.2f} "
+                            f"loss {m.get('loss', float('nan')):.4f} staleness {m.get('staleness/mean', 0):.2f}")
             if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
                 await learner.save.remote(step, {"groups_issued": step * P})
             if kill_worker_at_step is not None and step == kill_worker_at_step:
@@ -367,7 +377,8 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     stats = await buffer.get_stats.remote()
     tracker.log_reward_curve_png()
     tracker.finish("FINISHED" if completed else "KILLED")
-    await pool.shutdown()
+    await pool.shutdown.remote()
+    ray.kill(pool)
     summary = {
         "completed": completed, "steps": step, "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
         "history": history, "buffer": stats, "restarts": sup.restarts, "seconds": time.monotonic() - t_job,
@@ -392,20 +403,18 @@ def collect_demonstrations(cfg: JobConfig, run_name: str) -> list[Trajectory]:
 
     async def one(i: int) -> Trajectory:
         spec = EpisodeSpec(**{k: v for k, v in episode_specs(cfg, f"{run_name}-demo", i, 0)[0].items()})
-        env = make_env(spec, cfg)
+        env = make_env(spec, cfg, template)
         oracle = env.oracle if hasattr(env, "oracle") else None
         if oracle is None:
             raise RuntimeError(f"{spec.env_id} has no oracle policy; set learner.sft_steps=0")
-        history: list[Any] = []
+        from types import SimpleNamespace
+
+        from k3rl.envs.actions import encode_with_specials
 
         async def generate(token_ids, sampling, images=None, key=None):
-            text_msg = oracle()
-            ids = template.assistant_body(text_msg.content, text_msg.tool_calls, text_msg.thinking)
-            from types import SimpleNamespace
-
+            ids = encode_with_specials(template, oracle())
             return SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop")
 
-        del history
         return await run_episode(env, spec, generate, template, SamplingParams(max_tokens=10_000),
                                  max_turns=cfg.envs.max_turns, max_context_tokens=cfg.rollout.max_context_tokens)
 

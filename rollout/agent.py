@@ -12,6 +12,7 @@ Any failure (sandbox crash, timeout, env error, context overflow) ends the episo
 
 from __future__ import annotations
 
+import asyncio
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -72,7 +73,7 @@ async def run_episode(
     images: list[bytes] = []
     timings = {"generate_s": 0.0, "env_s": 0.0}
     try:
-        obs, info = env.reset(seed=spec.seed)
+        obs, info = await asyncio.to_thread(env.reset, seed=spec.seed)
         traj.task_id = str((info or {}).get("task_id", ""))
         session = template.session(tools=getattr(env, "tools", None) or None)
         for m in _observation_messages(obs):
@@ -113,11 +114,9 @@ async def run_episode(
                 traj.routed_experts.extend([[list(map(int, layer)) for layer in tok] for tok in routed])
             try:
                 parsed = template.parse_assistant(ids)
-                action: Any = parsed
                 turn = Turn(role="assistant", text=parsed.content, thinking=parsed.thinking, tool_calls=parsed.tool_calls,
                             start=start, end=len(traj.token_ids))
             except ToolCallParseError as e:
-                action = e
                 turn = Turn(role="assistant", text=template.tok.decode(ids), start=start, end=len(traj.token_ids), error=str(e))
             turn.duration_s = time.monotonic() - g0
             traj.turns.append(turn)
@@ -127,7 +126,9 @@ async def run_episode(
                 traj.error = f"generation stopped by {out.finish_reason} before <|end_of_msg|>"
                 break
             e0 = time.monotonic()
-            obs, reward, terminated, truncated, info = env.step(action)
+            # the exact sampled ids are the action; tools run off the event loop so other
+            # episodes keep decoding while this one waits for its sandbox
+            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, ids)
             timings["env_s"] += time.monotonic() - e0
             traj.reward += float(reward)
             turn.reward = float(reward)
@@ -138,7 +139,7 @@ async def run_episode(
                 s, e = traj.append(piece.ids, generated=False)
                 traj.turns.append(Turn(role=m.role, text=m.content, images=m.images, tool_name=m.tool_name,
                                        tool_index=m.tool_index, start=s, end=e,
-                                       error=(info or {}).get("error") if m.role == "tool" else None))
+                                       error="; ".join((info or {}).get("errors") or []) or None))
             if terminated or truncated:
                 traj.terminated, traj.truncated = bool(terminated), bool(truncated)
                 break

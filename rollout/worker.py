@@ -39,18 +39,27 @@ def make_template(cfg: JobConfig) -> ChatTemplate:
                         image_tokens=partial(num_image_tokens, **kw))
 
 
-def make_env(spec: EpisodeSpec, cfg: JobConfig, sandbox_pool: Any = None):
+def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = None,
+             sandbox_factory=None, sandbox_release=None):
+    """The episode's environment, sharing the job's chat template and sandbox settings."""
     import k3rl.envs  # noqa: F401  (registers the k3rl/ namespace and entry points)
 
     kwargs = dict(spec.env_kwargs)
     kwargs.setdefault("max_turns", cfg.envs.max_turns)
-    if sandbox_pool is not None:
-        kwargs.setdefault("sandbox_pool", sandbox_pool)
-    try:
-        return gymnasium.make(spec.env_id, **kwargs).unwrapped
-    except TypeError:
-        kwargs.pop("sandbox_pool", None)
-        return gymnasium.make(spec.env_id, **kwargs).unwrapped
+    kwargs.setdefault("time_budget_s", cfg.envs.episode_time_budget_s)
+    kwargs.setdefault("max_context_tokens", cfg.rollout.max_context_tokens)
+    kwargs.setdefault("template", template or make_template(cfg))
+    kwargs.setdefault("sandbox_backend", cfg.sandbox.backend)
+    kwargs.setdefault("sandbox_limits", sandbox_limits(cfg))
+    if sandbox_factory is not None:
+        kwargs.setdefault("sandbox_factory", sandbox_factory)
+        kwargs.setdefault("sandbox_release", sandbox_release)
+    return gymnasium.make(spec.env_id, **kwargs).unwrapped
+
+
+def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:
+    s = cfg.sandbox
+    return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s}
 
 
 class RolloutWorker:
@@ -70,15 +79,46 @@ class RolloutWorker:
         self.running = 0
         self.finished = 0
 
+    async def _sandbox_hooks(self, spec: EpisodeSpec):
+        """Sandboxes come from this worker's warm pool (created on first need)."""
+        import k3rl.envs  # noqa: F401
+
+        env_cls = gymnasium.spec(spec.env_id).entry_point
+        if isinstance(env_cls, str):
+            mod, _, name = env_cls.partition(":")
+            import importlib
+
+            env_cls = getattr(importlib.import_module(mod), name)
+        if not getattr(env_cls, "uses_sandbox", False):
+            return None, None
+        if self.sandbox_pool is None:
+            from k3rl.sandboxes import SandboxPool
+
+            s = self.cfg.sandbox
+            self.sandbox_pool = SandboxPool(backend=s.backend, max_size=s.max_concurrency, min_idle=min(s.pool_size, s.max_concurrency),
+                                            starts_per_s=s.starts_per_second, **sandbox_limits(self.cfg))
+            await self.sandbox_pool.start()
+        loop = asyncio.get_running_loop()
+        pool = self.sandbox_pool
+
+        def factory():
+            return asyncio.run_coroutine_threadsafe(pool.acquire(), loop).result()
+
+        def release(sb):
+            asyncio.run_coroutine_threadsafe(pool.release(sb), loop).result()
+
+        return factory, release
+
     async def _generate(self, token_ids, sampling, images=None, key=None):
-        return await self.pool.generate(token_ids, sampling, images=images, key=key)
+        return await self.pool.generate.remote(token_ids, sampling, images=images, key=key)
 
     async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
         spec_obj = EpisodeSpec(**spec)
         self.running += 1
         t0 = time.monotonic()
         try:
-            env = await asyncio.to_thread(make_env, spec_obj, self.cfg, self.sandbox_pool)
+            factory, release = await self._sandbox_hooks(spec_obj)
+            env = await asyncio.to_thread(make_env, spec_obj, self.cfg, self.template, factory, release)
             traj = await run_episode(
                 env, spec_obj, self._generate, self.template, self.sampling,
                 max_turns=self.cfg.envs.max_turns,
