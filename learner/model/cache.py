@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .kda import KDACacheEntry
-from .mla import MLACacheEntry
+from .mla import DecodeStep, MLACacheEntry
 
 
 class K3Cache:
@@ -25,6 +25,15 @@ class K3Cache:
         self.kda = kda
         self.mla = mla
         self.lengths = lengths  # [B] int64 tokens already processed per sequence
+        self.host_lengths: list[int] = [int(v) for v in lengths.tolist()]  # host mirror: no syncs per layer
+
+    def decode_step(self, num_new: int) -> DecodeStep:
+        """Bookkeeping for a forward that appends `num_new` tokens to every sequence."""
+        return DecodeStep(self.lengths, fresh=max(self.host_lengths) == 0, max_total=max(self.host_lengths) + num_new)
+
+    def advance(self, num_new: int) -> None:
+        self.lengths = self.lengths + num_new
+        self.host_lengths = [n + num_new for n in self.host_lengths]
 
     @property
     def batch_size(self) -> int:

@@ -26,6 +26,19 @@ from .config import K3Config
 
 
 @dataclass
+class DecodeStep:
+    """Per-forward decode bookkeeping shared by every MLA layer (computed once, no per-layer syncs).
+
+    lengths [B] tokens cached before this forward (device tensor); fresh: every row is empty;
+    max_total: max(lengths) + T, the buffer length this forward needs.
+    """
+
+    lengths: torch.Tensor
+    fresh: bool
+    max_total: int
+
+
+@dataclass
 class MLACacheEntry:
     """Per-layer latent cache: [B, capacity, kv_lora_rank + qk_rope_head_dim] = [c | kx] per token.
 
@@ -101,7 +114,7 @@ class GatedMLA(nn.Module):
         x: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         cache: MLACacheEntry | None = None,
-        lengths: torch.Tensor | None = None,
+        step: DecodeStep | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.queries(x)
@@ -111,9 +124,11 @@ class GatedMLA(nn.Module):
         else:
             if cu_seqlens is not None:
                 raise ValueError("MLA: packed cu_seqlens and a decode cache cannot be combined")
-            fresh = bool((lengths == 0).all())
-            write_latent(cache, lat, lengths)
-            if fresh:  # first prefill: nothing cached before, the naive form is exact and cheaper
+            if step is None:
+                raise ValueError("MLA: decoding with a cache needs the DecodeStep (lengths) of the batch")
+            lengths = step.lengths
+            write_latent(cache, lat, lengths, step.max_total)
+            if step.fresh:  # first prefill: nothing cached before, the naive form is exact and cheaper
                 o = self.naive_attention(q, lat)
             else:
                 S = cache.latent.shape[1]
@@ -126,10 +141,10 @@ class GatedMLA(nn.Module):
         return self.o_proj(y.to(self.o_proj.weight.dtype))
 
 
-def write_latent(cache: MLACacheEntry, lat: torch.Tensor, lengths: torch.Tensor) -> None:
-    """Write `lat` [B, T, C] at positions lengths[b] .. lengths[b]+T-1 of each row, growing the buffer."""
+def write_latent(cache: MLACacheEntry, lat: torch.Tensor, lengths: torch.Tensor, need: int) -> None:
+    """Write `lat` [B, T, C] at positions lengths[b] .. lengths[b]+T-1 of each row, growing the
+    buffer (capacity doubles) so that it holds at least `need` = max(lengths) + T tokens."""
     B, T, C = lat.shape
-    need = int((lengths + T).max())
     cap = cache.latent.shape[1]
     if cache.latent.dtype != lat.dtype or cache.latent.shape[0] != B:
         if cap and cache.latent.shape[0] != B:

@@ -53,7 +53,7 @@ class K3DecoderLayer(nn.Module):
         self.source_counts = (0, 0)  # (attention, mlp) sources at the last forward (§4.4 check)
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, cu_seqlens=None, cache_entry=None,
-                lengths=None, replay_idx=None):
+                step=None, replay_idx=None):
         # 1. attention input: aggregate completed blocks and the partial sum (identity at layer 0)
         attn_sources = bank + [partial]
         a = aggregate(attn_sources, query_vector(self.self_attention_res_proj, self.self_attention_res_norm), self.eps)
@@ -64,7 +64,7 @@ class K3DecoderLayer(nn.Module):
         # 3-4. token mixer, accumulated into the partial sum
         x = self.input_layernorm(a)
         if self.is_mla:
-            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry, lengths=lengths)
+            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry, step=step)
         else:
             t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry)
         partial = t if partial is None else partial + t
@@ -191,6 +191,7 @@ class K3ForCausalLM(nn.Module):
         cache: K3Cache | None = None,
         routed_experts: torch.Tensor | None = None,
         return_routing: bool = False,
+        token_mask: torch.Tensor | None = None,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
 
@@ -200,6 +201,8 @@ class K3ForCausalLM(nn.Module):
           masks are block-diagonal per document.
         - `cache`: a K3Cache from `new_cache(B)`; the T tokens of every row are appended.
         - `routed_experts` [B, T, n_moe_layers, k]: routing replay (recorded expert ids).
+        - `token_mask` [B, T] bool: False marks padding, left out of Quantile Balancing's
+          statistics (attention is causal, so right padding never reaches real tokens).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -214,6 +217,9 @@ class K3ForCausalLM(nn.Module):
                 f"routed_experts must be [B, T, n_moe_layers, k] = {(B, T, n_moe, k)}, got {tuple(routed_experts.shape)}"
             )
 
+        if token_mask is not None and tuple(token_mask.shape) != (B, T):
+            raise ValueError(f"token_mask must be [B, T] = {(B, T)}, got {tuple(token_mask.shape)}")
+        qb_mask = token_mask.reshape(-1).bool() if token_mask is not None else None
         h = self.model.embed_tokens(input_ids)
         placeholder = self.config.media_placeholder_token_id
         if images is not None:
@@ -226,7 +232,7 @@ class K3ForCausalLM(nn.Module):
 
         use_ckpt = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         accumulate_qb = not self.qb_frozen and self.training
-        lengths = cache.lengths if cache is not None else None
+        step = cache.decode_step(T) if cache is not None else None
         bank, partial = [], h
         routes: list[torch.Tensor] = []
         for layer in self.model.layers:
@@ -238,11 +244,11 @@ class K3ForCausalLM(nn.Module):
                 bank, partial, routing = checkpoint(layer, bank, partial, cu_seqlens, None, None, replay,
                                                     use_reentrant=False)
             else:
-                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, lengths, replay)
+                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, step, replay)
             if routing is not None:
                 routes.append(routing.topk_idx)
                 if accumulate_qb:  # outside checkpointing: a recompute never counts twice
-                    layer.mlp.qb_accumulate(routing)
+                    layer.mlp.qb_accumulate(routing, qb_mask)
 
         out_sources = bank + [partial]
         self.final_source_count = len(out_sources)
@@ -250,7 +256,7 @@ class K3ForCausalLM(nn.Module):
         hidden = aggregate(out_sources, out_query, self.config.rms_norm_eps)
         logits = self.lm_head(self.model.norm(hidden))
         if cache is not None:
-            cache.lengths = cache.lengths + T
+            cache.advance(T)
         if return_routing:
             routing_ids = torch.stack(routes, dim=1).reshape(B, T, len(routes), k) if routes else None
             return logits, routing_ids

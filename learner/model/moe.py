@@ -124,8 +124,8 @@ class StableLatentMoE(nn.Module):
         return y.reshape(shape), routing
 
     @torch.no_grad()
-    def qb_accumulate(self, routing: Routing) -> None:
-        self.qb.accumulate(routing.scores, routing.cutoff, self.gate.e_score_correction_bias)
+    def qb_accumulate(self, routing: Routing, token_mask: torch.Tensor | None = None) -> None:
+        self.qb.accumulate(routing.scores, routing.cutoff, self.gate.e_score_correction_bias, token_mask)
 
     @torch.no_grad()
     def qb_apply(self) -> bool:

@@ -98,12 +98,14 @@ class QuantileBalancer(nn.Module):
         self.register_buffer("num_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
 
     @torch.no_grad()
-    def accumulate(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor) -> None:
-        """Add one micro-batch: scores [N, n] fp32, cutoffs alpha [N] (biased (k+1)-th score)."""
+    def accumulate(self, scores: torch.Tensor, cutoff: torch.Tensor, bias: torch.Tensor,
+                   token_mask: torch.Tensor | None = None) -> None:
+        """Add one micro-batch: scores [N, n] fp32, cutoffs alpha [N] (biased (k+1)-th score);
+        `token_mask` [N] bool leaves padding tokens out of the statistics."""
         lo, width = histogram_range(bias, self.bins)
         r = (cutoff.float()[:, None] - scores.float()).contiguous()
-        self.counts += qb_histogram(r, lo, width, self.bins).to(self.counts.device)
-        self.num_tokens += scores.shape[0]
+        self.counts += qb_histogram(r, lo, width, self.bins, token_mask=token_mask).to(self.counts.device)
+        self.num_tokens += scores.shape[0] if token_mask is None else token_mask.sum()
 
     @torch.no_grad()
     def new_bias(self, bias: torch.Tensor) -> torch.Tensor | None:

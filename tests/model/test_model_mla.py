@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3rl.learner.model import K3Config
-from k3rl.learner.model.mla import GatedMLA, MLACacheEntry
+from k3rl.learner.model.mla import DecodeStep, GatedMLA, MLACacheEntry
 
 
 def make_mla(seed=0, eps=1e-6, std=0.2) -> GatedMLA:
@@ -66,14 +66,12 @@ def test_absorbed_equals_naive(dtype, tol):
 def test_decode_with_latent_cache_equals_full_forward():
     layer = make_mla()
     x = torch.randn(2, 11, 128)
-    lengths = torch.zeros(2, dtype=torch.int64)
     cache = MLACacheEntry(torch.zeros(2, 0, layer.kv_rank + layer.rope_dim))
     with torch.no_grad():
-        outs = [layer(x[:, :6], cache=cache, lengths=lengths)]
-        lengths = lengths + 6
+        outs = [layer(x[:, :6], cache=cache, step=DecodeStep(torch.zeros(2, dtype=torch.int64), True, 6))]
         for t in range(6, 11):
-            outs.append(layer(x[:, t : t + 1], cache=cache, lengths=lengths))
-            lengths = lengths + 1
+            step = DecodeStep(torch.full((2,), t, dtype=torch.int64), False, t + 1)
+            outs.append(layer(x[:, t : t + 1], cache=cache, step=step))
         full = layer(x)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
     # the cache holds exactly [c | kx] per token: kv_lora_rank + qk_rope_head_dim values

@@ -142,6 +142,19 @@ def test_model_qb_state_accumulates_and_applies_next_step():
     assert int(moe.qb.num_tokens) == 0 and int(moe.qb.counts.sum()) == 0
 
 
+def test_padding_is_left_out_of_qb_statistics():
+    model = make_tiny()
+    model.train()
+    model.set_qb_frozen(False)
+    ids = torch.randint(0, 256, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False  # right padding
+    with torch.no_grad():
+        model(ids, token_mask=mask)
+    moe = model.moe_layers()[0]
+    assert int(moe.qb.num_tokens) == 16 and int(moe.qb.counts.sum(1)[0]) == 16
+
+
 def test_frozen_qb_changes_nothing():
     model = make_tiny()
     model.train()
