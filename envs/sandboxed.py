@@ -15,14 +15,32 @@ from typing import Any
 from k3rl.envs.tools import ToolError
 
 
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def pooled(pool: Any, loop: asyncio.AbstractEventLoop, timeout: float | None = None) -> dict[str, Any]:
-    """`sandbox_factory`/`sandbox_release` kwargs that acquire from / release to `pool` on `loop`."""
+    """`sandbox_factory`/`sandbox_release` kwargs that acquire from / release to `pool` on `loop`.
+
+    Acquiring blocks, so the env must step in another thread (`asyncio.to_thread(env.step, ...)`).
+    Releasing works from anywhere: on the loop's own thread (e.g. `env.close()` inside a
+    coroutine) it schedules the release instead of blocking the loop it waits for.
+    """
 
     def factory():
+        if _on_loop_thread(loop):
+            raise RuntimeError("a pooled sandbox cannot be acquired on the event loop's thread (it would wait for "
+                               "itself): run env.reset/env.step in a worker thread, e.g. asyncio.to_thread")
         return asyncio.run_coroutine_threadsafe(pool.acquire(timeout=timeout), loop).result()
 
     def release(sb):
-        asyncio.run_coroutine_threadsafe(pool.release(sb), loop).result()
+        if _on_loop_thread(loop):
+            loop.create_task(pool.release(sb))
+        else:
+            asyncio.run_coroutine_threadsafe(pool.release(sb), loop).result()
 
     return {"sandbox_factory": factory, "sandbox_release": release}
 

@@ -126,6 +126,23 @@ def test_sandboxes_from_a_pool_go_back_to_it(require_sandbox):
             env.close()
             assert ep_end is not None and pool.leased == 0
         assert pool.live <= 2
+
+        async def close_on_the_loop():  # what an agent loop's `finally: env.close()` does
+            env.close()
+            await asyncio.sleep(0.5)
+            return pool.leased
+
+        env.reset(seed=5)
+        run_code(env)
+        assert pool.leased == 1
+        assert asyncio.run_coroutine_threadsafe(close_on_the_loop(), loop).result(timeout=60) == 0
+
+        async def acquire_on_the_loop():
+            env.reset(seed=6)
+            return env.sandbox
+
+        with pytest.raises(RuntimeError, match="cannot be acquired on the event loop's thread"):
+            asyncio.run_coroutine_threadsafe(acquire_on_the_loop(), loop).result(timeout=60)
     finally:
         asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=120)
         loop.call_soon_threadsafe(loop.stop)
