@@ -1,8 +1,10 @@
 """InferencePool: N inference workers (Ray actors, one engine each) behind one async handle.
 
 Routing, per request:
-  * sticky: a request with a `key` (an episode id, a prompt-group id) goes to the worker that
-    served the last request with that key, which holds its prefix in its prefix cache;
+  * sticky: a request with a `key` (an episode id) goes to the worker that served the last
+    request with that key, which holds its prefix in its prefix cache; a new episode with a
+    `group_key` (its GRPO group) goes where its group went, so the group's prompt is
+    prefilled once and forked;
   * otherwise least-loaded: the worker with the fewest requests in flight from this pool
     (ties broken round-robin).
 
@@ -187,31 +189,37 @@ class InferencePool:
         finally:
             self._restarting.pop(slot, None)
 
-    def _pick(self, key: str | None, exclude: set[int]) -> int | None:
+    def _pick(self, keys: tuple[str | None, ...], exclude: set[int]) -> int | None:
         alive = [i for i in range(self.num_workers) if i not in self._restarting and i not in exclude]
         if not alive:
             return None
-        if key is not None and self._sticky.get(key) in alive:
-            self._sticky.move_to_end(key)
-            return self._sticky[key]
+        for key in keys:  # the episode's worker, else the worker of its prompt group
+            if key is not None and self._sticky.get(key) in alive:
+                self._sticky.move_to_end(key)
+                return self._sticky[key]
         least = min(self._inflight[i] for i in alive)
         candidates = [i for i in alive if self._inflight[i] == least]
         return candidates[next(self._rr) % len(candidates)]
 
     # ----- requests ----------------------------------------------------------------------------------
     async def generate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
-                       *, key: str | None = None, request_id: str | None = None) -> GenerationResult:
+                       *, key: str | None = None, group_key: str | None = None,
+                       request_id: str | None = None) -> GenerationResult:
+        """Generate on one worker. `key` (an episode id) pins later requests of the episode to the
+        worker holding its prefix; `group_key` (a GRPO group id) sends the first request of every
+        episode of a group to the same worker, so the group's shared prompt is prefilled once."""
         sampling = sampling or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         failures: list[str] = []
         exclude: set[int] = set()
         while True:
-            slot = self._pick(key, exclude)
+            slot = self._pick((key, group_key), exclude)
             if slot is None:  # every worker is restarting or failed this request: wait for a restart
                 if self._restarting:
                     await asyncio.wait(list(self._restarting.values()), return_when=asyncio.FIRST_COMPLETED)
                 exclude.clear()
                 continue
+            self._remember_route((key, group_key), slot)  # at routing time: concurrent group members follow
             worker = self._workers[slot]
             self._inflight[slot] += 1
             self._where[request_id] = slot
@@ -229,12 +237,15 @@ class InferencePool:
             finally:
                 self._inflight[slot] -= 1
                 self._where.pop(request_id, None)
-            if key is not None:
-                self._sticky[key] = slot
-                self._sticky.move_to_end(key)
-                while len(self._sticky) > self._sticky_cap:
-                    self._sticky.popitem(last=False)
             return result
+
+    def _remember_route(self, keys: tuple[str | None, ...], slot: int) -> None:
+        for k in keys:
+            if k is not None:
+                self._sticky[k] = slot
+                self._sticky.move_to_end(k)
+        while len(self._sticky) > self._sticky_cap:
+            self._sticky.popitem(last=False)
 
     async def abort(self, request_id: str) -> bool:
         slot = self._where.get(request_id)
@@ -318,8 +329,10 @@ class PoolActor:
     def __init__(self, num_workers: int, spec: EngineSpec | None = None, **kw):
         self.pool = InferencePool(num_workers, spec, **kw)
 
-    async def generate(self, token_ids, sampling=None, images=None, key=None, request_id=None) -> GenerationResult:
-        return await self.pool.generate(token_ids, sampling, images, key=key, request_id=request_id)
+    async def generate(self, token_ids, sampling=None, images=None, key=None, group_key=None,
+                       request_id=None) -> GenerationResult:
+        return await self.pool.generate(token_ids, sampling, images, key=key, group_key=group_key,
+                                        request_id=request_id)
 
     async def update_weights(self, update: WeightUpdate) -> int:
         return await self.pool.update_weights(update)

@@ -57,6 +57,12 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             second = await pool.generate(turn2, SamplingParams(temperature=0, max_tokens=4), key="episode-7")
             assert second.worker == first.worker and second.cached_prompt_tokens == 24
 
+            # group key: the episodes of one GRPO group start on one worker, which forks the prompt
+            group = await asyncio.gather(*(pool.generate(_prompt(30, 50), SamplingParams(max_tokens=3, seed=s),
+                                                         key=f"ep-{s}", group_key="g1") for s in range(3)))
+            assert len({r.worker for r in group}) == 1
+            assert sorted(r.cached_prompt_tokens for r in group) == [0, 30, 30]
+
             # kill a worker mid-request: every request still completes, with the tokens of a local run
             long = [SamplingParams(temperature=0.9, max_tokens=60, seed=100 + s) for s in range(6)]
             tasks = [asyncio.create_task(pool.generate(_prompt(12, s), p)) for s, p in enumerate(long)]
@@ -95,3 +101,18 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_pool_actor_is_one_shared_handle(ray_cluster):
+    from k3rl.rollout.pool import PoolActor
+
+    actor = PoolActor.remote(1, SPEC)
+    try:
+        ray.get(actor.wait_ready.remote(), timeout=120)
+        params = SamplingParams(temperature=0, max_tokens=4)
+        r = ray.get(actor.generate.remote(_prompt(7), params, key="e1"), timeout=120)
+        assert r.token_ids == _local(_prompt(7), params).token_ids and r.versions == [0] * 4
+        assert ray.get(actor.version.remote()) == 0
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
