@@ -195,3 +195,24 @@ def test_parse_action_reports_ids_of_malformed_output():
     ids, parsed = parse_action(t, parsed_msg := Message(role="assistant", content="hi",
                                                        tool_calls=[ToolCall(name="a", arguments={"k": 1})]))
     assert parsed.tool_calls[0].arguments == {"k": 1} and ids == t.message(parsed_msg).ids[len(t.generation_prefix()):]
+
+
+def test_spaces_accept_what_envs_send_and_reject_the_rest():
+    from k3rl.envs.spaces import AssistantAction, ChatMessages
+    from k3rl.images import to_png
+    from PIL import Image
+
+    space = ChatMessages(seed=0)
+    for _ in range(20):
+        assert space.sample() in space
+    png = to_png(Image.new("RGB", (4, 4)))
+    assert [{"role": "user", "content": "x", "images": [png]}] in space
+    assert [] in space  # the step that ends an episode may say nothing
+    assert [{"role": "user", "content": "x", "images": [b"GIF89a"]}] not in space
+    assert [{"role": "assistant", "content": "x", "images": []}] not in space
+    assert [{"role": "tool", "content": "x", "images": []}] not in space  # a tool result needs name and index
+    assert [{"role": "user", "content": "x", "extra": 1}] not in space
+    assert "text" not in space
+    action = AssistantAction(seed=0)
+    assert action.sample() in action and "ünïcode <|open|>" in action and [1, 2, 3] in action
+    assert np.array([1, 2], dtype=np.int32) in action and 1.5 not in action and [True] not in action
