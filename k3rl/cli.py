@@ -88,9 +88,13 @@ def compare(
     metric: Annotated[str, typer.Option(help="metric to plot")] = "reward/mean",
 ) -> None:
     """Reward curves of several runs side by side, read from MLflow."""
-    from k3rl.compare import compare_runs
+    from k3rl.compare import CompareError, compare_runs
 
-    compare_runs(runs, out=out, tracking_uri=tracking_uri, metric=metric)
+    try:
+        compare_runs(runs, out=out, tracking_uri=tracking_uri, metric=metric)
+    except CompareError as e:
+        err.print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(2) from None
 
 
 @app.command()

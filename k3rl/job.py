@@ -320,7 +320,7 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
         issue()
         while step < cfg.learner.steps and not stop.is_set():
             t0 = time.monotonic()
-            get = asyncio.ensure_future(buffer.get_groups.remote(P))
+            get = asyncio.ensure_future(buffer.get_groups.remote(P, None, step))
             waiter = asyncio.ensure_future(stop.wait())
             await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
@@ -330,8 +330,6 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             groups = get.result()
             trajs = [t for g in groups for t in g]
             t_wait = time.monotonic() - t0
-            for t in trajs:
-                t.metadata["step"] = step
             m = rollout_metrics(trajs, version + 1)
             t1 = time.monotonic()
             train_m = await learner.train_step.remote(trajs)

@@ -69,7 +69,7 @@ async def run_episode(
     t0 = time.monotonic()
     traj = Trajectory(id=spec.id, env_id=spec.env_id, seed=spec.seed, group_id=spec.group_id, prompt_ids=[],
                       routed_experts=[] if record_routing else None,
-                      metadata={"issued_version": spec.issued_version})
+                      metadata={"issued_version": spec.issued_version, "env_kwargs": dict(spec.env_kwargs)})
     images: list[bytes] = []
     timings = {"generate_s": 0.0, "env_s": 0.0}
     try:

@@ -8,7 +8,8 @@
 * Bounded: `capacity` groups at most wait; `put` beyond that blocks the producer
   (back-pressure, not data loss).
 * Every accepted episode is appended to the TrajectoryStore (Parquet + PNG) when one
-  is given.
+  is given: at release, tagged with the training step that consumed it, and at `flush()`
+  for those never released.
 
 Used in-process by tests and as a Ray actor (`BufferActor`) by the job.
 """
@@ -47,8 +48,6 @@ class TrajectoryBuffer:
         self.stats["received"] += 1
         if traj.error:
             self.stats["failed"] += 1
-        if self._store is not None:
-            self._store.append(traj)
         group = self._pending.setdefault(traj.group_id or traj.id, [])
         group.append(traj)
         if len(group) >= self.group_size:
@@ -66,14 +65,24 @@ class TrajectoryBuffer:
             self._cond.notify_all()
             return accepted
 
-    async def get_groups(self, num_groups: int, timeout: float | None = None) -> list[list[Trajectory]]:
-        """Wait for `num_groups` complete groups (oldest first) and take them."""
+    async def get_groups(self, num_groups: int, timeout: float | None = None,
+                         step: int | None = None) -> list[list[Trajectory]]:
+        """Wait for `num_groups` complete groups (oldest first) and take them.
+
+        `step` (the training step that consumes them) is recorded in each episode's metadata
+        before it is written to the store, so `k3rl replay --step N` finds it."""
         async with self._cond:
             await asyncio.wait_for(self._cond.wait_for(lambda: len(self._ready) >= num_groups), timeout)
             out = [self._ready.popleft() for _ in range(num_groups)]
             self.stats["groups_released"] += len(out)
             self.stats["episodes_released"] += sum(len(g) for g in out)
             self._cond.notify_all()
+        for group in out:
+            for t in group:
+                if step is not None:
+                    t.metadata["step"] = step
+                if self._store is not None:
+                    self._store.append(t)
         if self._store is not None:
             self._store.flush()
         return out
@@ -91,7 +100,11 @@ class TrajectoryBuffer:
         return {**self.stats, "ready_groups": len(self._ready), "pending_episodes": self.pending_episodes()}
 
     def flush(self) -> None:
+        """Write every episode not yet released (finished but never trained on) to the store too."""
         if self._store is not None:
+            for group in [*self._ready, *self._pending.values()]:
+                for t in group:
+                    self._store.append(t)  # the store drops ids it already holds
             self._store.flush()
 
 

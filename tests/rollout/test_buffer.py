@@ -63,7 +63,11 @@ def test_buffer_writes_every_accepted_episode_to_the_store(tmp_path):
         for i in range(4):
             await b.put(_t(i, f"g{i // 2}"))
         await b.put(_t(0, "g0"))
-        await b.get_groups(2, timeout=1)
+        await b.put(_t(4, "g2"))  # finished, never released: still stored at flush
+        await b.get_groups(2, timeout=1, step=7)
+        b.flush()
 
     asyncio.run(go())
-    assert sorted(t.id for t in TrajectoryStore(tmp_path).read()) == ["e0", "e1", "e2", "e3"]
+    store = TrajectoryStore(tmp_path)
+    assert sorted(t.id for t in store.read()) == ["e0", "e1", "e2", "e3", "e4"]
+    assert sorted(t.id for t in store.read(step=7)) == ["e0", "e1", "e2", "e3"]
