@@ -182,6 +182,7 @@ class _Seq:
     computed: int = 0  # prompt tokens already in the cache
     image_cursor: int = 0  # images already consumed by prefill chunks
     cached_prompt_tokens: int = 0
+    state_version: int = -1  # the version its cache was started under
     leader: _Seq | None = None  # a prefill of the same prompt this one waits for
     followers: list[_Seq] = field(default_factory=list)
     logits: torch.Tensor | None = None  # [V] logits to sample the next token from
@@ -396,7 +397,8 @@ class EmbeddedEngine(InferenceEngine):
         return bool(self._waiting or self._prefilling or self._running)
 
     def _fail_all(self, error: BaseException) -> None:
-        for seq in self._waiting + deque(self._prefilling) + deque(self._running):
+        followers = [f for p in self._prefilling for f in p.followers]
+        for seq in [*self._waiting, *self._prefilling, *followers, *self._running, *self._pending_ready]:
             if not seq.future.done():
                 seq.future.set_exception(error)
         with self._cv:
@@ -404,6 +406,7 @@ class EmbeddedEngine(InferenceEngine):
         self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
+        self._pending_ready.clear()
         self._batch, self._batch_cache = [], None
 
     @torch.no_grad()
@@ -462,7 +465,7 @@ class EmbeddedEngine(InferenceEngine):
         for s in [s for s in self._waiting if s.id in ids]:
             self._waiting.remove(s)
             self._finish(s, "abort")
-        for i, leader in enumerate(list(self._prefilling)):
+        for leader in list(self._prefilling):
             for f in [f for f in leader.followers if f.id in ids]:
                 leader.followers.remove(f)
                 self._finish(f, "abort")
@@ -470,7 +473,8 @@ class EmbeddedEngine(InferenceEngine):
                 if leader.followers:  # the first follower takes over the prefill of the group
                     heir, rest = leader.followers[0], leader.followers[1:]
                     heir.leader, heir.followers, heir.cache, heir.computed = None, rest, leader.cache, leader.computed
-                    heir.image_cursor = leader.image_cursor
+                    heir.image_cursor, heir.cached_prompt_tokens = leader.image_cursor, leader.cached_prompt_tokens
+                    heir.state_version = leader.state_version
                     for f in rest:
                         f.leader = heir
                     self._prefilling[self._prefilling.index(leader)] = heir
@@ -490,8 +494,10 @@ class EmbeddedEngine(InferenceEngine):
         active = len(self._prefilling) + len(self._running) + sum(len(s.followers) for s in self._prefilling)
         while self._waiting and active < self.max_num_seqs:
             seq = self._waiting.popleft()
+            seq.state_version = self._version
             active += 1
-            leader = next((p for p in self._prefilling if p.leader is None and p.key == seq.key), None)
+            leader = next((p for p in self._prefilling
+                           if p.state_version == self._version and p.key == seq.key), None)
             if leader is not None:  # same prompt being prefilled: wait for it and fork its state
                 seq.leader = leader
                 leader.followers.append(seq)
@@ -528,8 +534,8 @@ class EmbeddedEngine(InferenceEngine):
         return best
 
     def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
-        if self.prefix_cache_size <= 0:
-            return
+        if self.prefix_cache_size <= 0 or seq.state_version != self._version:
+            return  # only states computed entirely by the current weights are offered for reuse
         key = (tuple(ids), seq.digests[: seq.image_cursor])
         self._prefix[key] = _PrefixEntry(key[0], key[1], cache.clone(), logits.clone())
         self._prefix.move_to_end(key)

@@ -266,3 +266,21 @@ def test_sampling_distribution_filters_exactly():
     assert ((counts - expect).abs() <= 5 * (expect * (1 - expect / 4000)).sqrt() + 1).all()
     # the banned id is never drawn, even when it is the argmax
     assert sample(logits, [SamplingParams(temperature=0.0)], [g], banned=0).item() == 1
+
+
+def test_max_num_seqs_queues_and_max_model_len_truncates(model):
+    eng = _engine(model, max_num_seqs=2)
+    prompts = [_prompt(6 + i, 3 * i) for i in range(5)]
+    futures = [eng.submit(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
+    eng.step()
+    assert eng.load().running == 2 and eng.load().waiting == 3  # the rest wait their turn
+    while not all(f.done() for f in futures):
+        assert eng.load().running <= 2
+        eng.step()
+    for p, f in zip(prompts, futures):
+        assert f.result().token_ids == _engine(model).generate(p, SamplingParams(temperature=0, max_tokens=4)).token_ids
+    short = _engine(model, max_model_len=20)
+    r = short.generate(_prompt(15), SamplingParams(temperature=0, max_tokens=50))
+    assert r.finish_reason == "length" and len(r.token_ids) == 5
+    with pytest.raises(ValueError, match="max_model_len"):
+        short.generate(_prompt(20), GREEDY)
