@@ -20,6 +20,8 @@ What the adapter does:
     `K3ForCausalLM` with its decoding cache. It keeps one sequence's state, so it is only
     correct with `max_num_seqs=1`, no prefix caching and eager mode, which the adapter sets:
     a correctness fallback, not a fast path;
+  * vLLM starts its engine in other processes: for them to see the registration, the package
+    declares `register_k3_architecture` as a `vllm.general_plugins` entry point;
   * updates weights through vLLM's worker-extension RPC: `collective_rpc("k3rl_load_weights",
     args=(PackedUpdate,))` calls `model.load_weights(...)` on every worker with the official
     HF names. The switch drains first: new requests wait, running ones finish, then the
@@ -127,8 +129,11 @@ class K3ForVLLM(nn.Module):
 
     vLLM calls `forward(input_ids, positions)` with the new tokens of the running sequence;
     position 0 starts a new sequence (a fresh K3Cache), later chunks continue the cache.
-    `forward` returns the logits, which `compute_logits` passes through.
+    `forward` returns the logits, which `compute_logits` passes through. The model keeps its
+    own state, so vLLM must not allocate paged KV for it (`is_attention_free`).
     """
+
+    is_attention_free = True  # vLLM's IsAttentionFree marker: no paged KV cache for this class
 
     def __init__(self, *, vllm_config=None, prefix: str = "", config=None):
         super().__init__()
@@ -183,6 +188,7 @@ def register_k3_architecture() -> bool:
 
     Returns True when something was registered (False: vLLM already supports Kimi-K3)."""
     vllm = _require_vllm()
+    _register_hf_config()
     registry = vllm.ModelRegistry
     supported = set(registry.get_supported_archs())
     added = False
@@ -191,6 +197,22 @@ def register_k3_architecture() -> bool:
             registry.register_model(arch, "k3rl.rollout.vllm_adapter:K3ForVLLM")  # lazy: no CUDA at import
             added = True
     return added
+
+
+def _register_hf_config() -> None:
+    """Let transformers' AutoConfig (which vLLM uses to read config.json) parse model_type kimi_k3."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        AutoConfig.for_model("kimi_k3")
+        return  # transformers (or a plugin) already knows it
+    except ValueError:
+        pass
+
+    class KimiK3Config(PretrainedConfig):
+        model_type = "kimi_k3"  # every key of config.json is kept as an attribute (to_dict gives it back)
+
+    AutoConfig.register("kimi_k3", KimiK3Config)
 
 
 class K3WorkerExtension:

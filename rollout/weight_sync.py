@@ -165,6 +165,7 @@ class CollectiveWeightSync:
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
         store = dist.TCPStore(host, port, world_size, is_master=(rank == src), timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
+            torch.cuda.set_device(self.device)  # the communicator binds to the current device
             self.group = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
