@@ -11,6 +11,7 @@ Task set: `NUM_TASKS` chart specs generated from their index (kind, values, colo
 target PNGs were rendered by the sandbox renderer and ship in `chart_match_targets.json`
 (rebuild with `python -m k3rl.envs.chart_match`), so `reset` needs no sandbox. A target
 missing from the file is rendered on first use and kept in memory.
+`reset(options={"task_index": 7})` picks a task.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ pass, else 0.
 Grading runs `python3 -I -m pytest --noconftest -c <hidden>/pytest.ini <hidden>` so files the
 agent planted in the work dir (conftest.py, pytest.ini, sitecustomize.py) cannot change how
 the hidden tests run; the module under test is imported from /work.
+
+`reset(options={"bug": "clamp_bound"})` picks a bug of the catalogue (code_fix_tasks.BUGS);
+`bugs=[...]` restricts the set.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ underscores inside numbers are ignored), else 0.
 Task families (generated from the seed): products and sums of big numbers, modular
 powers, sums of ranges, digit sums of powers, counting multiples, and a few word problems.
 Each task carries the program the oracle sends to the interpreter.
+`reset(options={"family": "modpow"})` picks a family; `families=[...]` restricts the set.
 """
 
 from __future__ import annotations
