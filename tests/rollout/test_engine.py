@@ -284,3 +284,12 @@ def test_max_num_seqs_queues_and_max_model_len_truncates(model):
     assert r.finish_reason == "length" and len(r.token_ids) == 5
     with pytest.raises(ValueError, match="max_model_len"):
         short.generate(_prompt(20), GREEDY)
+
+
+def test_engine_serves_an_hf_checkpoint(model, tmp_path):
+    from k3rl.learner.model import save_hf
+
+    save_hf(model, tmp_path / "ckpt")
+    eng = EmbeddedEngine.from_preset(checkpoint=str(tmp_path / "ckpt"), background=False)
+    p = _prompt(12, 4)
+    assert eng.generate(p, GREEDY).token_ids == _engine(model).generate(p, GREEDY).token_ids
