@@ -215,8 +215,12 @@ class ToolEnv(gym.Env, abc.ABC):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         self._end_episode()
-        self.task = self.generate_task(self.np_random, dict(options or {}))
-        opening = list(self.opening_messages(self.task))
+        try:
+            self.task = self.generate_task(self.np_random, dict(options or {}))
+            opening = list(self.opening_messages(self.task))
+        except BaseException:
+            self._release_sandbox()  # opening_messages may have needed one (e.g. to render a target)
+            raise
         if self.system_prompt:
             opening.insert(0, Message(role="system", content=self.system_prompt))
         self.history = list(opening)

@@ -148,3 +148,19 @@ def test_sandboxes_from_a_pool_go_back_to_it(require_sandbox):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+def test_released_when_reset_fails(require_sandbox):
+    require_sandbox()
+    from k3rl.envs.python_tool import PythonToolEnv
+
+    class Failing(PythonToolEnv):
+        def opening_messages(self, task):
+            self.sandbox.exec("true")  # acquires the episode's sandbox, then fails
+            raise ValueError("no opening today")
+
+    opened = Opened()
+    env = Failing(sandbox_factory=opened)
+    with pytest.raises(ValueError, match="no opening today"):
+        env.reset(seed=0)
+    assert len(opened.sandboxes) == 1 and opened.all_gone() and not env.has_sandbox
