@@ -1,0 +1,133 @@
+"""The agentic RL job end to end: real Ray, the embedded K3 engine, MLflow SQLite, Parquet store."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k3rl.config import JobConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path, *extra):
+    return JobConfig.load(None, [
+        "name=t", "model.preset=k3-tiny", "rollout.group_size=2", "rollout.prompts_per_step=2",
+        "rollout.episodes_per_worker=8", "rollout.sampling.max_tokens_per_turn=24", "rollout.max_context_tokens=512",
+        "envs.max_turns=2", "learner.sft_steps=0", "learner.checkpoint_every=1", "learner.micro_batch_tokens=2048",
+        f"tracking.runs_dir={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db",
+        "tracking.sample_episodes=1", "ray.num_cpus=4", *extra])
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """A synchronous job whose rollout worker is killed after step 1, then resumed to step 5."""
+    import ray
+
+    from k3rl.job import run_job
+
+    tmp = tmp_path_factory.mktemp("job")
+    cfg = _cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=3")
+    first = run_job(cfg, kill_worker_at_step=1, quiet=True)
+    resumed = run_job(_cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=5"), resume=True, quiet=True)
+    ray.shutdown()
+    return tmp, cfg, first, resumed
+
+
+def test_synchronous_mode_is_on_policy(sync_run):
+    _, _, first, resumed = sync_run
+    for m in first["history"] + resumed["history"]:
+        # every generated token came from the weights the learner then trained (version lag 0) ...
+        assert m["staleness/max"] == 0.0
+        # ... so the learner's recomputed log-probs equal the behaviour log-probs: ratios are 1
+        assert abs(m["is_ratio_mean"] - 1.0) < 2e-3
+        assert m["is_ratio_max"] < 1.01
+
+
+def test_killed_rollout_worker_loses_and_duplicates_nothing(sync_run):
+    from k3rl.store import TrajectoryStore
+
+    tmp, cfg, first, resumed = sync_run
+    assert first["completed"] and first["restarts"] >= 1
+    store = TrajectoryStore(tmp / "runs" / "t", readonly=True)
+    ids = [t.id for t in store.read()]
+    assert len(ids) == len(set(ids))
+    for step in range(5):
+        consumed = store.read(step=step)
+        groups = {}
+        for t in consumed:
+            groups.setdefault(t.group_id, []).append(t.id)
+        # each training step consumed exactly P complete groups of G distinct episodes
+        assert len(groups) == 2 and all(len(set(v)) == 2 for v in groups.values()), (step, groups)
+
+
+def test_resume_continues_the_curve_in_the_same_mlflow_run(sync_run):
+    from mlflow.tracking import MlflowClient
+
+    tmp, cfg, first, resumed = sync_run
+    assert resumed["completed"] and resumed["steps"] == 5
+    assert resumed["mlflow_run_id"] == first["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    run = client.get_run(first["mlflow_run_id"])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")]
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert run.info.status == "FINISHED"
+
+
+def test_mlflow_run_has_the_metrics_params_and_artifacts(sync_run):
+    from mlflow.tracking import MlflowClient
+
+    tmp, cfg, first, _ = sync_run
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    run = client.get_run(first["mlflow_run_id"])
+    metrics = set(run.data.metrics)
+    for key in ["reward/mean", "reward/std", "reward/k3rl_KeyLookup-v0/mean", "episodes/success_rate",
+                "episodes/turns", "episodes/tokens", "throughput/rollout_tokens_per_s",
+                "throughput/train_tokens_per_s", "staleness/mean", "time/weight_sync_s", "loss", "pg_loss",
+                "grad_norm", "entropy", "kl", "clip_frac", "is_ratio_mean", "is_ratio_max"]:
+        assert key in metrics, key
+    assert run.data.params["learner.lr"] == str(cfg.learner.lr)
+    arts = _artifacts(client, run.info.run_id)
+    assert "config.yaml" in arts and "reward_curve.png" in arts
+    assert any(a.endswith(".html") for a in arts)
+
+
+def _artifacts(client, run_id, path=None):
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out.extend(_artifacts(client, run_id, f.path) if f.is_dir else [f.path.split("/")[-1]])
+    return out
+
+
+def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path):
+    tmp, cfg, _, _ = sync_run
+    html = tmp_path / "ep.html"
+    r = subprocess.run([sys.executable, "-m", "k3rl.cli", "replay", str(tmp / "runs" / "t"), "--step", "2",
+                        "--html", str(html)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "<html" in html.read_text().lower()
+
+
+def test_job_against_a_local_ray_start_head_cluster(tmp_path):
+    """`ray.address` joins an existing cluster (here: `ray start --head` on loopback)."""
+    import ray
+
+    from k3rl.job import run_job
+
+    ray.shutdown()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = "26379"  # outside Ray's default worker-port range (10002-19999)
+    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
+                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env, timeout=180,
+                   capture_output=True)
+    try:
+        cfg = _cfg(tmp_path, f"ray.address=127.0.0.1:{port}", "learner.steps=1", "name=cluster")
+        summary = run_job(cfg, quiet=True)
+        assert summary["completed"] and summary["steps"] == 1
+        assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
+    finally:
+        ray.shutdown()
+        subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
