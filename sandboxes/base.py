@@ -18,8 +18,8 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .paths import WORK_DIR, resolve_in_workdir
@@ -40,8 +40,12 @@ HELPER_SOURCE = (Path(__file__).with_name("inside_helper.py")).read_text()
 MAGIC = b"K3RL/1 "
 # Blocking sandbox calls from asyncio run here: asyncio's default executor has only cpus+4 threads,
 # too few for dozens of concurrent tool calls that mostly wait on the sandbox.
-EXECUTOR = ThreadPoolExecutor(max_workers=int(os.environ.get("K3RL_SANDBOX_THREADS", "64")), thread_name_prefix="k3rl-sb")
-HOST_SLACK_S = 15.0  # the host waits this much longer than the in-sandbox timeout before declaring the sandbox hung
+EXECUTOR = ThreadPoolExecutor(
+    max_workers=int(os.environ.get("K3RL_SANDBOX_THREADS", "64")), thread_name_prefix="k3rl-sb"
+)
+HOST_SLACK_S = (
+    15.0  # the host waits this much longer than the in-sandbox timeout before declaring the sandbox hung
+)
 
 
 async def in_thread(fn, *args, **kwargs):
@@ -122,7 +126,9 @@ class Sandbox(ABC):
         return None
 
     # ---- contract ------------------------------------------------------------------------
-    def _call(self, mode: str, args: dict, stdin: bytes | None = None, timeout: float = 30.0) -> tuple[dict, bytes]:
+    def _call(
+        self, mode: str, args: dict, stdin: bytes | None = None, timeout: float = 30.0
+    ) -> tuple[dict, bytes]:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
         raw, err = self._run_helper(mode, args, stdin, timeout + HOST_SLACK_S)
@@ -168,7 +174,9 @@ class Sandbox(ABC):
         merged = {**self.limits.env, **(env or {})}
         for key, value in merged.items():
             if not isinstance(key, str) or not isinstance(value, str) or "=" in key or not key:
-                raise ValueError(f"env must map non-empty names without '=' to str values, got {key!r}={value!r}")
+                raise ValueError(
+                    f"env must map non-empty names without '=' to str values, got {key!r}={value!r}"
+                )
         args = {
             "cmd": cmd,
             "timeout": timeout,

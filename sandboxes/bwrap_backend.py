@@ -28,7 +28,7 @@ from pathlib import Path
 from .base import Sandbox, helper_argv, log
 from .cgroups import SandboxCgroup
 from .docker_backend import SANDBOX_ENV
-from .image import SANDBOX_UID, rootfs_dir
+from .image import SANDBOX_UID, TMP_SEED_DIR, rootfs_dir
 from .paths import WORK_DIR
 from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
 
@@ -74,7 +74,9 @@ def _root_binds(rootfs: Path | None) -> list[str]:
 class BwrapSandbox(Sandbox):
     backend = "bwrap"
 
-    def __init__(self, limits: SandboxLimits | None = None, job: str | None = None, rootfs: str | Path | None = None):
+    def __init__(
+        self, limits: SandboxLimits | None = None, job: str | None = None, rootfs: str | Path | None = None
+    ):
         super().__init__(limits or SandboxLimits(), job)
         self.bwrap = bwrap_path()
         if self.bwrap is None:
@@ -83,12 +85,18 @@ class BwrapSandbox(Sandbox):
             rootfs = rootfs_dir()
         self.rootfs = Path(rootfs) if rootfs is not None else None
         if self.rootfs is None:
-            log.warning("bwrap sandbox %s uses the host's /usr (no sandbox rootfs; run `k3rl sandbox build`)", self.id)
+            log.warning(
+                "bwrap sandbox %s uses the host's /usr (no sandbox rootfs; run `k3rl sandbox build`)", self.id
+            )
         elif not (self.rootfs / "usr/bin/python3").exists():
-            raise BackendUnavailableError(f"rootfs {self.rootfs} has no usr/bin/python3; rebuild with `k3rl sandbox build`")
+            raise BackendUnavailableError(
+                f"rootfs {self.rootfs} has no usr/bin/python3; rebuild with `k3rl sandbox build`"
+            )
         self._drop_to_nobody = os.geteuid() == 0
         if self._drop_to_nobody and shutil.which("setpriv") is None:
-            raise BackendUnavailableError("running bwrap as root needs setpriv (util-linux) to drop to nobody")
+            raise BackendUnavailableError(
+                "running bwrap as root needs setpriv (util-linux) to drop to nobody"
+            )
         base_parent = sandbox_base_dir()
         base_parent.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(prefix=self.id + "-", dir=base_parent))
@@ -97,12 +105,19 @@ class BwrapSandbox(Sandbox):
         self.cgroup: SandboxCgroup | None = None
         try:
             (self.base / OWNER_FILE).write_text(
-                json.dumps({"host": socketlib.gethostname(), "pid": os.getpid(), "job": self.job, "sandbox": self.id})
+                json.dumps(
+                    {"host": socketlib.gethostname(), "pid": os.getpid(), "job": self.job, "sandbox": self.id}
+                )
             )
             for sub in ("work", "tmp"):
                 (self.base / sub).mkdir()
-                if self._drop_to_nobody:
-                    os.chown(self.base / sub, NOBODY, NOBODY)
+            seed = self.rootfs / TMP_SEED_DIR.lstrip("/") if self.rootfs else None
+            if seed is not None and seed.is_dir():  # matplotlib font cache etc. (see image.TMP_SEED_DIR)
+                shutil.copytree(seed, self.base / "tmp", dirs_exist_ok=True, symlinks=True)
+            if self._drop_to_nobody:
+                for sub in ("work", "tmp"):
+                    for path in [self.base / sub, *(self.base / sub).rglob("*")]:
+                        os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
             os.chmod(self.base, 0o711)
             self.cgroup = SandboxCgroup.create(self.id, self.limits)
         except Exception:
@@ -140,14 +155,18 @@ class BwrapSandbox(Sandbox):
             argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
         # a shell prefix (still as the caller) joins the cgroup, or sets rlimits, then execs bwrap
         if self.cgroup is not None:
-            prefix = "".join(f'echo $$ > {shlex.quote(p)} || exit 125; ' for p in self.cgroup.join_paths())
+            prefix = "".join(f"echo $$ > {shlex.quote(p)} || exit 125; " for p in self.cgroup.join_paths())
         else:
             prefix = f"ulimit -v {self.limits.memory_mb * 1024} 2>/dev/null; "
         return ["/bin/sh", "-c", prefix + 'exec "$@"', "k3rl-bwrap", *argv]
 
-    def _run_helper(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> tuple[bytes, bytes]:
+    def _run_helper(
+        self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
+    ) -> tuple[bytes, bytes]:
         if not self.is_alive():
-            raise SandboxDeadError(f"sandbox {self.id}: its directory {self.base} is gone (removed from outside?)")
+            raise SandboxDeadError(
+                f"sandbox {self.id}: its directory {self.base} is gone (removed from outside?)"
+            )
         argv = self._argv(helper_argv("python3", mode, args))
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -165,7 +184,9 @@ class BwrapSandbox(Sandbox):
             with self._procs_lock:
                 self._procs.discard(proc)
         if proc.returncode == 125 and not out:
-            raise SandboxError(f"sandbox {self.id}: could not join its cgroup: {err.decode(errors='replace')}")
+            raise SandboxError(
+                f"sandbox {self.id}: could not join its cgroup: {err.decode(errors='replace')}"
+            )
         if proc.returncode != 0 and not out:
             if self._closed or not self.is_alive():
                 raise SandboxDeadError(f"sandbox {self.id} was closed or removed while running {mode}")
@@ -174,7 +195,9 @@ class BwrapSandbox(Sandbox):
                     f"sandbox {self.id}: bwrap was killed by signal {-proc.returncode} during {mode} "
                     "(killed from outside?)"
                 )
-            raise SandboxError(f"bwrap failed (exit {proc.returncode}): {err.decode(errors='replace')[-2000:]}")
+            raise SandboxError(
+                f"bwrap failed (exit {proc.returncode}): {err.decode(errors='replace')[-2000:]}"
+            )
         return out, err
 
     @staticmethod

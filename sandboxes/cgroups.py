@@ -97,7 +97,11 @@ class SandboxCgroup:
         return [str(d / "cgroup.procs") for d in self.dirs.values()]
 
     def oom_kills(self) -> int | None:
-        path = self.dirs["memory"] / "memory.oom_control" if self.version == 1 else self.dirs["unified"] / "memory.events"
+        path = (
+            self.dirs["memory"] / "memory.oom_control"
+            if self.version == 1
+            else self.dirs["unified"] / "memory.events"
+        )
         try:
             for line in path.read_text().splitlines():
                 key, _, value = line.partition(" ")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import typer
 
@@ -11,7 +10,9 @@ app = typer.Typer(help="Sandboxes: build the image, check the host, remove lefto
 
 
 @app.command()
-def build(force: bool = typer.Option(False, "--force", help="rebuild even when the recipe is unchanged")) -> None:
+def build(
+    force: bool = typer.Option(False, "--force", help="rebuild even when the recipe is unchanged"),
+) -> None:
     """Build k3rl-sandbox:<version> offline (debootstrap + docker import) if its recipe changed."""
     from . import cli_build
 
@@ -30,7 +31,7 @@ def doctor() -> None:
 
 @app.command()
 def gc(
-    job: Optional[str] = typer.Option(None, "--job", help="remove every sandbox of this job"),  # noqa: UP007
+    job: str | None = typer.Option(None, "--job", help="remove every sandbox of this job"),  # noqa: UP007
     all: bool = typer.Option(False, "--all", help="remove every k3rl sandbox, live owners included"),
 ) -> None:
     """Remove sandboxes whose owning process is gone (or all of --job, or --all)."""

@@ -3,7 +3,8 @@
 Secure by default (DESIGN.md §4): `network_mode=none` (only `lo`), read-only root with tmpfs
 `/work` and `/tmp`, `cap_drop=ALL`, `no-new-privileges`, uid 1000, memory (no swap) / CPU /
 pids limits, and labels `k3rl.job` / `k3rl.sandbox` / `k3rl.owner` so `gc` finds leftovers.
-PID 1 is a tiny reaper (below): it cannot be killed from inside the container (the kernel
+PID 1 is a tiny reaper (below; it first copies the image's /tmp seed, e.g. matplotlib's font
+cache, into the empty /tmp): it cannot be killed from inside the container (the kernel
 protects a namespace's init), reaps orphans so killed fork bombs do not keep pids, and
 lets `reset` kill everything else. Each `exec` is a `docker exec` of `inside_helper.py`.
 """
@@ -32,7 +33,12 @@ LABEL_OWNER = "k3rl.owner"  # "<hostname>:<pid>" of the process that opened it
 LABEL_BACKEND = "k3rl.backend"
 
 REAPER = """
-import os, signal
+import os, shutil, signal
+try:
+    for name in os.listdir("/etc/k3rl/tmp-seed"):
+        shutil.copytree(os.path.join("/etc/k3rl/tmp-seed", name), os.path.join("/tmp", name), dirs_exist_ok=True)
+except OSError:
+    pass
 signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
 while True:
@@ -93,7 +99,11 @@ def _oom_path(client: docker.DockerClient) -> str:
     if key not in _cgroup_version:
         _cgroup_version[key] = str(client.info().get("CgroupVersion", "1"))
     # inside the container its own cgroup is mounted at /sys/fs/cgroup
-    return "/sys/fs/cgroup/memory.events" if _cgroup_version[key] == "2" else "/sys/fs/cgroup/memory/memory.oom_control"
+    return (
+        "/sys/fs/cgroup/memory.events"
+        if _cgroup_version[key] == "2"
+        else "/sys/fs/cgroup/memory/memory.oom_control"
+    )
 
 
 def _read_frames(sock: socket.socket) -> tuple[bytes, bytes]:
@@ -192,7 +202,9 @@ class DockerSandbox(Sandbox):
             f"from outside{f' ({exc})' if exc else ''}; open a new sandbox (a SandboxPool replaces it)"
         )
 
-    def _run_helper(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> tuple[bytes, bytes]:
+    def _run_helper(
+        self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
+    ) -> tuple[bytes, bytes]:
         try:
             exec_id = self.api.exec_create(
                 self.id,
@@ -243,5 +255,7 @@ class DockerSandbox(Sandbox):
                 if "already in progress" in str(exc):
                     return
                 if attempt == 2:
-                    log.error("could not remove sandbox container %s: %s (run `k3rl sandbox gc`)", self.id, exc)
+                    log.error(
+                        "could not remove sandbox container %s: %s (run `k3rl sandbox gc`)", self.id, exc
+                    )
                 time.sleep(0.2)

@@ -58,7 +58,12 @@ def run_checks() -> list[Check]:
 
         present = image_exists(client)
         checks.append(
-            Check("sandbox image", present, image_tag() + (" present" if present else " not built"), "k3rl sandbox build")
+            Check(
+                "sandbox image",
+                present,
+                image_tag() + (" present" if present else " not built"),
+                "k3rl sandbox build",
+            )
         )
     # bubblewrap
     exe = bwrap_path()
@@ -67,13 +72,22 @@ def run_checks() -> list[Check]:
         Check(
             "bubblewrap",
             works,
-            f"{exe} can create namespaces" if works else (f"{exe} cannot create namespaces here" if exe else "not installed"),
+            f"{exe} can create namespaces"
+            if works
+            else (f"{exe} cannot create namespaces here" if exe else "not installed"),
             "apt-get install -y bubblewrap (and allow unprivileged user namespaces)" if not works else "",
         )
     )
     if os.geteuid() == 0:
         has_setpriv = shutil.which("setpriv") is not None
-        checks.append(Check("setpriv", has_setpriv, "drops bwrap to nobody when run as root", "apt-get install -y util-linux"))
+        checks.append(
+            Check(
+                "setpriv",
+                has_setpriv,
+                "drops bwrap to nobody when run as root",
+                "apt-get install -y util-linux",
+            )
+        )
     has_rootfs = (rootfs_dir() / "usr/bin/python3").exists()
     checks.append(
         Check(

@@ -108,7 +108,9 @@ def _remove_cgroups(sandbox_id: str) -> None:
 
     if not sandbox_id:
         return
-    dirs = {str(i): p for i, p in enumerate([ROOT / PARENT / sandbox_id, *ROOT.glob(f"*/{PARENT}/{sandbox_id}")])}
+    dirs = {
+        str(i): p for i, p in enumerate([ROOT / PARENT / sandbox_id, *ROOT.glob(f"*/{PARENT}/{sandbox_id}")])
+    }
     dirs = {k: Path(p) for k, p in dirs.items() if Path(p).is_dir()}
     if dirs:
         SandboxCgroup(1, dirs).remove()

@@ -13,7 +13,7 @@ header announces. Modes:
            `GRACE_S`) are killed the same way; jobs that redirected their output keep running.
 - `write`: stdin -> file, `read`: file -> payload; both refuse paths whose real path
            (symlinks resolved) leaves /work.
-- `reset`: kill every process but PID 1 and itself, empty /work and /tmp (pool reuse).
+- `reset`: kill every process but PID 1 and itself, empty /work and /tmp, re-seed /tmp (pool reuse).
 - `ping`:  health check.
 """
 
@@ -27,6 +27,7 @@ import time
 
 MAGIC = b"K3RL/1 "
 WORK = "/work"
+TMP_SEED = "/etc/k3rl/tmp-seed"  # image files copied into the empty /tmp (matplotlib font cache)
 GRACE_S = 0.2  # how long we keep reading after the command exited (its background jobs may hold the pipes)
 
 
@@ -105,9 +106,9 @@ def do_exec(args):
     cwd = args.get("cwd") or WORK
     real = os.path.realpath(cwd)
     if not (real == WORK or real.startswith(WORK + "/")):
-        fail("escape", "workdir %r resolves to %r, outside %s" % (cwd, real, WORK))
+        fail("escape", f"workdir {cwd!r} resolves to {real!r}, outside {WORK}")
     if not os.path.isdir(real):
-        fail("notfound", "workdir %r does not exist in the sandbox (create it first)" % cwd)
+        fail("notfound", f"workdir {cwd!r} does not exist in the sandbox (create it first)")
     env = dict(os.environ)
     env.update(args.get("env") or {})
     env["K3RL_EXEC_ID"] = tag
@@ -115,11 +116,16 @@ def do_exec(args):
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", args["cmd"]], cwd=real, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=child_setup,
+            ["/bin/sh", "-c", args["cmd"]],
+            cwd=real,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=child_setup,
         )
     except OSError as exc:
-        fail("spawn", "could not start the command: %s (process limit reached?)" % exc)
+        fail("spawn", f"could not start the command: {exc} (process limit reached?)")
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     total = dict.fromkeys(kept, 0)
     sel = selectors.DefaultSelector()
@@ -180,9 +186,9 @@ def do_exec(args):
 def checked(path, must_exist):
     real = os.path.realpath(path)
     if not (real == WORK or real.startswith(WORK + "/")):
-        fail("escape", "path %r resolves to %r (through a symlink), outside %s" % (path, real, WORK))
+        fail("escape", f"path {path!r} resolves to {real!r} (through a symlink), outside {WORK}")
     if must_exist and not os.path.exists(real):
-        fail("notfound", "no such file in the sandbox: %r" % path)
+        fail("notfound", f"no such file in the sandbox: {path!r}")
     return real
 
 
@@ -195,13 +201,13 @@ def do_write(args):
         path = checked(path, must_exist=False)
     data = sys.stdin.buffer.read(limit + 1)
     if len(data) > limit:
-        fail("toolarge", "file larger than the limit of %d bytes" % limit)
+        fail("toolarge", f"file larger than the limit of {limit} bytes")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     except IsADirectoryError:
-        fail("isdir", "%r is a directory" % path)
+        fail("isdir", f"{path!r} is a directory")
     except OSError as exc:
-        fail("other", "cannot write %r: %s" % (path, exc))
+        fail("other", f"cannot write {path!r}: {exc}")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     reply({"written": len(data)})
@@ -211,10 +217,10 @@ def do_read(args):
     path, limit = args["path"], int(args["max"])
     real = checked(path, must_exist=True)
     if os.path.isdir(real):
-        fail("isdir", "%r is a directory, not a file" % path)
+        fail("isdir", f"{path!r} is a directory, not a file")
     size = os.path.getsize(real)
     if size > limit:
-        fail("toolarge", "%r is %d bytes, over the limit of %d bytes" % (path, size, limit))
+        fail("toolarge", f"{path!r} is {size} bytes, over the limit of {limit} bytes")
     with open(real, "rb") as f:
         data = f.read(limit + 1)
     reply({"len": len(data)}, data)
@@ -251,15 +257,24 @@ def do_reset(args):
         try:
             empty_dir(root)
         except OSError as exc:
-            fail("other", "could not empty %s: %s" % (root, exc))
+            fail("other", f"could not empty {root}: {exc}")
+    if os.path.isdir(TMP_SEED):
+        import shutil
+
+        for name in os.listdir(TMP_SEED):
+            shutil.copytree(os.path.join(TMP_SEED, name), os.path.join("/tmp", name), dirs_exist_ok=True)
     reply({"reset": True})
 
 
 def main():
     mode, args = sys.argv[1], json.loads(sys.argv[2])
-    {"exec": do_exec, "write": do_write, "read": do_read, "reset": do_reset, "ping": lambda a: reply({"ok": True})}[
-        mode
-    ](args)
+    {
+        "exec": do_exec,
+        "write": do_write,
+        "read": do_read,
+        "reset": do_reset,
+        "ping": lambda a: reply({"ok": True}),
+    }[mode](args)
 
 
 if __name__ == "__main__":

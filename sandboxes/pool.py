@@ -97,7 +97,9 @@ class SandboxPool:
         self.max_uses = max_uses
         self.job = job or default_job()
         base = limits or SandboxLimits()
-        self.limits = SandboxLimits.from_kwargs(**{**base.__dict__, **limit_overrides}) if limit_overrides else base
+        self.limits = (
+            SandboxLimits.from_kwargs(**{**base.__dict__, **limit_overrides}) if limit_overrides else base
+        )
         self.stats = PoolStats()
         self._rate = StartRateLimiter(starts_per_s)
         self._idle: collections.deque[Sandbox] = collections.deque()
@@ -362,4 +364,6 @@ class SandboxPool:
                 continue
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, self.health_interval_s - (now - last_check)))
+                await asyncio.wait_for(
+                    self._wake.wait(), timeout=max(0.05, self.health_interval_s - (now - last_check))
+                )

@@ -84,7 +84,9 @@ class SandboxLimits:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be a positive int, got {value!r}")
         if self.memory_mb < 32:
-            raise ValueError(f"SandboxLimits.memory_mb={self.memory_mb} is too small to start Python (need >= 32)")
+            raise ValueError(
+                f"SandboxLimits.memory_mb={self.memory_mb} is too small to start Python (need >= 32)"
+            )
         if self.pids < 8:
             raise ValueError(f"SandboxLimits.pids={self.pids} is too small to run a shell (need >= 8)")
         for name in ("cpus", "timeout_s"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from k3rl.sandboxes import SandboxLimits, open_sandbox
 from k3rl.sandboxes.types import BackendUnavailableError
 

@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-
 from k3rl.sandboxes import (
     PathEscapeError,
     SandboxClosedError,
@@ -59,7 +58,7 @@ def test_runs_as_non_root_without_capabilities(sb):
 
 
 def test_writes_outside_the_work_dir_fail(sb):
-    for target in ("/etc/k3rl", "/usr/k3rl", "/k3rl", "/home/sandbox/k3rl", "/var/k3rl"):
+    for target in ("/etc/planted", "/usr/planted", "/planted", "/home/sandbox/planted", "/var/planted"):
         r = sb.exec(f"echo x > {target}")
         assert r.exit_code != 0, target
         assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr, r.stderr
@@ -106,7 +105,9 @@ def test_memory_bomb_is_oom_killed(backend):
 
 def test_large_output_is_truncated_and_marked(sb):
     cap = sb.limits.output_bytes
-    r = sb.exec("head -c 100000000 /dev/zero | tr '\\0' a; head -c 5000 /dev/zero | tr '\\0' b >&2", timeout=60)
+    r = sb.exec(
+        "head -c 100000000 /dev/zero | tr '\\0' a; head -c 5000 /dev/zero | tr '\\0' b >&2", timeout=60
+    )
     assert r.truncated and r.exit_code == 0
     marker = TRUNCATION_MARKER.format(shown=cap, total=100_000_000)
     assert r.stdout.endswith(marker + "\n")
@@ -181,6 +182,7 @@ def test_close_leaves_nothing_and_refuses_further_use(backend):
 def test_killed_from_outside_mid_exec_gives_a_clear_error(backend):
     box = open_sandbox(backend, job=JOB, limits=SMALL)
     try:
+
         def kill_soon():
             time.sleep(1.0)
             if backend == "docker":

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import pytest
-
 from k3rl.sandboxes import SandboxDeadError, SandboxPool
 
 from .conftest import JOB, SMALL
@@ -38,7 +37,9 @@ def test_16_concurrent_sandboxes_and_none_left_after_close(backend):
     job = f"{JOB}-pool16"
 
     async def main():
-        async with SandboxPool(backend, max_size=16, min_idle=2, starts_per_s=50, job=job, limits=SMALL) as pool:
+        async with SandboxPool(
+            backend, max_size=16, min_idle=2, starts_per_s=50, job=job, limits=SMALL
+        ) as pool:
             peak = 0
             gate = asyncio.Event()
             arrived = 0
@@ -68,7 +69,9 @@ def test_16_concurrent_sandboxes_and_none_left_after_close(backend):
 
 def test_pool_waits_at_max_size_and_rate_limits_starts(backend):
     async def main():
-        async with SandboxPool(backend, max_size=2, min_idle=0, starts_per_s=4, job=JOB, limits=SMALL) as pool:
+        async with SandboxPool(
+            backend, max_size=2, min_idle=0, starts_per_s=4, job=JOB, limits=SMALL
+        ) as pool:
             t0 = time.monotonic()
             a = await pool.acquire()
             b = await pool.acquire()
@@ -108,6 +111,7 @@ def test_reset_between_episodes_or_recreate(backend):
     assert "secret.txt" not in listing
 
 
+@pytest.mark.docker
 def test_killed_container_gives_clear_error_and_pool_replaces_it(docker_only):
     job = f"{JOB}-kill"
 
@@ -136,6 +140,7 @@ def test_killed_container_gives_clear_error_and_pool_replaces_it(docker_only):
     assert victim
 
 
+@pytest.mark.docker
 def test_health_check_replaces_an_idle_sandbox_killed_from_outside(docker_only):
     async def main():
         async with SandboxPool(
