@@ -199,8 +199,9 @@ def test_parse_action_reports_ids_of_malformed_output():
 
 def test_spaces_accept_what_envs_send_and_reject_the_rest():
     from k3rl.envs.spaces import AssistantAction, ChatMessages
-    from k3rl.images import to_png
     from PIL import Image
+
+    from k3rl.images import to_png
 
     space = ChatMessages(seed=0)
     for _ in range(20):
