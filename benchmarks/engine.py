@@ -136,7 +136,9 @@ def object_store_gbps(update: WeightUpdate) -> float:
     @ray.remote(num_cpus=0)
     class Receiver:
         def take(self, packed) -> int:
-            return receive(packed).nbytes
+            upd = receive(packed)
+            copies = [t.clone() for t in upd.state_dict().values()]  # what loading into parameters costs
+            return sum(c.numel() * c.element_size() for c in copies)
 
     r = Receiver.remote()
     ray.get(r.take.remote(publish(WeightUpdate.from_state_dict(0, {"x": torch.zeros(4)}))))  # warm
@@ -254,7 +256,7 @@ def main() -> None:
                                                        for b in update.buckets]})
     print(f"\nweight update: {update.nbytes / 1e6:.1f} MB in {len(update.buckets)} bucket(s)")
     print("| transport | GB/s |\n|---|---|")
-    print(f"| object store (ray.put once + ray.get + unpack in an actor) | {object_store_gbps(cpu_update):.2f} |", flush=True)
+    print(f"| object store (pack + ray.put once + get + copy out in an actor) | {object_store_gbps(cpu_update):.2f} |", flush=True)
     if device.type == "cuda":
         print(f"| CUDA IPC (pack on GPU, open + copy in another process) | {cuda_ipc_gbps(update):.2f} |", flush=True)
         if torch.cuda.device_count() >= 2:

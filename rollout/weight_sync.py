@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -65,10 +66,13 @@ def pack_bucket(bucket: WeightBucket, device: torch.device | str = "cpu") -> tup
         nbytes = t.numel() * t.element_size()
         slots.append(TensorSlot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset = -(-(offset + nbytes) // ALIGN) * ALIGN
-    buf = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for slot, t in zip(slots, bucket.tensors.values()):
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf[slot.offset : slot.offset + slot.nbytes].copy_(flat)
+    pieces = []
+    for i, (slot, t) in enumerate(zip(slots, bucket.tensors.values())):
+        pieces.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
+        end = slots[i + 1].offset if i + 1 < len(slots) else offset
+        if end > slot.offset + slot.nbytes:  # alignment padding
+            pieces.append(torch.zeros(end - slot.offset - slot.nbytes, dtype=torch.uint8, device=device))
+    buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
     return buf, BucketManifest(slots, offset)
 
 
@@ -108,12 +112,18 @@ class PackedUpdate:
             buffers.append(buf.numpy())
         return cls(update.version, update.full, manifests, buffers, update.transport)
 
-    def to_update(self) -> WeightUpdate:
+    def to_update(self, copy: bool = False) -> WeightUpdate:
+        """The update again. Without `copy` the tensors are read-only views of the received
+        buffers (Ray's shared memory): the engine copies them into its parameters anyway."""
         buckets = []
         for man, arr in zip(self.manifests, self.buffers):
-            # arrays from the object store are read-only: wrap without writing, copy out per tensor
-            buf = torch.frombuffer(memoryview(arr).cast("B"), dtype=torch.uint8) if arr.size else torch.zeros(0, dtype=torch.uint8)
-            buckets.append(unpack_bucket(buf, man, copy=True))
+            if arr.size:
+                with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
+                    warnings.simplefilter("ignore", UserWarning)
+                    buf = torch.frombuffer(memoryview(arr).cast("B"), dtype=torch.uint8)
+            else:
+                buf = torch.zeros(0, dtype=torch.uint8)
+            buckets.append(unpack_bucket(buf, man, copy=copy))
         return WeightUpdate(version=self.version, buckets=buckets, full=self.full, transport="object_store")
 
     @property
