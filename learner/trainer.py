@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -70,7 +70,6 @@ class Trainer:
             )
         if config.data_parallel == "none":
             self.rank, self.world_size = 0, 1
-        torch.manual_seed(config.seed)
         model.to(self.device)
         self.model_config = getattr(model, "config", None)
         self._unsharded_template = None
@@ -132,14 +131,27 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
 
+    @contextmanager
+    def _qb_paused(self, paused: bool = True):
+        """Forwards inside do not add to the Quantile Balancing histograms (fillers, replay probes)."""
+        if not paused or not hasattr(self.model, "qb_frozen"):
+            yield
+            return
+        before = self.model.qb_frozen
+        self.model.qb_frozen = True
+        try:
+            yield
+        finally:
+            self.model.qb_frozen = before
+
     def _replay_routes(self, mb: MicroBatch) -> torch.Tensor | None:
         """Recorded experts for every position; positions without a record take the routes the
-        current model picks (one extra forward without gradients)."""
+        current model picks (one extra forward without gradients, not counted by QB)."""
         if not self.cfg.routing_replay or mb.routed_experts is None:
             return None
         routes = mb.routed_experts
         if bool((routes < 0).any()):
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad(), self._autocast(), self._qb_paused():
                 _, own = self.model(mb.input_ids, cu_seqlens=mb.cu_seqlens, return_routing=True)
             routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
@@ -159,17 +171,31 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    @torch.no_grad()
     def _qb_update(self) -> int:
+        """Sum the step's QB histograms over ranks (integer all-reduce) and set the next biases."""
         model = self.model
         if not hasattr(model, "qb_step") or self.cfg.qb_frozen:
             return 0
-        if self.world_size > 1:
-            import torch.distributed as dist
+        if self.world_size == 1:
+            return model.qb_step()
+        import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
 
-            for counts, num in model.qb_counts():
-                dist.all_reduce(counts)
-                dist.all_reduce(num)
-        return model.qb_step()
+        updated = 0
+        for moe in model.moe_layers():
+            dist.all_reduce(moe.qb.counts)
+            dist.all_reduce(moe.qb.num_tokens)
+            bias = moe.gate.e_score_correction_bias  # a sharded DTensor under FSDP
+            sharded = type(bias).__name__ == "DTensor"
+            new = moe.qb.new_bias(bias.full_tensor() if sharded else bias)
+            if new is None:
+                continue
+            if sharded:
+                new = distribute_tensor(new, bias.device_mesh, bias.placements, src_data_rank=None)
+            bias.copy_(new)
+            updated += 1
+        return updated
 
     def _micro_batches(self, trajectories, advantages) -> tuple[list[MicroBatch], int]:
         n_moe, k = self._moe_shape()
@@ -203,7 +229,8 @@ class Trainer:
         ratio_max = torch.zeros((), dtype=torch.float64)
         for mb in mbs:
             routes = self._replay_routes(mb)
-            logits = self._forward_logits(self.model, mb, routes)
+            with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
+                logits = self._forward_logits(self.model, mb, routes)
             logp = token_logprobs(logits, mb.targets)
             if self.loss_cfg.entropy_coef != 0:
                 entropy = token_entropy(logits)
@@ -275,7 +302,9 @@ class Trainer:
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         for mb in mbs:
-            logits = self._forward_logits(self.model, mb, self._replay_routes(mb))
+            routes = self._replay_routes(mb)
+            with self._qb_paused(not mb.traj_indices):
+                logits = self._forward_logits(self.model, mb, routes)
             loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
             (loss * self.world_size).backward()
             for k, v in stats.items():

@@ -24,9 +24,13 @@ from learner_helpers import make_trajectories
 STEPS = 2
 
 
-def _cfg(world: int) -> LearnerSection:
+def _cfg(world: int, **kw) -> LearnerSection:
     return LearnerSection(micro_batch_tokens=48, steps=10, data_parallel="fsdp" if world > 1 else "none",
-                          world_size=world)
+                          world_size=world, **kw)
+
+
+def _qb_biases(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in t.full_state_dict().items() if k.endswith("e_score_correction_bias")}
 
 
 def _model(seed: int) -> K3ForCausalLM:
@@ -49,12 +53,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         resumed = Trainer(_model(7), _cfg(world))
         resumed.load_checkpoint(ckpt)
         again = resumed.train_step(make_trajectories(9, n=8))
+        qb = Trainer(_model(0), _cfg(world, qb_frozen=False))
+        qb_metrics = qb.train_step(make_trajectories(0, n=8))
+        results = {"metrics": metrics, "state": state, "after": after, "again": again,
+                   "after_state": t.full_state_dict(), "again_state": resumed.full_state_dict(),
+                   "qb_metrics": qb_metrics, "qb_bias": _qb_biases(qb)}  # collectives: every rank joins
         if rank == 0:
-            torch.save({"metrics": metrics, "state": state, "after": after, "again": again,
-                        "after_state": t.full_state_dict(), "again_state": resumed.full_state_dict()},
-                       os.path.join(out_dir, "fsdp.pt"))
-        else:
-            t.full_state_dict(), resumed.full_state_dict()  # collectives: every rank joins
+            torch.save(results, os.path.join(out_dir, "fsdp.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -81,6 +86,13 @@ def test_fsdp_two_processes_equal_one_process(tmp_path):
         assert abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-5 * m1["grad_norm"]
     worst = max((state[k].float() - two["state"][k].float()).abs().max().item() for k in state)
     assert worst < 1e-5, worst
+    # Quantile Balancing: the histograms of both ranks add up to the single-process histogram
+    qb = Trainer(_model(0), _cfg(1, qb_frozen=False))
+    qb_metrics = qb.train_step(make_trajectories(0, n=8))
+    assert qb_metrics["qb_layers_updated"] == two["qb_metrics"]["qb_layers_updated"] == len(qb.model.moe_layer_ids)
+    for name, bias in _qb_biases(qb).items():
+        assert bias.abs().max() > 0, name
+        assert torch.allclose(bias, two["qb_bias"][name], atol=1e-4), name
     # the sharded checkpoint (HF model + per-rank optimizer shards) resumes exactly
     assert two["after"]["loss"] == two["again"]["loss"]
     assert all(torch.equal(two["after_state"][k], two["again_state"][k]) for k in two["after_state"])
