@@ -7,8 +7,8 @@ read-only root (the sandbox image's rootfs from `k3rl sandbox build`, else the h
 uid 1000 inside, no capabilities. Files and /tmp persist across execs; processes do not
 (unlike Docker, a background job ends with its exec). When the host is root, bwrap runs
 as `nobody` on the host (via setpriv), so the sandbox has no host privileges at all.
-Without writable cgroups the limits fall back to rlimits (`ulimit -v` / `-u`), and
-`oom_killed` can no longer be observed.
+Without writable cgroups the limits fall back to rlimits (prlimit: address space, process
+count), and `oom_killed` can no longer be observed (an allocation fails instead).
 """
 
 from __future__ import annotations
@@ -157,8 +157,28 @@ class BwrapSandbox(Sandbox):
         if self.cgroup is not None:
             prefix = "".join(f"echo $$ > {shlex.quote(p)} || exit 125; " for p in self.cgroup.join_paths())
         else:
-            prefix = f"ulimit -v {self.limits.memory_mb * 1024} 2>/dev/null; "
+            prefix = ""
+            argv = [*self._rlimit_argv(), *argv]
         return ["/bin/sh", "-c", prefix + 'exec "$@"', "k3rl-bwrap", *argv]
+
+    def _rlimit_argv(self) -> list[str]:
+        """Fallback limits without cgroups: address space and process count (prlimit, util-linux).
+
+        RLIMIT_NPROC counts every process of the real uid the sandbox runs as, so the limit is the
+        sandbox's `pids` on top of what that uid already runs.
+        """
+        if shutil.which("prlimit") is None:
+            log.warning("bwrap sandbox %s: neither cgroups nor prlimit here; no memory/pids limits", self.id)
+            return []
+        uid = NOBODY if self._drop_to_nobody else os.getuid()
+        running = 0
+        for entry in Path("/proc").iterdir():
+            try:
+                running += entry.name.isdigit() and entry.stat().st_uid == uid
+            except OSError:
+                continue
+        memory = self.limits.memory_mb << 20
+        return ["prlimit", f"--as={memory}", f"--nproc={running + self.limits.pids}", "--"]
 
     def _run_helper(
         self, mode: str, args: dict, stdin: bytes | None, host_timeout: float

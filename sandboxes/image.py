@@ -254,13 +254,24 @@ def build_image(client=None, force: bool = False, log: Log = print, with_rootfs_
         log(f"image built: {tag}")
     if with_rootfs_dir and rootfs_tarball().exists():
         extract_rootfs(log)
-    prune_old_versions(log)
+    prune_old_versions(log, client)
     return tag
 
 
-def prune_old_versions(log: Log = print) -> None:
-    """Delete cached rootfs tarballs/dirs of other recipe versions (images are left to `docker image prune`)."""
+def prune_old_versions(log: Log = print, client=None) -> None:
+    """Delete cached rootfs tarballs/dirs and images of other recipe versions (images still used stay)."""
+    import docker.errors
+
     keep = image_version()
+    if client is not None:
+        for img in client.images.list(name=IMAGE_REPOSITORY):
+            for tag in img.tags:
+                if tag.startswith(IMAGE_REPOSITORY + ":") and tag != image_tag():
+                    try:
+                        client.images.remove(tag)
+                        log(f"removed stale image {tag}")
+                    except docker.errors.APIError as exc:
+                        log(f"kept stale image {tag}: {exc.explanation or exc}")
     root = cache_dir()
     if not root.is_dir():
         return

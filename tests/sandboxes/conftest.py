@@ -6,6 +6,7 @@ Tests that need a backend take the `backend` fixture (parametrised over "docker"
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -16,6 +17,7 @@ JOB = f"pytest-sandboxes-{os.getpid()}"
 SMALL = SandboxLimits(memory_mb=256, pids=64, timeout_s=30.0, output_bytes=64 << 10, workdir_mb=64, tmp_mb=64)
 
 
+@functools.cache
 def docker_skip_reason() -> str | None:
     from k3rl.sandboxes.docker_backend import docker_client
     from k3rl.sandboxes.image import image_exists, image_tag
@@ -29,6 +31,7 @@ def docker_skip_reason() -> str | None:
     return None
 
 
+@functools.cache
 def bwrap_skip_reason() -> str | None:
     from k3rl.sandboxes.bwrap_backend import bwrap_available
 

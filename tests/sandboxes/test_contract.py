@@ -98,6 +98,10 @@ def test_fork_bomb_is_contained_and_sandbox_stays_usable(backend):
 
 def test_memory_bomb_is_oom_killed(backend):
     with open_sandbox(backend, job=JOB, limits=SMALL.with_(memory_mb=128)) as box:
+        if backend == "bwrap" and box.cgroup is None:
+            pytest.skip(
+                "no writable cgroups on this host: bwrap limits memory by rlimit, OOM kills are not observable"
+            )
         r = box.exec("python3 -c 'x = \"x\" * (1 << 30); print(len(x))'", timeout=30)
         assert r.oom_killed and r.exit_code == 137 and not r.timed_out
         assert box.exec("echo still here").stdout == "still here\n"
