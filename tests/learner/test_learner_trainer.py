@@ -196,3 +196,30 @@ def test_trainer_from_job_config():
     t = Trainer.from_job(job)
     assert all(g["kind"] == "adamw" for g in t.optimizer.param_groups)
     assert t.model.config == K3Config.preset("k3-tiny")
+
+
+@pytest.mark.parametrize("algorithm,advantage,tis_level,loss_agg", [
+    ("cispo", "grpo_no_std", "sequence", "seq_mean"),
+    ("ppo", "rloo", "none", "token_mean"),
+])
+def test_other_objectives_train(algorithm, advantage, tis_level, loss_agg):
+    t = trainer(algorithm=algorithm, advantage=advantage, tis_level=tis_level, loss_agg=loss_agg)
+    m = t.train_step(make_trajectories(8))
+    assert math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    if algorithm == "ppo":  # the behaviour policy is the old policy: the clip sees the real ratio
+        assert m["is_ratio_mean"] == 1.0 and m["clip_frac"] > 0
+
+
+def test_logprobs_of_completion_tokens_match_a_direct_forward():
+    t = trainer()
+    batch = make_trajectories(10, n=3)
+    got = t.logprobs(batch)
+    for tr, lp in zip(batch, got):
+        ids = torch.tensor([tr.prompt_ids + tr.completion_ids])
+        with torch.no_grad():
+            logits = t.model(ids)[0].float()
+        P = len(tr.prompt_ids)
+        ref = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, ids[0, P:, None])[:, 0]
+        ref = ref * torch.tensor(tr.loss_mask)
+        assert len(lp) == len(tr.completion_ids)
+        assert torch.allclose(torch.tensor(lp, dtype=torch.float32), ref, atol=1e-4)
