@@ -1,10 +1,14 @@
-"""Fixtures of the environment tests: the real sandbox backend ("auto": Docker when it answers, else bwrap)."""
+"""Fixtures of the environment tests: the real sandbox backend ("auto": Docker when it answers, else bwrap).
+
+K3RL_TEST_SANDBOX_BACKEND=bwrap (or docker) pins the backend.
+"""
 
 import functools
+import os
 
 import pytest
 
-BACKEND = "auto"
+BACKEND = os.environ.get("K3RL_TEST_SANDBOX_BACKEND", "auto")
 
 
 @functools.cache

@@ -11,6 +11,8 @@ from gymnasium.utils.env_checker import check_env
 from k3rl.envs.builtin import BUILTIN_ENVS, register_all
 from k3rl.envs.cli import tool_env_ids
 
+from .conftest import BACKEND
+
 
 def test_builtins_are_registered_idempotently():
     assert set(BUILTIN_ENVS) <= set(gym.registry)
@@ -25,7 +27,7 @@ def test_builtins_are_registered_idempotently():
 def test_env_checker_passes(env_id, require_sandbox):
     if env_id == "k3rl/CodeFix-v0":  # its random-text final answers run the hidden tests in a sandbox
         require_sandbox("pytest")
-    env = gym.make(env_id)
+    env = gym.make(env_id, sandbox_backend=BACKEND)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_env(env.unwrapped)
