@@ -24,7 +24,8 @@ emptied at every update, so a new request never starts from a state of an older 
 
 Log-probs: `logprobs[i] = log softmax(logits)[token_i]` in fp32 at temperature 1 with no
 top-k / top-p filtering, i.e. the policy's own distribution, exactly what the learner's
-`log_softmax(logits.float())` gives for the same context (see `rollout/sampling.py`).
+`log_softmax(logits.float())` gives for the same context (see `rollout/sampling.py`). They
+are always returned (one logsumexp per token). The media placeholder id is never sampled.
 
 Routed experts (on request): `routed_experts[i][m]` are the k experts that MoE layer m chose
 for completion token i *as an input*, i.e. at token i's position in a training forward of

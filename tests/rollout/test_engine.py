@@ -196,15 +196,22 @@ def test_next_turn_reuses_the_cached_conversation(model):
 
 def test_routed_experts_match_the_full_forward(model):
     eng = _engine(model)
-    prompt = _prompt(14)
-    r = eng.generate(prompt, SamplingParams(temperature=0, max_tokens=6, return_routed_experts=True))
+    params = SamplingParams(temperature=0, max_tokens=6, return_routed_experts=True)
+    prompts = [_prompt(14), _prompt(9, 40)]  # decoded together in one batch
+    futures = [eng.submit(p, params) for p in prompts]
+    while not all(f.done() for f in futures):
+        eng.step()
     n_moe, k = len(model.config.moe_layer_ids), model.config.num_experts_per_token
-    assert len(r.routed_experts) == 6 and all(len(t) == n_moe and all(len(e) == k for e in t) for t in r.routed_experts)
-    with torch.no_grad():
-        _, routing = model(torch.tensor([prompt + r.token_ids]), return_routing=True)
-    P = len(prompt)
-    for i in range(6):  # token i as an input sits at position P + i
-        assert [sorted(e) for e in r.routed_experts[i]] == [sorted(e) for e in routing[0, P + i].tolist()]
+    for prompt, fut in zip(prompts, futures):
+        r = fut.result()
+        assert len(r.routed_experts) == 6
+        assert all(len(t) == n_moe and all(len(e) == k for e in t) for t in r.routed_experts)
+        with torch.no_grad():
+            _, routing = model(torch.tensor([prompt + r.token_ids]), return_routing=True)
+        P = len(prompt)
+        for i in range(6):  # token i as an input sits at position P + i
+            assert [sorted(e) for e in r.routed_experts[i]] == [sorted(e) for e in routing[0, P + i].tolist()]
+    assert eng.generate(prompts[0], GREEDY).routed_experts is None  # only on request
 
 
 def test_images_in_the_prompt(model):
