@@ -11,14 +11,10 @@ where `register()` calls `gymnasium.register("mypkg/MyEnv-v0", entry_point=...)`
 
 from __future__ import annotations
 
-import logging
 import warnings
 from importlib.metadata import entry_points
 
-import gymnasium as gym
-
 ENTRY_POINT_GROUP = "k3rl.envs"
-log = logging.getLogger("k3rl.envs")
 _loaded: dict[str, str] = {}  # entry-point name -> "ok" or the error text
 
 
@@ -38,10 +34,3 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> dict[str, str]:
             warnings.warn(f"k3rl.envs entry point {ep.name!r} ({ep.value}) failed to register: {e}", stacklevel=2)
     return dict(_loaded)
 
-
-def registered_ids(namespace: str | None = None) -> list[str]:
-    """Ids in gymnasium's registry whose spec points at a ToolEnv module of k3rl or a plugin namespace."""
-    ids = sorted(gym.registry)
-    if namespace is not None:
-        ids = [i for i in ids if gym.registry[i].namespace == namespace]
-    return ids
