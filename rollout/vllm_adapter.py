@@ -263,6 +263,7 @@ class VLLMEngine(InferenceEngine):
         self._version = version
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self._running = 0  # requests inside vLLM (touched only on the engine's event loop)
+        self._aborted: set[str] = set()
         self._idle = None  # asyncio.Event, set when nothing is in flight
         self._gate = None  # asyncio.Lock held during a weight switch
         self._loop = asyncio.new_event_loop()
@@ -317,10 +318,15 @@ class VLLMEngine(InferenceEngine):
             self._running -= 1
             if self._running == 0:
                 self._idle.set()
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
         if final is None:
+            if aborted:
+                return GenerationResult(request_id=request_id, token_ids=[], logprobs=[], versions=[],
+                                        finish_reason="abort", prompt_tokens=len(ids))
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         return result_from_output(request_id, len(ids), final.outputs[0], version, sampling.stop_token_ids,
-                                  aborted=getattr(final.outputs[0], "finish_reason", None) == "abort")
+                                  aborted=aborted)
 
     def update_weights(self, update: WeightUpdate) -> int:
         if update.version <= self._version:
@@ -341,6 +347,7 @@ class VLLMEngine(InferenceEngine):
     def abort(self, request_id: str) -> bool:
         if request_id not in self._inflight:
             return False
+        self._aborted.add(request_id)
         asyncio.run_coroutine_threadsafe(self.engine.abort(request_id), self._loop).result()
         return True
 
