@@ -152,8 +152,8 @@ async def run_episode(
     finally:
         close = getattr(env, "close", None)
         if close is not None:
-            try:
-                close()
+            try:  # off the event loop: releasing a pooled sandbox schedules work on this loop
+                await asyncio.to_thread(close)
             except Exception as e:  # noqa: BLE001
                 traj.metadata["close_error"] = repr(e)
     traj.timings.update(timings, episode_s=time.monotonic() - t0)
