@@ -151,8 +151,6 @@ def _image_digest(image) -> str:
 
 
 def _as_pil(image):
-    from PIL import Image
-
     from k3rl.images import from_png
 
     return from_png(bytes(image)) if isinstance(image, (bytes, bytearray)) else image
@@ -521,7 +519,7 @@ class EmbeddedEngine(InferenceEngine):
         best = None
         n = len(seq.prompt)
         pad = self.config.media_placeholder_token_id
-        for key, e in self._prefix.items():
+        for e in self._prefix.values():
             m = len(e.ids)
             if m > n or (best is not None and m <= len(best.ids)):
                 continue
@@ -605,7 +603,7 @@ class EmbeddedEngine(InferenceEngine):
     def _unstack(self) -> None:
         """Give every sequence of the decode batch its own cache again (before the batch changes)."""
         if self._batch_cache is not None:
-            for seq, c in zip(self._batch, self._batch_cache.split()):
+            for seq, c in zip(self._batch, self._batch_cache.split(), strict=True):
                 seq.cache = c
         self._batch, self._batch_cache = [], None
 
@@ -629,7 +627,7 @@ class EmbeddedEngine(InferenceEngine):
         logits, routing = (out if want_routing else (out, None))
         if routing is not None:
             per_seq = routing[:, 0].tolist()  # [B, n_moe, k]
-            for s, r in zip(seqs, per_seq):
+            for s, r in zip(seqs, per_seq, strict=True):
                 if s.params.return_routed_experts:
                     s.out_routed.append(r)
         self.stats["decode_tokens"] += len(seqs)
@@ -639,7 +637,7 @@ class EmbeddedEngine(InferenceEngine):
         if not self._running:
             return []
         logits = self._forward_last(self._running)
-        for s, row in zip(self._running, logits):
+        for s, row in zip(self._running, logits, strict=True):
             s.logits = row
         ready, self._running = self._running, []
         return ready
@@ -652,7 +650,7 @@ class EmbeddedEngine(InferenceEngine):
                         banned=self.config.media_placeholder_token_id)
         logprobs = policy_logprobs(logits, tokens).tolist()
         done: list[_Seq] = []
-        for s, tok, lp in zip(ready, tokens.tolist(), logprobs):
+        for s, tok, lp in zip(ready, tokens.tolist(), logprobs, strict=True):
             s.logits = None
             s.out_ids.append(tok)
             s.out_logprobs.append(lp)
@@ -695,7 +693,7 @@ class EmbeddedEngine(InferenceEngine):
         if want:
             logits = self._forward_last(want)
             self._unstack()
-            for s, row in zip(want, logits):
+            for s, row in zip(want, logits, strict=True):
                 self._remember(s, s.prompt + s.out_ids, s.cache, row)
         for s in done:
             self._finish(s, s.finish)

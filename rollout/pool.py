@@ -294,7 +294,7 @@ class InferencePool:
             try:
                 info = await asyncio.wait_for(worker.ping.remote(), timeout_s)
                 return {"slot": slot, "alive": True, **info}
-            except (RayActorError, GetTimeoutError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RayActorError, GetTimeoutError) as e:
                 await self._restart(slot, worker)
                 return {"slot": slot, "alive": False, "restarted": True, "error": type(e).__name__}
 

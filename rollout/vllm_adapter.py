@@ -100,7 +100,7 @@ def result_from_output(request_id: str, prompt_len: int, completion: Any, versio
     """One `vllm.CompletionOutput` -> GenerationResult (log-probs of the sampled tokens)."""
     ids = list(completion.token_ids)
     logprobs: list[float] = []
-    for tok, entry in zip(ids, completion.logprobs or []):
+    for tok, entry in zip(ids, completion.logprobs or [], strict=False):
         lp = entry[tok]
         logprobs.append(float(getattr(lp, "logprob", lp)))
     if completion.logprobs is not None and len(logprobs) != len(ids):
@@ -276,7 +276,7 @@ class VLLMEngine(InferenceEngine):
 
             self._idle, self._gate = asyncio.Event(), asyncio.Lock()
             self._idle.set()
-            engine_cls = getattr(vllm, "AsyncLLMEngine")
+            engine_cls = vllm.AsyncLLMEngine
             return engine_cls.from_engine_args(AsyncEngineArgs(**args))
 
         self.engine = asyncio.run_coroutine_threadsafe(build(), self._loop).result()

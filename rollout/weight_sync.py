@@ -67,7 +67,7 @@ def pack_bucket(bucket: WeightBucket, device: torch.device | str = "cpu") -> tup
         slots.append(TensorSlot(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset = -(-(offset + nbytes) // ALIGN) * ALIGN
     pieces = []
-    for i, (slot, t) in enumerate(zip(slots, bucket.tensors.values())):
+    for i, (slot, t) in enumerate(zip(slots, bucket.tensors.values(), strict=True)):
         pieces.append(t.detach().to(device).contiguous().reshape(-1).view(torch.uint8))
         end = slots[i + 1].offset if i + 1 < len(slots) else offset
         if end > slot.offset + slot.nbytes:  # alignment padding
@@ -116,7 +116,7 @@ class PackedUpdate:
         """The update again. Without `copy` the tensors are read-only views of the received
         buffers (Ray's shared memory): the engine copies them into its parameters anyway."""
         buckets = []
-        for man, arr in zip(self.manifests, self.buffers):
+        for man, arr in zip(self.manifests, self.buffers, strict=True):
             if arr.size:
                 with warnings.catch_warnings():  # object-store arrays are read-only; we only read them
                     warnings.simplefilter("ignore", UserWarning)
@@ -253,7 +253,7 @@ def share_cuda_ipc(update: WeightUpdate, device: str | torch.device = "cuda") ->
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("CUDA IPC weight sharing needs a CUDA device shared by sender and receivers; "
                            "use the object store (default) elsewhere")
-    bufs, mans = zip(*(pack_bucket(b, device) for b in update.buckets)) if update.buckets else ((), ())
+    bufs, mans = zip(*(pack_bucket(b, device) for b in update.buckets), strict=True) if update.buckets else ((), ())
     torch.cuda.synchronize(device)
     return IpcShare(update.version, update.full, list(mans), [reduce_tensor(b) for b in bufs], list(bufs))
 
@@ -263,7 +263,7 @@ def open_cuda_ipc(share: IpcShare, device: str | torch.device | None = None) -> 
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA IPC handles can only be opened by a process that sees the sender's GPU")
     buckets = []
-    for man, (rebuild, args) in zip(share.manifests, share.handles):
+    for man, (rebuild, args) in zip(share.manifests, share.handles, strict=True):
         buf = rebuild(*args)
         if device is not None:
             buf = buf.to(device)

@@ -6,12 +6,11 @@ import asyncio
 
 import pytest
 import torch
-
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
+
 from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams
-
 
 torch.set_num_threads(1)  # tiny matrices: one thread is many times faster on a shared 2-core machine
 
@@ -78,12 +77,12 @@ def test_same_tokens_alone_and_inside_a_batch(model):
     prompts = [_prompt(n, n) for n in (5, 23, 11, 40)]
     params = [GREEDY, SamplingParams(temperature=1.0, max_tokens=9, seed=11),
               SamplingParams(temperature=0.8, top_p=0.8, max_tokens=15, seed=5), GREEDY]
-    alone = [_engine(model).generate(p, s) for p, s in zip(prompts, params)]
+    alone = [_engine(model).generate(p, s) for p, s in zip(prompts, params, strict=True)]
     eng = _engine(model, prefill_chunk=8, max_prefill_tokens=16)  # prefills overlap decoding
-    futures = [eng.submit(p, s) for p, s in zip(prompts, params)]
+    futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
     while not all(f.done() for f in futures):
         eng.step()
-    for a, f in zip(alone, futures):
+    for a, f in zip(alone, futures, strict=True):
         b = f.result()
         assert b.token_ids == a.token_ids
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
@@ -176,7 +175,7 @@ def test_group_prefills_once_and_equals_independent_prefill(model):
         eng.step()
     assert eng.stats["prefill_tokens"] == len(prompt)  # one prefill for the group
     assert [f.result().cached_prompt_tokens for f in futures] == [0, 33, 33, 33]
-    for p, f in zip(params, futures):
+    for p, f in zip(params, futures, strict=True):
         ref = _engine(model, prefix_cache_size=0).generate(prompt, p)
         assert f.result().token_ids == ref.token_ids
         assert f.result().logprobs == pytest.approx(ref.logprobs, rel=1e-4, abs=1e-4)
@@ -202,7 +201,7 @@ def test_routed_experts_match_the_full_forward(model):
     while not all(f.done() for f in futures):
         eng.step()
     n_moe, k = len(model.config.moe_layer_ids), model.config.num_experts_per_token
-    for prompt, fut in zip(prompts, futures):
+    for prompt, fut in zip(prompts, futures, strict=True):
         r = fut.result()
         assert len(r.routed_experts) == 6
         assert all(len(t) == n_moe and all(len(e) == k for e in t) for t in r.routed_experts)
@@ -246,7 +245,7 @@ def test_many_coroutines_share_one_background_engine(model):
         results = asyncio.run(main())
     finally:
         eng.close()
-    for p, r in zip(prompts, results):
+    for p, r in zip(prompts, results, strict=True):
         assert r.token_ids == _engine(model).generate(p, SamplingParams(temperature=0, max_tokens=5)).token_ids
 
 
@@ -284,7 +283,7 @@ def test_max_num_seqs_queues_and_max_model_len_truncates(model):
     while not all(f.done() for f in futures):
         assert eng.load().running <= 2
         eng.step()
-    for p, f in zip(prompts, futures):
+    for p, f in zip(prompts, futures, strict=True):
         assert f.result().token_ids == _engine(model).generate(p, SamplingParams(temperature=0, max_tokens=4)).token_ids
     short = _engine(model, max_model_len=20)
     r = short.generate(_prompt(15), SamplingParams(temperature=0, max_tokens=50))

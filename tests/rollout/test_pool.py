@@ -8,11 +8,11 @@ import os
 import pytest
 import ray
 import torch
-
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.pool import EngineSpec, InferencePool
+
 from k3rl.types import SamplingParams, WeightUpdate
 
 torch.set_num_threads(1)
@@ -48,7 +48,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s) for s in range(4)]
             res = await asyncio.gather(*(pool.generate(_prompt(9, s), p) for s, p in enumerate(params)))
             assert sorted(r.worker[-5:] for r in res).count(res[0].worker[-5:]) == 2
-            for s, (p, r) in enumerate(zip(params, res)):
+            for s, (p, r) in enumerate(zip(params, res, strict=True)):
                 assert r.token_ids == _local(_prompt(9, s), p).token_ids  # seeded: same tokens on any worker
 
             # sticky: the second turn of an episode goes to the same worker and reuses its prefix
@@ -74,7 +74,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             ray.kill(victim, no_restart=True)
             done = await asyncio.wait_for(asyncio.gather(*tasks), 240)
             assert len(done) == 6 and all(len(r.token_ids) == 60 for r in done)
-            for s, (p, r) in enumerate(zip(long, done)):
+            for s, (p, r) in enumerate(zip(long, done, strict=True)):
                 assert r.token_ids == _local(_prompt(12, s), p).token_ids
             assert pool.retries >= 1
             health = await pool.check_health()
