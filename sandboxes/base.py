@@ -131,6 +131,7 @@ class Sandbox(ABC):
     ) -> tuple[dict, bytes]:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
+        args = {**args, "has_stdin": stdin is not None}
         raw, err = self._run_helper(mode, args, stdin, timeout + HOST_SLACK_S)
         try:
             header, payload = parse_reply(raw, f"sandbox {self.id} ({mode})")

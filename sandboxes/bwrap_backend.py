@@ -215,6 +215,11 @@ class BwrapSandbox(Sandbox):
                     f"sandbox {self.id}: bwrap was killed by signal {-proc.returncode} during {mode} "
                     "(killed from outside?)"
                 )
+            if proc.returncode == 128 + signal.SIGKILL:
+                raise SandboxError(
+                    f"the helper of sandbox {self.id} was killed during {mode} (did the command kill every "
+                    "process, e.g. `kill -9 -1`?); the sandbox itself is fine"
+                )
             raise SandboxError(
                 f"bwrap failed (exit {proc.returncode}): {err.decode(errors='replace')[-2000:]}"
             )

@@ -6,15 +6,15 @@ pids limits, and labels `k3rl.job` / `k3rl.sandbox` / `k3rl.owner` so `gc` finds
 PID 1 is a tiny reaper (below; it first copies the image's /tmp seed, e.g. matplotlib's font
 cache, into the empty /tmp): it cannot be killed from inside the container (the kernel
 protects a namespace's init), reaps orphans so killed fork bombs do not keep pids, and
-lets `reset` kill everything else. Each `exec` is a `docker exec` of `inside_helper.py`.
+lets `reset` kill everything else. One long-lived agent per container (`inside_helper.py serve`,
+started with one `docker exec`, see `agent_channel`) runs every request, so a tool call costs
+no `docker exec`; if a command kills the agent, the next call starts a new one.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import socket as socketlib
-import struct
 import threading
 import time
 
@@ -22,6 +22,7 @@ import docker
 import docker.errors
 from docker.types import LogConfig, Ulimit
 
+from .agent_channel import AgentChannel, AgentLost
 from .base import Sandbox, helper_argv, log
 from .image import SANDBOX_UID, image_tag
 from .paths import WORK_DIR
@@ -106,24 +107,6 @@ def _oom_path(client: docker.DockerClient) -> str:
     )
 
 
-def _read_frames(sock: socket.socket) -> tuple[bytes, bytes]:
-    """Demultiplex Docker's attach stream: 8-byte header (stream, 0, 0, 0, big-endian length) + data."""
-    out, err = bytearray(), bytearray()
-    buf = bytearray()
-    while True:
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            break
-        buf += chunk
-        while len(buf) >= 8:
-            stream, length = buf[0], struct.unpack(">I", bytes(buf[4:8]))[0]
-            if len(buf) < 8 + length:
-                break
-            (out if stream == 1 else err).extend(buf[8 : 8 + length])
-            del buf[: 8 + length]
-    return bytes(out), bytes(err)
-
-
 class DockerSandbox(Sandbox):
     backend = "docker"
 
@@ -146,6 +129,8 @@ class DockerSandbox(Sandbox):
             ) from exc
         self._oom = _oom_path(self.client)
         self.container_id: str | None = None
+        self._agent: AgentChannel | None = None
+        self._agent_lock = threading.Lock()
         lim = self.limits
         try:
             container = self.client.containers.run(
@@ -180,6 +165,7 @@ class DockerSandbox(Sandbox):
                 log_config=LogConfig(type="none"),
             )
             self.container_id = container.id
+            self._start_agent()
         except docker.errors.DockerException as exc:
             self._destroy()
             raise SandboxError(f"could not start sandbox container {self.id}: {exc}") from exc
@@ -189,6 +175,9 @@ class DockerSandbox(Sandbox):
         return self._oom
 
     def is_alive(self) -> bool:
+        agent = self._agent
+        if agent is not None and not agent.closed and not self._closed:
+            return True  # its exec stream is open, so the container runs (the stream closes when it dies)
         try:
             return bool(self.api.inspect_container(self.id)["State"]["Running"])
         except docker.errors.NotFound:
@@ -202,49 +191,49 @@ class DockerSandbox(Sandbox):
             f"from outside{f' ({exc})' if exc else ''}; open a new sandbox (a SandboxPool replaces it)"
         )
 
+    def _start_agent(self) -> AgentChannel:
+        with self._agent_lock:
+            if self._agent is None or self._agent.closed:
+                self._agent = AgentChannel(
+                    self.api,
+                    self.id,
+                    helper_argv("python3", "serve", {}),
+                    f"{SANDBOX_UID}:{SANDBOX_UID}",
+                    WORK_DIR,
+                )
+            return self._agent
+
     def _run_helper(
         self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
     ) -> tuple[bytes, bytes]:
         try:
-            exec_id = self.api.exec_create(
-                self.id,
-                helper_argv("python3", mode, args),
-                stdout=True,
-                stderr=True,
-                stdin=stdin is not None,
-                user=f"{SANDBOX_UID}:{SANDBOX_UID}",
-                workdir=WORK_DIR,
-            )["Id"]
-            hijacked = self.api.exec_start(exec_id, socket=True)
+            agent = self._start_agent()
         except docker.errors.NotFound as exc:
             raise self._dead(mode, exc) from exc
         except docker.errors.APIError as exc:
             if exc.status_code == 409 or not self.is_alive():
                 raise self._dead(mode, exc) from exc
-            raise SandboxError(f"docker exec failed in sandbox {self.id}: {exc}") from exc
-        sock = getattr(hijacked, "_sock", hijacked)
+            raise SandboxError(f"could not start the agent of sandbox {self.id}: {exc}") from exc
         try:
-            sock.settimeout(host_timeout)
-            if stdin is not None:
-                sock.sendall(stdin)
-                sock.shutdown(socket.SHUT_WR)
-            return _read_frames(sock)
+            return agent.request(mode, args, stdin, host_timeout), b""
+        except AgentLost as exc:
+            if self._closed:
+                raise SandboxDeadError(f"sandbox {self.id} was closed during {mode}") from exc
+            if self._settles_dead():
+                raise self._dead(mode, exc) from exc
+            raise SandboxError(
+                f"the agent of sandbox {self.id} was killed during {mode} (did the command kill every "
+                f"process, e.g. `kill -9 -1`?); it is restarted on the next call: {exc}"
+            ) from exc
         except TimeoutError as exc:
             raise SandboxError(
                 f"sandbox {self.id} did not answer within {host_timeout:.0f}s (hung daemon or container)"
             ) from exc
-        except OSError as exc:
-            if not self.is_alive():
-                raise self._dead(mode, exc) from exc
-            raise SandboxError(f"lost the exec stream of sandbox {self.id}: {exc}") from exc
-        finally:
-            try:
-                hijacked.close()
-                sock.close()
-            except OSError:
-                pass
 
     def _destroy(self) -> None:
+        agent = getattr(self, "_agent", None)
+        if agent is not None:
+            agent.close()
         for attempt in range(3):
             try:
                 self.api.remove_container(self.id, force=True, v=True)

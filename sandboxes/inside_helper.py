@@ -1,8 +1,17 @@
 """The helper every backend runs INSIDE the sandbox: `python3 -I -S -c <this file> MODE JSON`.
 
 Standard library only (it runs on the sandbox's own Python). One protocol for all backends:
-the helper writes one header line `K3RL/1 {json}\\n` to stdout, then the payload bytes the
-header announces. Modes:
+every request is answered by one reply: a header line `K3RL/1 {json}\\n`, then the payload
+bytes the header announces. Two ways to run it:
+
+- one shot (bubblewrap): `MODE JSON` on the command line, the request's input bytes on stdin
+  (when `has_stdin`), the reply on stdout;
+- `serve` (Docker): a long-lived agent started once per container by `docker exec`; requests
+  arrive on stdin as frames `>QI` (request id, length) + `JSON\\n` + input bytes, each is
+  handled in its own thread, replies go out as frames `>QI` (request id, length) + reply.
+  One agent per container means a tool call costs no `docker exec` (no runc, no daemon work).
+
+Modes:
 
 - `exec`:  run `/bin/sh -c CMD` in its own session (process group), read its stdout/stderr
            through pipes keeping the first `cap` bytes of each (the rest is drained and
@@ -21,8 +30,10 @@ import json
 import os
 import selectors
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 MAGIC = b"K3RL/1 "
@@ -31,17 +42,20 @@ TMP_SEED = "/etc/k3rl/tmp-seed"  # image files copied into the empty /tmp (matpl
 GRACE_S = 0.2  # how long we keep reading after the command exited (its background jobs may hold the pipes)
 
 
+class Failure(Exception):
+    """A request that cannot be done: answered with {"error": kind, "message": ...}."""
+
+    def __init__(self, kind, message):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
 def reply(header, *payloads):
-    out = sys.stdout.buffer
-    out.write(MAGIC + json.dumps(header).encode() + b"\n")
-    for payload in payloads:
-        out.write(payload)
-    out.flush()
+    return MAGIC + json.dumps(header).encode() + b"\n" + b"".join(payloads)
 
 
 def fail(kind, message):
-    reply({"error": kind, "message": message})
-    sys.exit(0)
+    raise Failure(kind, message)
 
 
 def oom_count(path):
@@ -93,15 +107,24 @@ def kill_tree(pgid, tag):
         time.sleep(0.01)
 
 
-def child_setup():
-    try:  # make the command, not this helper, the OOM killer's first choice
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
+# The command's shell first makes itself (and so the command) the OOM killer's first choice,
+# not this helper; done in sh rather than a preexec_fn, which is unsafe in a threaded process.
+SHELL_PREFIX = 'echo 1000 > /proc/self/oom_score_adj 2>/dev/null; exec /bin/sh -c "$1"'
 
 
-def do_exec(args):
+def feed(pipe, data):
+    try:
+        pipe.write(data)
+    except (BrokenPipeError, OSError):
+        pass  # the command did not read all of its input
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def do_exec(args, data):
     cap, timeout, tag = int(args["cap"]), float(args["timeout"]), args["id"]
     cwd = args.get("cwd") or WORK
     real = os.path.realpath(cwd)
@@ -116,16 +139,18 @@ def do_exec(args):
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", args["cmd"]],
+            ["/bin/sh", "-c", SHELL_PREFIX, "k3rl", args["cmd"]],
             cwd=real,
             env=env,
+            stdin=subprocess.DEVNULL if data is None else subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=child_setup,
         )
     except OSError as exc:
         fail("spawn", f"could not start the command: {exc} (process limit reached?)")
+    if data is not None:
+        threading.Thread(target=feed, args=(proc.stdin, data), daemon=True).start()
     kept = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     total = dict.fromkeys(kept, 0)
     sel = selectors.DefaultSelector()
@@ -167,7 +192,9 @@ def do_exec(args):
     after = oom_count(args.get("oom_file"))
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     out, err = bytes(kept[out_fd]), bytes(kept[err_fd])
-    reply(
+    proc.stdout.close()
+    proc.stderr.close()
+    return reply(
         {
             "exit_code": 128 - code if code < 0 else code,  # shell convention: 128 + signal
             "timed_out": timed_out,
@@ -192,14 +219,14 @@ def checked(path, must_exist):
     return real
 
 
-def do_write(args):
+def do_write(args, data):
     path, limit = args["path"], int(args["max"])
     parent = checked(os.path.dirname(path), must_exist=False)
     os.makedirs(parent, exist_ok=True)
     checked(os.path.dirname(path), must_exist=True)
     if os.path.islink(path):  # a link to a file inside /work is written through; outside is refused
         path = checked(path, must_exist=False)
-    data = sys.stdin.buffer.read(limit + 1)
+    data = data or b""
     if len(data) > limit:
         fail("toolarge", f"file larger than the limit of {limit} bytes")
     try:
@@ -210,10 +237,10 @@ def do_write(args):
         fail("other", f"cannot write {path!r}: {exc}")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    reply({"written": len(data)})
+    return reply({"written": len(data)})
 
 
-def do_read(args):
+def do_read(args, data):
     path, limit = args["path"], int(args["max"])
     real = checked(path, must_exist=True)
     if os.path.isdir(real):
@@ -223,7 +250,7 @@ def do_read(args):
         fail("toolarge", f"{path!r} is {size} bytes, over the limit of {limit} bytes")
     with open(real, "rb") as f:
         data = f.read(limit + 1)
-    reply({"len": len(data)}, data)
+    return reply({"len": len(data)}, data)
 
 
 def empty_dir(root):
@@ -241,7 +268,7 @@ def empty_dir(root):
             os.unlink(path)
 
 
-def do_reset(args):
+def do_reset(args, data):
     me = os.getpid()
     for _ in range(200):
         others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
@@ -263,18 +290,72 @@ def do_reset(args):
 
         for name in os.listdir(TMP_SEED):
             shutil.copytree(os.path.join(TMP_SEED, name), os.path.join("/tmp", name), dirs_exist_ok=True)
-    reply({"reset": True})
+    return reply({"reset": True})
+
+
+HANDLERS = {
+    "exec": do_exec,
+    "write": do_write,
+    "read": do_read,
+    "reset": do_reset,
+    "ping": lambda args, data: reply({"ok": True, "pid": os.getpid()}),
+}
+
+
+def handle(mode, args, data):
+    """One request -> its reply bytes (errors become error replies, never a dead helper)."""
+    try:
+        return HANDLERS[mode](args, data)
+    except Failure as exc:
+        return reply({"error": exc.kind, "message": exc.message})
+    except Exception as exc:  # a bug or an exhausted sandbox: say so instead of going silent
+        return reply({"error": "other", "message": f"helper error in {mode}: {exc!r}"})
+
+
+def read_exact(stream, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def serve():
+    """Agent loop: framed requests on stdin, one thread each, framed replies on stdout."""
+    inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
+
+    def answer(req_id, meta, data):
+        body = handle(meta["mode"], meta["args"], data)
+        with lock:
+            out.write(struct.pack(">QI", req_id, len(body)) + body)
+            out.flush()
+
+    while True:
+        head = read_exact(inp, 12)
+        if head is None:
+            return  # host closed the stream: the sandbox is being closed
+        req_id, length = struct.unpack(">QI", head)
+        message = read_exact(inp, length)
+        if message is None:
+            return
+        line, _, data = message.partition(b"\n")
+        meta = json.loads(line)
+        threading.Thread(
+            target=answer, args=(req_id, meta, data if meta.get("has_stdin") else None), daemon=True
+        ).start()
 
 
 def main():
-    mode, args = sys.argv[1], json.loads(sys.argv[2])
-    {
-        "exec": do_exec,
-        "write": do_write,
-        "read": do_read,
-        "reset": do_reset,
-        "ping": lambda a: reply({"ok": True}),
-    }[mode](args)
+    mode = sys.argv[1]
+    if mode == "serve":
+        serve()
+        return
+    args = json.loads(sys.argv[2])
+    data = sys.stdin.buffer.read() if args.get("has_stdin") else None
+    sys.stdout.buffer.write(handle(mode, args, data))
+    sys.stdout.buffer.flush()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from k3rl.sandboxes import (
     PathEscapeError,
     SandboxClosedError,
     SandboxDeadError,
+    SandboxError,
     SandboxFileError,
     SandboxLimits,
     open_sandbox,
@@ -204,6 +205,13 @@ def test_killed_from_outside_mid_exec_gives_a_clear_error(backend):
         assert time.monotonic() - t0 < 10
     finally:
         box.close()
+
+
+def test_a_command_that_kills_every_process_gets_a_clear_error_and_the_sandbox_recovers(sb):
+    sb.write_file("keep.txt", "still here")
+    with pytest.raises(SandboxError, match=r"kill -9 -1"):
+        sb.exec("kill -9 -1; sleep 5", timeout=20)
+    assert sb.exec("cat keep.txt").stdout == "still here"  # the next call works (Docker: new agent)
 
 
 def test_limits_are_validated_with_clear_messages():
