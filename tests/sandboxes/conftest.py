@@ -10,6 +10,7 @@ import functools
 import os
 
 import pytest
+
 from k3rl.sandboxes import SandboxLimits, open_sandbox
 from k3rl.sandboxes.types import BackendUnavailableError
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+
 from k3rl.sandboxes import (
     PathEscapeError,
     SandboxClosedError,

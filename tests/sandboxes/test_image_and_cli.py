@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from k3rl.sandboxes import PathEscapeError, choose_backend, image
 from k3rl.sandboxes.paths import resolve_in_workdir
 
@@ -77,8 +78,9 @@ def test_auto_picks_docker_when_a_daemon_answers():
 
 @pytest.mark.docker
 def test_cli_doctor_build_and_gc():
-    from k3rl.sandboxes.cli import app
     from typer.testing import CliRunner
+
+    from k3rl.sandboxes.cli import app
 
     reason = docker_skip_reason()
     if reason:

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+
 from k3rl.sandboxes import SandboxDeadError, SandboxPool
 
 from .conftest import JOB, SMALL

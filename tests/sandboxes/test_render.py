@@ -5,9 +5,10 @@ from __future__ import annotations
 import io
 
 import pytest
+from PIL import Image
+
 from k3rl.sandboxes import RenderError, render_matplotlib, render_svg
 from k3rl.sandboxes.render import png_size, to_pil
-from PIL import Image
 
 RED_SQUARE = """
 import matplotlib.pyplot as plt
