@@ -113,7 +113,8 @@ class K3ForCausalLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, initializer_range) for projections, embeddings and experts (§11 choice); norms 1;
-        AttnRes pseudo-queries 0; KDA A_log 0, dt_bias Mamba-2 init, convs PyTorch default."""
+        AttnRes pseudo-queries 0; KDA A_log 0, dt_bias Mamba-2 init, convs PyTorch default;
+        projector truncated normal with std sqrt(2 / fan_in) (§7.3)."""
         std = self.config.initializer_range
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)) and not name.endswith("_res_proj"):
@@ -124,6 +125,9 @@ class K3ForCausalLM(nn.Module):
                 for w in (layer.mlp.experts.w1, layer.mlp.experts.w2, layer.mlp.experts.w3):
                     nn.init.normal_(w, 0.0, std)
         nn.init.normal_(self.vision_tower.patch_embed.pos_emb.weight, 0.0, std)
+        for lin in (self.mm_projector.proj[0], self.mm_projector.proj[2]):  # reference: trunc normal sqrt(2/fan_in)
+            s = (2.0 / lin.in_features) ** 0.5
+            nn.init.trunc_normal_(lin.weight, 0.0, s, -2 * s, 2 * s)
 
     def to_param_dtype(self, dtype: torch.dtype) -> K3ForCausalLM:
         """Cast every floating parameter to `dtype` except the fp32 allow-list (§1.5)."""
