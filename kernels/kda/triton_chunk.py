@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import interpreter_on
 from .gate import l2norm
 from .inputs import check_kda_inputs
 
@@ -210,107 +211,150 @@ def intra_fwd_kernel(
 
 # ----------------------------------------------------------------------------- serial state pass
 @triton.jit
+def _state_fwd_step(
+    t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
+):  # fmt: skip
+    """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~."""
+    dt = k.dtype.element_ty
+    rows = bos + t * BT + jj
+    mr = rows < eos
+    if STORE_H:
+        tl.store(h + ((c0 + t) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_s)
+    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+    m_k = mr[:, None] & (ck < K)[None, :]
+    off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+    m_v = mr[:, None] & (cv < V)[None, :]
+    Sd = S.to(dt)
+    w = tl.load(W + off_k, mask=m_k, other=0.0)
+    vn = tl.load(U + off_v, mask=m_v, other=0.0).to(tl.float32) - tl.dot(w, Sd)  # V~ = U - W S
+    Gc = tl.load(G + off_k, mask=m_k, other=0.0)
+    qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
+    a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
+    out = tl.dot(qg, Sd) + tl.dot(a, vn.to(dt))  # O = (Q Gamma) S + A_qk V~
+    tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
+    last = tl.minimum(bos + t * BT + BT, eos) - 1
+    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=ck < K, other=0.0)
+    kd = tl.where(m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0)
+    return S * tl.exp(Gl)[:, None] + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))  # Gamma_C S + Kd^T V~
+
+
+@triton.jit
 def state_fwd_kernel(
     q, k, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_off + i_n)
-    dt = k.dtype.element_ty
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
     jj = tl.arange(0, BT)
     off_s = ck[:, None] * V + cv[None, :]
-    m_s = mk[:, None] & mv[None, :]
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         S = tl.load(h0 + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
-    t = 0
-    while t < NT:  # a while loop: the trip count is data-dependent (one document)
-        rows = bos + t * BT + jj
-        mr = rows < eos
-        if STORE_H:
-            tl.store(h + ((c0 + t) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_s)
-        off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-        m_k = mr[:, None] & mk[None, :]
-        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
-        m_v = mr[:, None] & mv[None, :]
-        Sd = S.to(dt)
-        vn = tl.load(U + off_v, mask=m_v, other=0.0).to(tl.float32) - tl.dot(
-            tl.load(W + off_k, mask=m_k, other=0.0), Sd
-        )
-        Gc = tl.load(G + off_k, mask=m_k, other=0.0)
-        qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
-        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(
-            dt
-        )
-        out = tl.dot(qg, Sd) + tl.dot(a, vn.to(dt))  # O = (Q Gamma) S + A_qk V~
-        tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
-        last = tl.minimum(bos + t * BT + BT, eos) - 1
-        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-        kd = tl.where(
-            m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0
-        )
-        S = S * tl.exp(Gl)[:, None] + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))  # Gamma_C S + Kd^T V~
-        t += 1
+    if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
+        for t in range(NT):
+            S = _state_fwd_step(
+                t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V, STORE_H
+            )
+    else:  # the CPU interpreter cannot take a data-dependent range(): the same loop as a while
+        t = 0
+        while t < NT:
+            S = _state_fwd_step(
+                t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V, STORE_H
+            )
+            t += 1
     if STORE_HT:
         tl.store(ht + i_nh * K * V + off_s, S, mask=m_s)
+
+
+@triton.jit
+def _state_bwd_step(
+    t, dS, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+):  # fmt: skip
+    """One chunk in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~."""
+    dt = k.dtype.element_ty
+    rows = bos + t * BT + jj
+    mr = rows < eos
+    tl.store(
+        dh + ((c0 + t) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_s
+    )  # dS' of chunk t
+    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+    m_k = mr[:, None] & (ck < K)[None, :]
+    off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+    m_v = mr[:, None] & (cv < V)[None, :]
+    Gc = tl.load(G + off_k, mask=m_k, other=0.0)
+    last = tl.minimum(bos + t * BT + BT, eos) - 1
+    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=ck < K, other=0.0)
+    kd = tl.where(m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0)
+    a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
+    dob = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
+    dv = tl.dot(tl.trans(a), dob) + tl.dot(kd.to(dt), dS.to(dt))  # dV~ = A_qk^T dO + Kd dS'
+    tl.store(dvn + off_v, dv.to(dvn.dtype.element_ty), mask=m_v)
+    qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
+    w = tl.load(W + off_k, mask=m_k, other=0.0)
+    return dS * tl.exp(Gl)[:, None] + tl.dot(tl.trans(qg), dob) - tl.dot(tl.trans(w), dv.to(dt))
 
 
 @triton.jit
 def state_bwd_kernel(
     q, k, G, W, Aqk, do, dh, dvn, dht, dh0, cu, chunk_off,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_off + i_n)
-    dt = k.dtype.element_ty
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
-    mk, mv = ck < K, cv < V
     jj = tl.arange(0, BT)
     off_s = ck[:, None] * V + cv[None, :]
-    m_s = mk[:, None] & mv[None, :]
+    m_s = (ck < K)[:, None] & (cv < V)[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         dS = tl.load(dht + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
-    t = NT - 1
-    while t >= 0:  # chunks in reverse order
-        rows = bos + t * BT + jj
-        mr = rows < eos
-        tl.store(
-            dh + ((c0 + t) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_s
-        )  # dS' of chunk t
-        off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-        m_k = mr[:, None] & mk[None, :]
-        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
-        m_v = mr[:, None] & mv[None, :]
-        Gc = tl.load(G + off_k, mask=m_k, other=0.0)
-        last = tl.minimum(bos + t * BT + BT, eos) - 1
-        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-        kd = tl.where(
-            m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0
-        )
-        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(
-            dt
-        )
-        dob = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
-        dv = tl.dot(tl.trans(a), dob) + tl.dot(kd.to(dt), dS.to(dt))  # dV~ = A_qk^T dO + Kd dS'
-        tl.store(dvn + off_v, dv.to(dvn.dtype.element_ty), mask=m_v)
-        qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
-        w = tl.load(W + off_k, mask=m_k, other=0.0)
-        # dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~
-        dS = dS * tl.exp(Gl)[:, None] + tl.dot(tl.trans(qg), dob) - tl.dot(tl.trans(w), dv.to(dt))
-        t -= 1
+    if FOR_LOOP:
+        for tt in range(NT):
+            dS = _state_bwd_step(
+                NT - 1 - tt,
+                dS,
+                q,
+                k,
+                G,
+                W,
+                Aqk,
+                do,
+                dh,
+                dvn,
+                bos,
+                eos,
+                c0,
+                i_h,
+                ck,
+                cv,
+                jj,
+                off_s,
+                m_s,
+                H,
+                K,
+                V,
+            )
+    else:
+        t = NT - 1
+        while t >= 0:  # chunks in reverse order
+            dS = _state_bwd_step(
+                t, dS, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V
+            )
+            t -= 1
     if STORE_DH0:
         tl.store(dh0 + i_nh * K * V + off_s, dS, mask=m_s)
 
@@ -336,9 +380,6 @@ def grads_bwd_kernel(
     off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
     m_k = mr[:, None] & mk[None, :]
     off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
-    b_q = tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)
-    b_G = tl.load(G + off_k, mask=m_k, other=0.0)
     b_w = tl.load(W + off_k, mask=m_k, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
     Tm = tl.load(Ti + off_a, mask=mr[:, None], other=0.0).to(dt)
@@ -376,27 +417,26 @@ def grads_bwd_kernel(
         db += tl.sum(dbu * b_v, axis=1)
         dlu += tl.dot(dbu.to(dt), tl.trans(b_u))
     daqk = tl.where(jj[None, :] <= jj[:, None], daqk, 0.0)
+    tl.store(dAqk_s + off_a, daqk, mask=mr[:, None])
     dbw = tl.dot(tl.trans(Tm), dw.to(dt))  # dB_W = T~^T dW
-    gam = tl.exp(b_G)
-    kg = b_k * gam
-    b_dk = dbw * b_beta[:, None] * gam  # B_W = beta Gamma K
-    b_dG = dbw * b_beta[:, None] * kg
-    db += tl.sum(dbw * kg, axis=1)
     dl = -(tl.dot(dbw.to(dt), tl.trans(b_w)) + dlu)  # dL = -(dB_W W^T + dB_U U^T)
-    dl = tl.where(jj[None, :] < jj[:, None], dl, 0.0)  # only the strictly-lower A_kk is free
-    b_dq = dqg * gam  # O = (Q Gamma) S
-    b_dG += dqg * b_q * gam
+    tl.store(dA + off_a, tl.where(jj[None, :] < jj[:, None], dl, 0.0), mask=mr[:, None])  # strictly lower only
+    # q, k, G are loaded only now and each tile is stored as soon as it is final (register pressure)
+    b_G = tl.load(G + off_k, mask=m_k, other=0.0)
+    gam = tl.exp(b_G)
+    b_dG = dqg * tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * gam  # O = (Q Gamma) S
+    tl.store(dq + off_k, dqg * gam, mask=m_k)
+    b_k = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)
+    t_w = dbw * gam  # B_W = beta Gamma K
+    db += tl.sum(t_w * b_k, axis=1)
+    b_dG += t_w * b_k * b_beta[:, None]
     ekd = tl.where(m_k, tl.exp(Gl[None, :] - b_G), 0.0)
-    b_dk += dkd * ekd
+    tl.store(dk + off_k, t_w * b_beta[:, None] + dkd * ekd, mask=m_k)
     x = dkd * b_k * ekd
     b_dG -= x
     dgam = dgam * tl.exp(Gl) + tl.sum(x, axis=0)
     b_dG += tl.where((rows == last)[:, None], dgam[None, :], 0.0)  # G_C is the chunk's last row
-    tl.store(dq + off_k, b_dq, mask=m_k)
-    tl.store(dk + off_k, b_dk, mask=m_k)
     tl.store(dG + off_k, b_dG, mask=m_k)
-    tl.store(dA + off_a, dl, mask=mr[:, None])
-    tl.store(dAqk_s + off_a, daqk, mask=mr[:, None])
     tl.store(dbeta + rows * H + i_h, db, mask=mr)
     tl.debug_barrier()
     # row side of A_kk / A_qk, 16-row tiles with reference point n = first row of the tile
@@ -410,7 +450,9 @@ def grads_bwd_kernel(
         m_r = mrr[:, None] & mk[None, :]
         e_r = tl.exp(tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :])
         in_reach = mr & (jj < r * BS + BS)
-        kinv = (b_k * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - b_G, float("-inf")))).to(dt)
+        kc = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)  # reloaded per tile (register pressure)
+        Gcc = tl.load(G + off_k, mask=m_k, other=0.0)
+        kinv = (kc * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - Gcc, float("-inf")))).to(dt)
         off_ar = rr[:, None] * (H * BT) + i_h * BT + jj[None, :]
         dA_r = tl.load(dA + off_ar, mask=mrr[:, None], other=0.0).to(dt)
         dAq_r = tl.load(dAqk_s + off_ar, mask=mrr[:, None], other=0.0).to(dt)
@@ -440,9 +482,9 @@ def grads_bwd_kernel(
         mref = tl.minimum(start + c * BS + BS, eos) - 1
         Gm = tl.load(G + mref * (H * K) + i_h * K + ck, mask=mk, other=0.0)
         below = mr & (jj >= c * BS)
-        em = tl.exp(tl.where(below[:, None], b_G - Gm[None, :], float("-inf")))
-        km = (b_k * em).to(dt)
-        qm = (b_q * em).to(dt)
+        em = tl.exp(tl.where(below[:, None], tl.load(G + off_k, mask=m_k, other=0.0) - Gm[None, :], float("-inf")))
+        km = (tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * em).to(dt)
+        qm = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * em).to(dt)
         off_ac = rows[:, None] * (H * BT) + i_h * BT + ii[None, :]
         dA_c = (tl.load(dA + off_ac, mask=mr[:, None], other=0.0) * b_beta[:, None]).to(dt)
         dAq_c = tl.load(dAqk_s + off_ac, mask=mr[:, None], other=0.0).to(dt)
@@ -474,9 +516,13 @@ def _chunk_tables(cu: torch.Tensor):
     )
 
 
+# launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
+CONFIG = {"BV": 32, "warps_intra": 8, "warps_state": 8, "warps_grads": 8}
+
+
 def _blocks(K, V):
     BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(64, triton.next_power_of_2(V)))
+    BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
     if BK > 256:
         raise ValueError(
             f"chunk_kda (triton): head dim K={K} is above the supported 256; use backend='torch'"
@@ -542,7 +588,7 @@ class ChunkKDATriton(torch.autograd.Function):
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         intra_fwd_kernel[(NT, H)](
-            q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=4
+            q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=CONFIG["warps_intra"]
         )
         need_grad = any(ctx.needs_input_grad)
         o = torch.empty_like(v)
@@ -551,7 +597,7 @@ class ChunkKDATriton(torch.autograd.Function):
         state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
             q, k, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_H=need_grad,
-            num_warps=4,
+            FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
         )  # fmt: skip
         if need_grad:
             ctx.save_for_backward(q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off)
@@ -573,7 +619,8 @@ class ChunkKDATriton(torch.autograd.Function):
         dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if has_h0 else dvn
         state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
             q, k, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
-            H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0, num_warps=4,
+            H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0,
+            FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
         )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=dev)
         dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
@@ -582,7 +629,7 @@ class ChunkKDATriton(torch.autograd.Function):
         dA, dAqk = (torch.empty(1, TT, H, CHUNK, **f32) for _ in range(2))
         grads_bwd_kernel[(NT, H)](
             q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
-            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=8,
+            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=CONFIG["warps_grads"],
         )  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),
