@@ -19,7 +19,9 @@ not answer; `start_health_checks(interval)` runs it periodically.
 Weights: `update_weights(update)` puts the update into Ray's object store once
 (`weight_sync.publish`) and every worker applies it between two scheduler steps; the call
 returns when all have switched. The pool remembers the latest full update (and the partial
-ones after it) to bring restarted workers up to date.
+ones after it) to bring restarted workers up to date. The other transports: an `IpcShare`
+(CUDA IPC, colocated) goes to `update_weights` too; for NCCL, `join_collective` once, then
+`receive_collective_update()` while the learner calls `CollectiveWeightSync.send(update)`.
 
 One InferencePool object routes for the process that holds it. To share one routing view
 between many rollout workers, run it as a Ray actor: `PoolActor.remote(...)` exposes the same
@@ -42,7 +44,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
-from .weight_sync import publish, receive
+from .weight_sync import CollectiveWeightSync, IpcShare, publish, receive
 
 
 @dataclass
@@ -84,7 +86,9 @@ class EngineWorker:
 
     def __init__(self, spec: EngineSpec, name: str):
         self.name = name
+        self.device = spec.device
         self.engine = spec.build(name)
+        self.collective = None
 
     async def generate(self, token_ids, sampling, images, request_id) -> GenerationResult:
         result = await self.engine.agenerate(token_ids, sampling, images, request_id)
@@ -92,8 +96,23 @@ class EngineWorker:
         return result
 
     async def update_weights(self, update) -> int:
-        update = receive(update)
-        if update.version <= self.engine.version:  # a replay the worker already has
+        """Apply a PackedUpdate (object store), an IpcShare (CUDA IPC) or a WeightUpdate."""
+        if getattr(update, "version", None) is not None and update.version <= self.engine.version:
+            return self.engine.version  # a replay the worker already has
+        return await self.engine.aupdate_weights(await asyncio.to_thread(receive, update))
+
+    async def join_collective(self, host: str, port: int, rank: int, world_size: int, backend: str) -> int:
+        """Become `rank` of a weight-sync process group whose rank 0 is the learner."""
+        device = self.device if backend == "nccl" else "cpu"
+        self.collective = await asyncio.to_thread(CollectiveWeightSync, rank, world_size, host, port, backend, device)
+        return rank
+
+    async def update_weights_collective(self) -> int:
+        """Receive the update the learner broadcasts now (CollectiveWeightSync.send) and switch."""
+        if getattr(self, "collective", None) is None:
+            raise RuntimeError(f"{self.name} has not joined a weight-sync group (InferencePool.join_collective)")
+        update = await asyncio.to_thread(self.collective.recv)
+        if update.version <= self.engine.version:
             return self.engine.version
         return await self.engine.aupdate_weights(update)
 
@@ -130,13 +149,14 @@ class InferencePool:
         self._workers = [self._spawn(i) for i in range(num_workers)]
         self._inflight = [0] * num_workers
         self._restarting: dict[int, asyncio.Task] = {}
-        self._restart_locks: dict[int, asyncio.Lock] = {}
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._sticky_cap = sticky_keys
         self._where: dict[str, int] = {}
         self._rr = itertools.count()
         self._weights: list = []  # object refs: the latest full update and the partial ones after it
         self._version = 0
+        self._slot_version = [0] * num_workers  # the weights each slot's worker runs
+        self._collective_generation: list[int] | None = None
         self._health_task: asyncio.Task | None = None
         self.restarts = 0
         self.retries = 0
@@ -184,6 +204,7 @@ class InferencePool:
             await fresh.ping.remote()
             for ref in self._weights:  # bring it to the pool's version before it takes requests
                 await fresh.update_weights.remote(ref)
+            self._slot_version[slot] = (await fresh.ping.remote())["version"]
             self._workers[slot] = fresh
             self.restarts += 1
         finally:
@@ -193,6 +214,8 @@ class InferencePool:
         alive = [i for i in range(self.num_workers) if i not in self._restarting and i not in exclude]
         if not alive:
             return None
+        current = [i for i in alive if self._slot_version[i] == self._version]
+        alive = current or alive  # a worker behind (restarted after an IPC/NCCL update) only as a last resort
         for key in keys:  # the episode's worker, else the worker of its prompt group
             if key is not None and self._sticky.get(key) in alive:
                 self._sticky.move_to_end(key)
@@ -257,28 +280,65 @@ class InferencePool:
             return False
 
     # ----- weights -------------------------------------------------------------------------------------
-    async def update_weights(self, update: WeightUpdate) -> int:
-        """Publish once, apply on every worker; returns the version all of them now run."""
+    async def update_weights(self, update: WeightUpdate | IpcShare) -> int:
+        """Apply `update` on every worker; returns the version all of them now run.
+
+        A WeightUpdate goes through the object store (published once, replayed to restarted
+        workers). An IpcShare (`weight_sync.share_cuda_ipc`, workers on the learner's GPU host)
+        is passed by handle; a worker restarted after it stays behind, and out of routing, until
+        the next object-store update."""
         if update.version <= self._version:
             raise ValueError(f"weight update v{update.version} is not newer than the pool's v{self._version}")
-        ref = publish(update)
-        self._weights = [ref] if update.full else [*self._weights, ref]
+        if isinstance(update, WeightUpdate):
+            ref = publish(update)
+            self._weights = [ref] if update.full else [*self._weights, ref]
+        elif isinstance(update, IpcShare):
+            ref = update
+        else:
+            raise TypeError(f"update_weights takes a WeightUpdate or an IpcShare, got {type(update).__name__}")
         self._version = update.version
         for task in list(self._restarting.values()):  # a restart in progress replays the new list too
             await asyncio.wait([task])
 
-        async def one(slot: int):
+        async def one(slot: int) -> int | None:
             worker = self._workers[slot]
             try:
-                return await worker.update_weights.remote(ref)
+                self._slot_version[slot] = await worker.update_weights.remote(ref)
+                return self._slot_version[slot]
             except RayActorError:
-                await self._restart(slot, worker)  # the restart replays every update, this one included
-                return self._version
+                await self._restart(slot, worker)  # the restart replays the object-store updates
+                return None
 
-        versions = await asyncio.gather(*(one(i) for i in range(self.num_workers)))
+        versions = [v for v in await asyncio.gather(*(one(i) for i in range(self.num_workers))) if v is not None]
         if any(v != update.version for v in versions):
             raise RuntimeError(f"workers report versions {versions} after the update to v{update.version}")
         return update.version
+
+    async def join_collective(self, host: str, port: int, backend: str = "nccl") -> None:
+        """Make the workers ranks 1..N of a weight-sync group whose rank 0 is the learner.
+
+        The learner constructs `CollectiveWeightSync(0, N + 1, host, port, backend)` while this
+        runs (both sides block until every rank has joined)."""
+        world = self.num_workers + 1
+        await asyncio.gather(*(w.join_collective.remote(host, port, i + 1, world, backend)
+                               for i, w in enumerate(self._workers)))
+        self._collective_generation = list(self._generation)
+
+    async def receive_collective_update(self) -> int:
+        """Every worker receives the update the learner broadcasts now (`CollectiveWeightSync.send`)
+        and switches; returns the new version. A restarted worker is not in the group: after a
+        restart, call `join_collective` again (new port) with a new learner side."""
+        if self._collective_generation is None:
+            raise RuntimeError("no weight-sync group: call join_collective first")
+        if self._collective_generation != self._generation:
+            raise RuntimeError("a worker was restarted since join_collective, so the group is incomplete; "
+                               "call join_collective again (new port) and rebuild the learner's CollectiveWeightSync")
+        versions = await asyncio.gather(*(w.update_weights_collective.remote() for w in self._workers))
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"workers report different versions after a collective update: {versions}")
+        self._slot_version = list(versions)
+        self._version = versions[0]
+        return self._version
 
     # ----- health --------------------------------------------------------------------------------------
     async def check_health(self, timeout_s: float = 30.0) -> list[dict]:
@@ -334,8 +394,14 @@ class PoolActor:
         return await self.pool.generate(token_ids, sampling, images, key=key, group_key=group_key,
                                         request_id=request_id)
 
-    async def update_weights(self, update: WeightUpdate) -> int:
+    async def update_weights(self, update) -> int:
         return await self.pool.update_weights(update)
+
+    async def join_collective(self, host: str, port: int, backend: str = "nccl") -> None:
+        await self.pool.join_collective(host, port, backend)
+
+    async def receive_collective_update(self) -> int:
+        return await self.pool.receive_collective_update()
 
     async def abort(self, request_id: str) -> bool:
         return await self.pool.abort(request_id)

@@ -138,13 +138,15 @@ def publish(update: WeightUpdate):
     return ray.put(PackedUpdate.pack(update))
 
 
-def receive(obj: PackedUpdate | WeightUpdate) -> WeightUpdate:
+def receive(obj: PackedUpdate | WeightUpdate | IpcShare) -> WeightUpdate:
     """What a worker does with what arrived (Ray resolves a top-level ObjectRef argument itself)."""
     if isinstance(obj, WeightUpdate):
         return obj
     if isinstance(obj, PackedUpdate):
         return obj.to_update()
-    raise TypeError(f"expected a PackedUpdate or WeightUpdate, got {type(obj).__name__}")
+    if isinstance(obj, IpcShare):
+        return open_cuda_ipc(obj)
+    raise TypeError(f"expected a PackedUpdate, IpcShare or WeightUpdate, got {type(obj).__name__}")
 
 
 # ----------------------------------------------------------------------------------------------

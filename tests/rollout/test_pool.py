@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 
 import pytest
 import ray
 import torch
+
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.pool import EngineSpec, InferencePool
-
 from k3rl.types import SamplingParams, WeightUpdate
 
 torch.set_num_threads(1)
@@ -89,14 +90,40 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             ref = EmbeddedEngine(new.eval(), background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
             assert r.versions == [1] * 5 and r.token_ids == ref.token_ids
 
+            # the collective transport (gloo here, NCCL on GPUs): the driver is rank 0 of the group
+            from k3rl.rollout.weight_sync import CollectiveWeightSync
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
+            await pool.join_collective("127.0.0.1", port, backend="gloo")
+            sender = await sender
+            torch.manual_seed(6)
+            newer = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+            sending = asyncio.create_task(asyncio.to_thread(sender.send, WeightUpdate.from_state_dict(2, to_hf(newer.state_dict()))))
+            assert await pool.receive_collective_update() == 2
+            await sending
+            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            ref = EmbeddedEngine(newer, background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            assert r.versions == [2] * 5 and r.token_ids == ref.token_ids
+
             # a worker that dies while idle is found by the health check and comes back at v1
             ray.kill(pool.workers[1], no_restart=True)
             await asyncio.sleep(0.5)
             health = await pool.check_health(timeout_s=20)
             assert [h["alive"] for h in health] == [True, False] and pool.restarts == 2
-            assert {h["version"] for h in await pool.check_health()} == {1}
+            # the replacement replays the object-store updates (v1) but missed the collective v2:
+            # it stays out of routing until it catches up, and the group must be rebuilt
+            assert [h["version"] for h in await pool.check_health()] == [2, 1]
+            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            assert r.versions == [2] * 5 and r.worker == (await pool.workers[0].ping.remote())["name"]
+            with pytest.raises(RuntimeError, match="join_collective again"):
+                await pool.receive_collective_update()
             with pytest.raises(ValueError, match="not newer"):
-                await pool.update_weights(WeightUpdate.from_state_dict(1, to_hf(new.state_dict())))
+                await pool.update_weights(WeightUpdate.from_state_dict(2, to_hf(new.state_dict())))
+            assert await pool.update_weights(WeightUpdate.from_state_dict(3, to_hf(newer.state_dict()))) == 3
+            assert {h["version"] for h in await pool.check_health()} == {3}
         finally:
             pool.shutdown()
 
