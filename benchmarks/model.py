@@ -1,6 +1,11 @@
 """CPU measurements of the K3 model (plain PyTorch reference ops)."""
-import os, time, torch
+import os
+import time
+
+import torch
+
 from k3rl.learner.model import K3Config, K3ForCausalLM, quantile_balance
+
 torch.manual_seed(0)
 torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
 
@@ -21,17 +26,17 @@ for preset, T, reps in (("k3-tiny", 512, 3), ("k3-small", 128, 1)):
     model = K3ForCausalLM(K3Config.preset(preset)).eval()
     ids = torch.randint(0, 256, (1, T))
     with torch.no_grad():
-        s = timed(lambda: model(ids), reps)
+        s = timed(lambda m=model, x=ids: m(x), reps)
         print(f"{preset}: prefill B=1 T={T}: {s * 1e3:.0f} ms ({T / s:.0f} tok/s)")
         for B in (1, 8):
             cache = model.new_cache(B)
             model(torch.randint(0, 256, (B, 64)), cache=cache)
             step = torch.randint(0, 256, (B, 1))
-            s = timed(lambda: model(step, cache=cache), 5)
+            s = timed(lambda m=model, x=step, c=cache: m(x, cache=c), 5)
             print(f"{preset}: decode step B={B} after 64 tokens: {s * 1e3:.1f} ms ({B / s:.0f} tok/s)")
     model.train()
     ids = torch.randint(0, 256, (1, T))
-    def fwd_bwd():
+    def fwd_bwd(model=model, ids=ids):
         model.zero_grad(set_to_none=True)
         model(ids).float().square().mean().backward()
     s = timed(fwd_bwd, reps)

@@ -62,7 +62,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None,
         else:  # packed documents: each starts from a zero left context
             pieces = []
             bounds = cu_seqlens.tolist()
-            for bos, eos in zip(bounds[:-1], bounds[1:]):
+            for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
                 doc = F.pad(x[:, bos:eos].float().transpose(1, 2), (W - 1, 0))
                 pieces.append(F.conv1d(doc, w, groups=C).transpose(1, 2))
             y = torch.cat(pieces, dim=1)

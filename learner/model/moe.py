@@ -81,10 +81,10 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, config: K3Config):
         super().__init__()
-        E, f, l = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
-        self.w1 = nn.Parameter(torch.empty(E, f, l))
-        self.w3 = nn.Parameter(torch.empty(E, f, l))
-        self.w2 = nn.Parameter(torch.empty(E, l, f))
+        E, f, lat = config.num_experts, config.moe_intermediate_size, config.routed_expert_hidden_size
+        self.w1 = nn.Parameter(torch.empty(E, f, lat))
+        self.w3 = nn.Parameter(torch.empty(E, f, lat))
+        self.w2 = nn.Parameter(torch.empty(E, lat, f))
         self.beta_gate, self.beta_up = config.activation_situ_beta, config.activation_situ_linear_beta
         self.backend = config.kernel_backend
 
@@ -101,12 +101,12 @@ class RoutedExperts(nn.Module):
 class StableLatentMoE(nn.Module):
     def __init__(self, config: K3Config):
         super().__init__()
-        d, l = config.hidden_size, config.routed_expert_hidden_size
+        d, lat = config.hidden_size, config.routed_expert_hidden_size
         self.gate = MoEGate(config)
-        self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
+        self.routed_expert_down_proj = nn.Linear(d, lat, bias=False)
         self.experts = RoutedExperts(config)
-        self.routed_expert_norm = RMSNorm(l, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
-        self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
+        self.routed_expert_norm = RMSNorm(lat, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
+        self.routed_expert_up_proj = nn.Linear(lat, d, bias=False)
         self.shared_experts = SiTUGLUMLP(
             d, config.num_shared_experts * config.moe_intermediate_size,
             config.activation_situ_beta, config.activation_situ_linear_beta,

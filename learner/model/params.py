@@ -31,9 +31,9 @@ def mla_layer_parameters(c: K3Config) -> int:
 
 def moe_non_expert_parameters(c: K3Config) -> int:
     """E d (router) + E (bias) + 2 l d (latent down and up) + l (latent norm) + 3 d (N_s f) (shared)."""
-    d, E, l, f = c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size
-    norm = l if c.latent_moe_use_norm else 0
-    return E * d + E + 2 * l * d + norm + 3 * d * (c.num_shared_experts * f)
+    d, E, lat, f = c.hidden_size, c.num_experts, c.routed_expert_hidden_size, c.moe_intermediate_size
+    norm = lat if c.latent_moe_use_norm else 0
+    return E * d + E + 2 * lat * d + norm + 3 * d * (c.num_shared_experts * f)
 
 
 def expert_parameters(c: K3Config) -> int:

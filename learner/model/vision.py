@@ -101,7 +101,7 @@ class VisionBlock(nn.Module):
     def attention(self, x: torch.Tensor, grid_thw, angles: list[torch.Tensor]) -> torch.Tensor:
         qkv = self.wqkv(x).reshape(x.shape[0], 3, self.heads, self.head_dim)
         outs, start = [], 0
-        for (t, gh, gw), ang in zip(grid_thw, angles):  # joint attention within each media item only
+        for (t, gh, gw), ang in zip(grid_thw, angles, strict=True):  # joint attention within each media item only
             n = t * gh * gw
             q, k, v = qkv[start : start + n].unbind(1)
             q, k = apply_rope(q, ang), apply_rope(k, ang)

@@ -33,12 +33,12 @@ def test_source_counts_of_the_k3_schedule():
     attn = [layer.source_counts[0] for layer in model.model.layers]
     mlp = [layer.source_counts[1] for layer in model.model.layers]
     # §4.4 concrete values: attention 1 at l=0, 2 for 1..12, 3 for 13..24, ..., 9 for 85..92
-    assert attn == [1] + [2 + (l - 1) // 12 for l in range(1, 93)]
+    assert attn == [1] + [2 + (i - 1) // 12 for i in range(1, 93)]
     # MLP: 2 for 0..11, ..., 9 for 84..92; the final aggregation sees 9 sources
-    assert mlp == [2 + l // 12 for l in range(93)]
+    assert mlp == [2 + i // 12 for i in range(93)]
     assert model.final_source_count == 9
     # bank size after layer l = ceil((l+1)/12) = MLP sources - 1
-    assert [m - 1 for m in mlp] == [math.ceil((l + 1) / 12) for l in range(93)]
+    assert [m - 1 for m in mlp] == [math.ceil((i + 1) / 12) for i in range(93)]
     assert (attn, mlp, 9) == tuple(expected_source_counts(93, 12))
 
 

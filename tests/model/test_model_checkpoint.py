@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
+from k3_model_helpers import make_tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3rl.learner.model import K3Config, load_hf, load_state_into, save_hf
 from k3rl.learner.model.checkpoint import CheckpointMismatchError, read_hf_tensors
-
-from k3_model_helpers import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from k3_model_helpers import make_tiny
 from PIL import Image
 
 from k3rl.learner.model import K3Cache, preprocess_media
-
-from k3_model_helpers import make_tiny
 
 TOL = dict(atol=5e-5, rtol=1e-4)
 

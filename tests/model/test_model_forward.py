@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from k3_model_helpers import make_tiny
 
 from k3rl.learner.model import K3Config, K3ForCausalLM
-
-from k3_model_helpers import make_tiny
 
 
 def test_packed_documents_equal_separate_forwards():

@@ -101,7 +101,7 @@ def test_packed_documents_restart_conv_and_state():
     cu = torch.tensor([0, 11, 12, 29])
     with torch.no_grad():
         packed = layer(x, cu_seqlens=cu)
-        parts = [layer(x[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        parts = [layer(x[:, a:b]) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
     torch.testing.assert_close(packed, torch.cat(parts, 1), atol=1e-6, rtol=1e-5)
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from k3_model_helpers import make_tiny
 
 from k3rl.learner.model import bias_from_histogram, quantile_balance, required_bias_histogram
 from k3rl.learner.model.quantile_balance import histogram_range, routing_cutoffs
-
-from k3_model_helpers import make_tiny
 
 # §6.4: rows t1..t8, columns E1..E4, b = 0, k = 1, q = 2
 EXAMPLE = torch.tensor(
@@ -111,7 +110,7 @@ def test_per_shard_histograms_add_up_to_the_global_one():
     bias = torch.randn(n) * 0.1
     whole, lo, width = required_bias_histogram(scores, bias, k)
     for cuts in ([0, 1, 500, 999], [0, 333, 334, 700, 999]):
-        parts = [required_bias_histogram(scores[a:b], bias, k) for a, b in zip(cuts[:-1], cuts[1:])]
+        parts = [required_bias_histogram(scores[a:b], bias, k) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
         assert all((p[1], p[2]) == (lo, width) for p in parts)  # the range depends on the bias only
         assert torch.equal(sum(p[0] for p in parts), whole)
 
@@ -163,7 +162,7 @@ def test_frozen_qb_changes_nothing():
     model(torch.randint(0, 256, (1, 16)))
     assert model.qb_step() == 0
     assert all(int(m.qb.num_tokens) == 0 for m in model.moe_layers())
-    assert all(torch.equal(m.gate.e_score_correction_bias, b) for m, b in zip(model.moe_layers(), before))
+    assert all(torch.equal(m.gate.e_score_correction_bias, b) for m, b in zip(model.moe_layers(), before, strict=True))
 
 
 def test_quantile_balance_rejects_bad_shapes():

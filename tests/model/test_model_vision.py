@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from k3_model_helpers import make_tiny
 from PIL import Image
 
 from k3rl.images import num_image_tokens
 from k3rl.learner.model import K3Config, MediaBatch, preprocess_media
 from k3rl.learner.model.vision import MoonViT, merge_sd2_tpool, rope_2d_angles, temporal_sincos
-
-from k3_model_helpers import make_tiny
 
 TINY = K3Config.preset("k3-tiny")
 
