@@ -64,6 +64,14 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             assert len({r.worker for r in group}) == 1
             assert sorted(r.cached_prompt_tokens for r in group) == [0, 30, 30]
 
+            # abort through the pool: the request returns its tokens so far
+            task = asyncio.create_task(pool.generate(_prompt(8), SamplingParams(max_tokens=500, seed=1), request_id="ab"))
+            while not await pool.abort("ab"):
+                await asyncio.sleep(0.01)
+            aborted = await asyncio.wait_for(task, 60)
+            assert aborted.finish_reason == "abort" and len(aborted.token_ids) < 500
+            assert not await pool.abort("ab")
+
             # kill a worker mid-request: every request still completes, with the tokens of a local run
             long = [SamplingParams(temperature=0.9, max_tokens=60, seed=100 + s) for s in range(6)]
             tasks = [asyncio.create_task(pool.generate(_prompt(12, s), p)) for s, p in enumerate(long)]
