@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
 from k3rl.learner.model.state_dict_adapter import to_hf  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
-
 from k3rl.types import SamplingParams, WeightUpdate  # noqa: E402
 
 
@@ -126,6 +125,7 @@ def _update_for(model) -> WeightUpdate:
 
 def object_store_gbps(update: WeightUpdate) -> float:
     import ray
+
     from k3rl.rollout.weight_sync import publish, receive
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -169,6 +169,7 @@ def _collective_receiver(port: int, backend: str, device: str, rounds: int) -> N
 
 def collective_gbps(update: WeightUpdate, backend: str, devices: tuple[str, str], rounds: int = 3) -> float:
     import torch.multiprocessing as mp
+
     from k3rl.rollout.weight_sync import CollectiveWeightSync
 
     port = _free_port()
@@ -199,6 +200,7 @@ def _ipc_receiver(share, queue) -> None:
 
 def cuda_ipc_gbps(update: WeightUpdate) -> float:
     import torch.multiprocessing as mp
+
     from k3rl.rollout.weight_sync import share_cuda_ipc
 
     t = time.perf_counter()

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 import torch
+
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
-
 from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams
 
@@ -232,6 +232,31 @@ def test_images_in_the_prompt(model):
     assert r.token_ids == [int(logits[len(ids) - 1 + i].argmax()) for i in range(6)]
     with pytest.raises(ValueError, match="media_pad"):
         eng.generate(ids, GREEDY)  # pads without their image
+
+
+def test_second_turn_with_a_new_image_reuses_the_first_turn(model):
+    from PIL import Image
+
+    from k3rl.chat import ChatTemplate, Message
+    from k3rl.images import to_png
+
+    imgs = [Image.new("RGB", (30 + 10 * i, 28), color=(40 * i, 90, 200 - 30 * i)) for i in range(2)]
+    pngs = [to_png(im) for im in imgs]
+    chat = ChatTemplate()
+    session = chat.session()
+    session.add(Message(role="user", content="first", images=[pngs[0]]))
+    session.add_generation_prompt()
+    eng = _engine(model, prefill_chunk=9)
+    turn1 = list(session.rendered.ids)
+    first = eng.generate(turn1, SamplingParams(temperature=0, max_tokens=3), images=pngs[:1])
+    session.add_generated(first.token_ids)
+    session.add(Message(role="user", content="and this?", images=[pngs[1]]))
+    session.add_generation_prompt()
+    ids = session.rendered.ids
+    second = eng.generate(ids, SamplingParams(temperature=0, max_tokens=5), images=pngs)
+    assert second.cached_prompt_tokens == len(turn1) + 3  # turn 1 and its image were not recomputed
+    logits = _full_logits(model, ids + second.token_ids, images=imgs)
+    assert second.token_ids == [int(logits[len(ids) - 1 + i].argmax()) for i in range(5)]
 
 
 def test_many_coroutines_share_one_background_engine(model):

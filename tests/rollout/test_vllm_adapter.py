@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.vllm_adapter import K3ForVLLM, sampling_kwargs, vllm_available
-
 from k3rl.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -54,7 +54,6 @@ def test_vllm_engine_matches_the_embedded_engine_and_switches_weights(tmp_path):
     from k3rl.learner.model import save_hf
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.vllm_adapter import VLLMEngine
-
     from k3rl.types import WeightUpdate
 
     torch.manual_seed(0)

@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
+
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.weight_sync import CollectiveWeightSync, PackedUpdate, pack_bucket, unpack_bucket
-
 from k3rl.types import SamplingParams, WeightBucket, WeightUpdate
 
 torch.set_num_threads(1)
@@ -178,6 +178,7 @@ def test_collective_broadcast_on_nccl():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU shared by two processes")
 def test_cuda_ipc_share_and_open():
     import torch.multiprocessing as mp
+
     from k3rl.rollout.weight_sync import share_cuda_ipc
 
     state = {"w": torch.randn(128, 7, device="cuda"), "b": torch.randn(9, device="cuda").to(torch.bfloat16)}
