@@ -129,6 +129,20 @@ class K3ForCausalLM(nn.Module):
             s = (2.0 / lin.in_features) ** 0.5
             nn.init.trunc_normal_(lin.weight, 0.0, s, -2 * s, 2 * s)
 
+    def _apply(self, fn, recurse=True):
+        """Keep the fp32 allow-list fp32 through `.to(dtype)`, `.bfloat16()`, `.half()` (§1.5).
+
+        A blanket cast would round A_log, dt_bias, the conv weights and the QB bias to bf16
+        and silently corrupt the KDA gate; the original fp32 values are moved to the new
+        device instead.
+        """
+        keep = {n: (p, p.data) for n, p in self.named_parameters() if n.endswith(FP32_PARAM_SUFFIXES)}
+        super()._apply(fn, recurse)
+        for p, original in keep.values():
+            if p.dtype != torch.float32 and p.is_floating_point():
+                p.data = original.to(device=p.device, dtype=torch.float32)
+        return self
+
     def to_param_dtype(self, dtype: torch.dtype) -> K3ForCausalLM:
         """Cast every floating parameter to `dtype` except the fp32 allow-list (§1.5)."""
         for name, p in self.named_parameters():

@@ -134,3 +134,17 @@ def test_fp32_allow_list_survives_bf16_cast():
     with torch.no_grad():
         logits = model(torch.randint(0, 256, (1, 9)))
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+
+
+def test_blanket_cast_keeps_the_allow_list_bit_exact():
+    model = K3ForCausalLM(K3Config.preset("k3-tiny"))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.A_log.normal_()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
+    model.to(torch.bfloat16)
+    for name, value in before.items():
+        p = model.get_parameter(name)
+        assert p.dtype == torch.float32 and torch.equal(p, value), name
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    model.half()
+    assert model.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
