@@ -138,3 +138,17 @@ def test_situ_glu_values_through_the_kernels_op():
     assert g[a.argmin()].item() == pytest.approx(-1.2188, abs=1e-3)
     big = torch.empty(10000).uniform_(-1e4, 1e4)
     assert situ_glu(big, big.flip(0)).abs().max() <= 100.0  # < 100 exactly; fp32 rounds the cap to 100
+
+
+def test_situ_glu_gradients_match_the_analytic_formulas():
+    """§5.4: df/dg, df/du in closed form; da/dg(0) = 0.5."""
+    g = torch.tensor([0.0, -1.3, 0.7, 5.0, -20.0], dtype=torch.float64, requires_grad=True)
+    u = torch.tensor([1.0, 3.0, -40.0, 0.2, 7.0], dtype=torch.float64, requires_grad=True)
+    situ_glu(g, u).sum().backward()
+    gd, ud = g.detach(), u.detach()
+    t1, s, t2 = torch.tanh(gd / 4), torch.sigmoid(gd), torch.tanh(ud / 25)
+    dfdg = 25 * t2 * ((1 - t1**2) * s + 4 * t1 * s * (1 - s))
+    dfdu = 4 * t1 * s * (1 - t2**2)
+    torch.testing.assert_close(g.grad, dfdg)
+    torch.testing.assert_close(u.grad, dfdu)
+    assert (g.grad[0] / (25 * torch.tanh(torch.tensor(1 / 25, dtype=torch.float64)))).item() == pytest.approx(0.5)
