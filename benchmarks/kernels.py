@@ -277,7 +277,7 @@ def situ():
     for name, fn in (
         ("eager formula", situ_glu_formula),
         ("torch.compile formula", compiled),
-        ("ours (dispatcher)", situ_glu),
+        ("ours (Triton, fused fwd / bwd)", lambda a, b: situ_glu(a, b, backend="triton")),
     ):
         fwd = bench(lambda fn=fn: fn(g, u))
         gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
@@ -338,11 +338,18 @@ def ns():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--only", default="peak,kda,agree,recurrent,situ,moe,ns")
-    which = set(p.parse_args().only.split(","))
+    p.add_argument(
+        "--peak-tflops", type=float, default=772.0, help="bf16 matmul ceiling when 'peak' is skipped"
+    )
+    p.add_argument(
+        "--copy-gbs", type=float, default=4270.0, help="copy bandwidth (GB/s) when 'peak' is skipped"
+    )
+    args = p.parse_args()
+    which = set(args.only.split(","))
     print(f"# kernels benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {platform.python_version()}, fla-core {'present' if fla_chunk_kda else 'absent'}")  # fmt: skip
-    tflops, bw = peak() if "peak" in which else (740.0, 4240.0)
+    tflops, bw = peak() if "peak" in which else (args.peak_tflops, args.copy_gbs)
     sections = dict(
         kda=kda, agree=agree, recurrent=lambda: recurrent(bw), situ=situ, moe=lambda: moe(tflops), ns=ns
     )

@@ -35,6 +35,14 @@ def causal_attention_reference(q, k, v, scale, cu_seqlens=None, kv_lengths=None)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, H, _ = q.shape
     S = k.shape[1]
+    if cu_seqlens is not None and B == 1 and S == T and kv_lengths is None and cu_seqlens.numel() > 2:
+        # packed documents: attend within each one as a padded batch, O(sum T_i^2) not O(T^2)
+        from ..varlen import doc_lengths, pad_documents, unpad_documents
+
+        o = causal_attention_reference(
+            *(pad_documents(x, cu_seqlens) for x in (q, k, v)), scale, kv_lengths=doc_lengths(cu_seqlens)
+        )
+        return unpad_documents(o, cu_seqlens)
     s = torch.einsum("bthd,bshd->bhts", q.to(dt), k.to(dt)) * scale  # fp32 scores
     mask = attention_mask(B, T, S, q.device, cu_seqlens, kv_lengths)
     s = s.masked_fill(~mask, float("-inf"))

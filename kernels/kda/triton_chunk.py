@@ -35,7 +35,7 @@ BS = tl.constexpr(16)  # sub-tile size
 # ----------------------------------------------------------------------------- gate + cumsum
 @triton.jit
 def gate_cumsum_fwd_kernel(
-    z, A_log, dt_bias, G, cu, chunk_idx, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    z, A_log, dt_bias, G, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr,
 ):  # fmt: skip
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -57,7 +57,7 @@ def gate_cumsum_fwd_kernel(
 
 @triton.jit
 def gate_cumsum_bwd_kernel(
-    dG, z, A_log, dt_bias, dz, cu, chunk_idx, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+    dG, z, A_log, dt_bias, dz, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr,
 ):  # fmt: skip
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -92,7 +92,7 @@ def _tri_inverse16(Ablk, BLK: tl.constexpr):
 
 
 @triton.jit
-def _load_blk(ptr, start, eos, r0, c0, H: tl.constexpr, i_h):
+def _load_blk(ptr, start, eos, r0, c0, H, i_h):
     """16x16 block (rows r0.., cols c0..) of a per-chunk [64 x 64] matrix stored as [T, H, 64]."""
     r = tl.arange(0, BS)
     rows = start + r0 + r
@@ -102,7 +102,7 @@ def _load_blk(ptr, start, eos, r0, c0, H: tl.constexpr, i_h):
 
 
 @triton.jit
-def _store_blk(ptr, X, start, eos, r0, c0, H: tl.constexpr, i_h):
+def _store_blk(ptr, X, start, eos, r0, c0, H, i_h):
     r = tl.arange(0, BS)
     rows = start + r0 + r
     tl.store(ptr + rows[:, None] * (H * BT) + i_h * BT + c0 + r[None, :], X, mask=(rows < eos)[:, None])
@@ -116,7 +116,7 @@ def _mm(a, b):
 @triton.jit
 def intra_fwd_kernel(
     q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
@@ -213,14 +213,14 @@ def intra_fwd_kernel(
 @triton.jit
 def _state_fwd_step(
     t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~."""
     dt = k.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
     if STORE_H:
-        tl.store(h + ((c0 + t) * H + i_h) * K * V + off_s, S.to(h.dtype.element_ty), mask=m_s)
+        tl.store(h + ((c0 + t) * H + i_h).to(tl.int64) * (K * V) + off_s, S.to(h.dtype.element_ty), mask=m_s)
     off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
     m_k = mr[:, None] & (ck < K)[None, :]
     off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
@@ -242,7 +242,7 @@ def _state_fwd_step(
 @triton.jit
 def state_fwd_kernel(
     q, k, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -277,14 +277,14 @@ def state_fwd_kernel(
 @triton.jit
 def _state_bwd_step(
     t, dS, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
 ):  # fmt: skip
     """One chunk in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~."""
     dt = k.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
     tl.store(
-        dh + ((c0 + t) * H + i_h) * K * V + off_s, dS.to(dh.dtype.element_ty), mask=m_s
+        dh + ((c0 + t) * H + i_h).to(tl.int64) * (K * V) + off_s, dS.to(dh.dtype.element_ty), mask=m_s
     )  # dS' of chunk t
     off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
     m_k = mr[:, None] & (ck < K)[None, :]
@@ -306,7 +306,7 @@ def _state_bwd_step(
 @triton.jit
 def state_bwd_kernel(
     q, k, G, W, Aqk, do, dh, dvn, dht, dh0, cu, chunk_off,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -360,99 +360,130 @@ def state_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------- chunk-local gradients
+# Two kernels, each one program per (chunk, head, 64-wide slice of K): slicing K keeps the
+# [64 x K] accumulators small enough for registers. Sums over K (dA, dbeta) are atomic adds
+# into zero-initialised buffers; the tile kernel runs after dA is complete.
 @triton.jit
-def grads_bwd_kernel(
-    q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn,
+def grads_state_kernel(
+    q, k, v, G, beta, W, U, Ti, h, dh, do, dvn,
     dq, dk, dv, dG, dbeta, dA, dAqk_s, cu, chunk_idx, chunk_off,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    """Gradients through O = (Q Gamma) S + A_qk V~, the state update and the WY factors."""
+    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     cid = tl.load(chunk_off + i_n) + i_c
     start = bos + i_c * BT
+    first = i_k == 0  # the K-independent parts are written by the first slice only
     dt = k.dtype.element_ty
     ck = tl.arange(0, BK)
-    mk = ck < K
+    ks = i_k * BKS + tl.arange(0, BKS)
+    mk, mks = ck < K, ks < K
     jj = tl.arange(0, BT)
     rows = start + jj
     mr = rows < eos
-    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-    m_k = mr[:, None] & mk[None, :]
     off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
-    b_w = tl.load(W + off_k, mask=m_k, other=0.0)
+    off_ks = rows[:, None] * (H * K) + i_h * K + ks[None, :]
+    m_ks = mr[:, None] & mks[None, :]
+    b_w = tl.load(
+        W + rows[:, None] * (H * K) + i_h * K + ck[None, :], mask=mr[:, None] & mk[None, :], other=0.0
+    )
     b_beta = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
     Tm = tl.load(Ti + off_a, mask=mr[:, None], other=0.0).to(dt)
-    last = tl.minimum(start + BT, eos) - 1
-    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
 
-    dqg = tl.zeros([BT, BK], dtype=tl.float32)  # d(Q Gamma)
-    dkd = tl.zeros([BT, BK], dtype=tl.float32)  # d(Kd), Kd = K e^{G_C - G}
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
-    dgam = tl.zeros([BK], dtype=tl.float32)  # d G_C through Diag(Gamma_C) S
+    dqg = tl.zeros([BT, BKS], dtype=tl.float32)  # d(Q Gamma)
+    dkd = tl.zeros([BT, BKS], dtype=tl.float32)  # d(Kd), Kd = K e^{G_C - G}
+    dw = tl.zeros([BT, BKS], dtype=tl.float32)
+    dgam = tl.zeros([BKS], dtype=tl.float32)  # d G_C through Diag(Gamma_C) S
     daqk = tl.zeros([BT, BT], dtype=tl.float32)
     dlu = tl.zeros([BT, BT], dtype=tl.float32)  # dB_U U^T
     db = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         mv = cv < V
-        off_s = (cid * H + i_h) * K * V + ck[:, None] * V + cv[None, :]
-        m_s = mk[:, None] & mv[None, :]
-        S = tl.load(h + off_s, mask=m_s, other=0.0)
-        dS = tl.load(dh + off_s, mask=m_s, other=0.0)
+        base_s = (cid * H + i_h).to(tl.int64) * (K * V)
+        S = tl.load(h + base_s + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        S_k = tl.load(h + base_s + ks[:, None] * V + cv[None, :], mask=mks[:, None] & mv[None, :], other=0.0)
+        dS_k = tl.load(
+            dh + base_s + ks[:, None] * V + cv[None, :], mask=mks[:, None] & mv[None, :], other=0.0
+        )
         off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
         m_v = mr[:, None] & mv[None, :]
         b_do = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
         b_dvn = tl.load(dvn + off_v, mask=m_v, other=0.0).to(dt)
         b_u = tl.load(U + off_v, mask=m_v, other=0.0)
-        b_v = tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32)
         vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(dt))).to(dt)  # V~ = U - W S
-        dqg += tl.dot(b_do, tl.trans(S.to(dt)))  # dO S^T
-        dkd += tl.dot(vn, tl.trans(dS.to(dt)))  # V~ dS'^T
-        dw -= tl.dot(b_dvn, tl.trans(S.to(dt)))  # -dV~ S^T
-        dgam += tl.sum(dS.to(tl.float32) * S.to(tl.float32), axis=1)
+        dqg += tl.dot(b_do, tl.trans(S_k.to(dt)))  # dO S^T
+        dkd += tl.dot(vn, tl.trans(dS_k.to(dt)))  # V~ dS'^T
+        dw -= tl.dot(b_dvn, tl.trans(S_k.to(dt)))  # -dV~ S^T
+        dgam += tl.sum(dS_k.to(tl.float32) * S_k.to(tl.float32), axis=1)
         daqk += tl.dot(b_do, tl.trans(vn))  # dO V~^T
         dbu = tl.dot(tl.trans(Tm), b_dvn)  # dB_U = T~^T dU, with dU = dV~
-        tl.store(dv + off_v, (dbu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_v)  # B_U = beta V
-        db += tl.sum(dbu * b_v, axis=1)
+        tl.store(
+            dv + off_v, (dbu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_v & first
+        )  # B_U = beta V
+        db += tl.sum(dbu * tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32), axis=1)
         dlu += tl.dot(dbu.to(dt), tl.trans(b_u))
-    daqk = tl.where(jj[None, :] <= jj[:, None], daqk, 0.0)
-    tl.store(dAqk_s + off_a, daqk, mask=mr[:, None])
-    dbw = tl.dot(tl.trans(Tm), dw.to(dt))  # dB_W = T~^T dW
-    dl = -(tl.dot(dbw.to(dt), tl.trans(b_w)) + dlu)  # dL = -(dB_W W^T + dB_U U^T)
-    tl.store(dA + off_a, tl.where(jj[None, :] < jj[:, None], dl, 0.0), mask=mr[:, None])  # strictly lower only
-    # q, k, G are loaded only now and each tile is stored as soon as it is final (register pressure)
-    b_G = tl.load(G + off_k, mask=m_k, other=0.0)
+    tl.store(dAqk_s + off_a, tl.where(jj[None, :] <= jj[:, None], daqk, 0.0), mask=mr[:, None] & first)
+    dbw = tl.dot(tl.trans(Tm), dw.to(dt))  # dB_W = T~^T dW (this K slice)
+    b_wk = tl.load(W + off_ks, mask=m_ks, other=0.0)
+    dl = -tl.dot(dbw.to(dt), tl.trans(b_wk)) - tl.where(first, dlu, 0.0)  # dL = -(dB_W W^T + dB_U U^T)
+    tl.atomic_add(
+        dA + off_a, tl.where(jj[None, :] < jj[:, None], dl, 0.0), mask=mr[:, None]
+    )  # strictly lower
+    b_G = tl.load(G + off_ks, mask=m_ks, other=0.0)
     gam = tl.exp(b_G)
-    b_dG = dqg * tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * gam  # O = (Q Gamma) S
-    tl.store(dq + off_k, dqg * gam, mask=m_k)
-    b_k = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)
+    b_dG = dqg * tl.load(q + off_ks, mask=m_ks, other=0.0).to(tl.float32) * gam  # O = (Q Gamma) S
+    tl.store(dq + off_ks, dqg * gam, mask=m_ks)
+    b_k = tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32)
     t_w = dbw * gam  # B_W = beta Gamma K
-    db += tl.sum(t_w * b_k, axis=1)
+    db = tl.where(first, db, 0.0) + tl.sum(t_w * b_k, axis=1)
     b_dG += t_w * b_k * b_beta[:, None]
-    ekd = tl.where(m_k, tl.exp(Gl[None, :] - b_G), 0.0)
-    tl.store(dk + off_k, t_w * b_beta[:, None] + dkd * ekd, mask=m_k)
+    last = tl.minimum(start + BT, eos) - 1
+    Gl = tl.load(G + last * (H * K) + i_h * K + ks, mask=mks, other=0.0)
+    ekd = tl.where(m_ks, tl.exp(Gl[None, :] - b_G), 0.0)
+    tl.store(dk + off_ks, t_w * b_beta[:, None] + dkd * ekd, mask=m_ks)
     x = dkd * b_k * ekd
     b_dG -= x
     dgam = dgam * tl.exp(Gl) + tl.sum(x, axis=0)
     b_dG += tl.where((rows == last)[:, None], dgam[None, :], 0.0)  # G_C is the chunk's last row
-    tl.store(dG + off_k, b_dG, mask=m_k)
-    tl.store(dbeta + rows * H + i_h, db, mask=mr)
-    tl.debug_barrier()
-    # row side of A_kk / A_qk, 16-row tiles with reference point n = first row of the tile
+    tl.store(dG + off_ks, b_dG, mask=m_ks)
+    tl.atomic_add(dbeta + rows * H + i_h, db, mask=mr)
+
+
+@triton.jit
+def grads_tiles_kernel(
+    q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk_s, cu, chunk_idx,
+    H, K: tl.constexpr, BKS: tl.constexpr,
+):  # fmt: skip
+    """Gradients through A_kk and A_qk, by 16-token tiles (same reference points as the forward)."""
+    i_t, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    dt = k.dtype.element_ty
+    ks = i_k * BKS + tl.arange(0, BKS)
+    mks = ks < K
+    jj = tl.arange(0, BT)
+    rows = start + jj
+    mr = rows < eos
+    off_ks = rows[:, None] * (H * K) + i_h * K + ks[None, :]
+    m_ks = mr[:, None] & mks[None, :]
+    # row side, reference point n = first row of the tile
     for r in tl.static_range(BT // BS):
         ii = r * BS + tl.arange(0, BS)
         rr = start + ii
         mrr = rr < eos
         n = tl.minimum(start + r * BS, eos - 1)
-        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-        off_r = rr[:, None] * (H * K) + i_h * K + ck[None, :]
-        m_r = mrr[:, None] & mk[None, :]
-        e_r = tl.exp(tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :])
+        Gn = tl.load(G + n * (H * K) + i_h * K + ks, mask=mks, other=0.0)
+        off_r = rr[:, None] * (H * K) + i_h * K + ks[None, :]
+        m_r = mrr[:, None] & mks[None, :]
+        e_r = tl.exp(tl.where(m_r, tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :], 0.0))
         in_reach = mr & (jj < r * BS + BS)
-        kc = tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32)  # reloaded per tile (register pressure)
-        Gcc = tl.load(G + off_k, mask=m_k, other=0.0)
-        kinv = (kc * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - Gcc, float("-inf")))).to(dt)
+        kc = tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32)
+        Gc = tl.load(G + off_ks, mask=m_ks, other=0.0)
+        kinv = (kc * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - Gc, float("-inf")))).to(dt)
         off_ar = rr[:, None] * (H * BT) + i_h * BT + jj[None, :]
         dA_r = tl.load(dA + off_ar, mask=mrr[:, None], other=0.0).to(dt)
         dAq_r = tl.load(dAqk_s + off_ar, mask=mrr[:, None], other=0.0).to(dt)
@@ -461,11 +492,7 @@ def grads_bwd_kernel(
         b_r = tl.load(beta + rr * H + i_h, mask=mrr, other=0.0).to(tl.float32)
         t1 = tl.dot(dA_r, kinv) * e_r  # sum_j dA_ij K_j e^{G_i - G_j}
         t2 = tl.dot(dAq_r, kinv) * e_r
-        tl.store(
-            dbeta + rr * H + i_h,
-            tl.load(dbeta + rr * H + i_h, mask=mrr, other=0.0) + tl.sum(k_r * t1, axis=1),
-            mask=mrr,
-        )
+        tl.atomic_add(dbeta + rr * H + i_h, tl.sum(k_r * t1, axis=1), mask=mrr)
         tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t1 * b_r[:, None], mask=m_r)
         tl.store(dq + off_r, tl.load(dq + off_r, mask=m_r, other=0.0) + t2, mask=m_r)
         tl.store(
@@ -474,23 +501,26 @@ def grads_bwd_kernel(
             mask=m_r,
         )
     tl.debug_barrier()
-    # column side, 16-column tiles with reference point m = last row of the tile
+    # column side, reference point m = last row of the tile
+    b_beta = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
     for c in tl.static_range(BT // BS):
         ii = c * BS + tl.arange(0, BS)
         rc = start + ii
         mrc = rc < eos
         mref = tl.minimum(start + c * BS + BS, eos) - 1
-        Gm = tl.load(G + mref * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        Gm = tl.load(G + mref * (H * K) + i_h * K + ks, mask=mks, other=0.0)
         below = mr & (jj >= c * BS)
-        em = tl.exp(tl.where(below[:, None], tl.load(G + off_k, mask=m_k, other=0.0) - Gm[None, :], float("-inf")))
-        km = (tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * em).to(dt)
-        qm = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * em).to(dt)
+        em = tl.exp(
+            tl.where(below[:, None], tl.load(G + off_ks, mask=m_ks, other=0.0) - Gm[None, :], float("-inf"))
+        )
+        km = (tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32) * em).to(dt)
+        qm = (tl.load(q + off_ks, mask=m_ks, other=0.0).to(tl.float32) * em).to(dt)
         off_ac = rows[:, None] * (H * BT) + i_h * BT + ii[None, :]
         dA_c = (tl.load(dA + off_ac, mask=mr[:, None], other=0.0) * b_beta[:, None]).to(dt)
         dAq_c = tl.load(dAqk_s + off_ac, mask=mr[:, None], other=0.0).to(dt)
-        off_r = rc[:, None] * (H * K) + i_h * K + ck[None, :]
-        m_r = mrc[:, None] & mk[None, :]
-        ec = tl.exp(Gm[None, :] - tl.load(G + off_r, mask=m_r, other=0.0))
+        off_r = rc[:, None] * (H * K) + i_h * K + ks[None, :]
+        m_r = mrc[:, None] & mks[None, :]
+        ec = tl.exp(tl.where(m_r, Gm[None, :] - tl.load(G + off_r, mask=m_r, other=0.0), 0.0))
         t3 = (tl.dot(tl.trans(dA_c), km) + tl.dot(tl.trans(dAq_c), qm)) * ec  # sum_i dA_ij X_i e^{G_i - G_j}
         k_c = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
         tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t3, mask=m_r)
@@ -588,7 +618,23 @@ class ChunkKDATriton(torch.autograd.Function):
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         intra_fwd_kernel[(NT, H)](
-            q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=CONFIG["warps_intra"]
+            q,
+            k,
+            v,
+            G,
+            beta,
+            Aqk,
+            Ti,
+            W,
+            U,
+            cu,
+            chunk_idx,
+            H=H,
+            K=K,
+            V=V,
+            BK=BK,
+            BV=BV,
+            num_warps=CONFIG["warps_intra"],
         )
         need_grad = any(ctx.needs_input_grad)
         o = torch.empty_like(v)
@@ -626,10 +672,17 @@ class ChunkKDATriton(torch.autograd.Function):
         dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
         dv = torch.empty_like(v)
         dbeta = torch.zeros(1, TT, H, **f32)
-        dA, dAqk = (torch.empty(1, TT, H, CHUNK, **f32) for _ in range(2))
-        grads_bwd_kernel[(NT, H)](
-            q, k, v, G, beta, W, U, Aqk, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
-            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BV, num_warps=CONFIG["warps_grads"],
+        dA = torch.zeros(1, TT, H, CHUNK, **f32)  # atomic sums over the K slices
+        dAqk = torch.empty(1, TT, H, CHUNK, **f32)
+        BKS = min(BK, 64)
+        grid = (NT, H, triton.cdiv(K, BKS))
+        grads_state_kernel[grid](
+            q, k, v, G, beta, W, U, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
+            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+        )  # fmt: skip
+        grads_tiles_kernel[grid](
+            q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKS,
+            num_warps=CONFIG["warps_grads"],
         )  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),

@@ -23,7 +23,7 @@ CONFIG = {"BV": 32, "num_warps": 4}
 @triton.jit
 def recurrent_fwd_kernel(
     q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, LB: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip

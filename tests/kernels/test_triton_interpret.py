@@ -70,7 +70,7 @@ def assert_close(a, b, tol, what):
     "B, lens, K, V, gate_in_kernel, with_state",
     [
         (1, [40, 1, 109], 16, 32, True, True),  # ragged documents, lengths not multiples of 64
-        (2, [70], 32, 16, False, False),  # padded batch of two, raw log-decay, no state
+        (2, [70], 128, 16, False, False),  # padded batch of two, raw log-decay, no state, K split in two
     ],
 )
 def test_chunk_kda_triton_matches_reference_fwd_bwd(B, lens, K, V, gate_in_kernel, with_state):
