@@ -42,11 +42,12 @@ def _load_kernels_alone():
 
 
 _load_kernels_alone()
+from triton.testing import do_bench  # noqa: E402
+
 from k3rl.kernels.kda import chunk_kda, chunk_kda_reference, fused_recurrent_kda  # noqa: E402
 from k3rl.kernels.moe import latent_experts  # noqa: E402
 from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop  # noqa: E402
 from k3rl.kernels.situ import situ_glu, situ_glu_formula  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 try:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
