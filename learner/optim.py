@@ -21,7 +21,8 @@ lm_head, norms, biases, vectors, A_log, dt_bias, convolution weights and the Att
 pseudo-queries. `e_score_correction_bias` belongs to no group: Quantile Balancing sets it.
 
 Parameters may be FSDP2 DTensors: element-wise state stays sharded like the parameter;
-the Muon input is gathered (`full_tensor`) before NS5 and the update sliced back locally.
+the Muon input is gathered (`full_tensor`), each rank orthogonalises 1/W of the stacked
+blocks, one all-gather shares the results, and each rank keeps the slice of its shard.
 """
 
 from __future__ import annotations
@@ -191,6 +192,23 @@ def _like_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
 
 
+def _split_ns_over_ranks(stacked: torch.Tensor, steps: int, backend: str, group) -> torch.Tensor:
+    """NS5 of a [N, r, c] stack with the work split over the ranks of `group`: each rank
+    orthogonalises N/W blocks (zero blocks pad N to a multiple of W; NS(0) = 0), then one
+    all-gather reassembles the stack on every rank."""
+    import torch.distributed as dist
+
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    N = stacked.shape[0]
+    per = -(-N // W)
+    if per * W != N:
+        stacked = torch.cat([stacked, stacked.new_zeros(per * W - N, *stacked.shape[1:])])
+    mine = newton_schulz(stacked[rank * per : (rank + 1) * per].contiguous(), steps=steps, backend=backend)
+    parts = [torch.empty_like(mine) for _ in range(W)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.cat(parts)[:N]
+
+
 class PerHeadMuon(torch.optim.Optimizer):
     """Per-Head Muon for matrices, AdamW for the rest (see the module docstring).
 
@@ -275,10 +293,16 @@ class PerHeadMuon(torch.optim.Optimizer):
         by_shape: dict[tuple, list[int]] = defaultdict(list)
         for i, (_, g, blocks) in enumerate(work):
             by_shape[(tuple(blocks.shape[1:]), g["ns_steps"], blocks.dtype)].append(i)
+        # Under FSDP every rank holds the same full inputs; the NS work is split between them.
+        mesh = next((p.device_mesh for p, _, _ in work if _is_dtensor(p)), None)
+        group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
         ortho: dict[int, torch.Tensor] = {}
         for (shape, steps, _), idx in by_shape.items():
             stacked = torch.cat([work[i][2] for i in idx], dim=0)  # [sum n, r, c]
-            out = newton_schulz(stacked, steps=steps, backend=self.ns_backend)
+            if group is None:
+                out = newton_schulz(stacked, steps=steps, backend=self.ns_backend)
+            else:
+                out = _split_ns_over_ranks(stacked, steps, self.ns_backend, group)
             for i, part in zip(idx, out.split([work[i][2].shape[0] for i in idx], dim=0)):
                 ortho[i] = part
         # 3. decoupled weight decay and the scaled update.
