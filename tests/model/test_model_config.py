@@ -96,3 +96,14 @@ def test_bad_configs_raise_clear_errors():
         K3Config.model_validate(dict(base, media_placeholder_token_id=999))
     with pytest.raises(ValueError, match="unknown K3 preset"):
         K3Config.preset("k4")
+
+
+def test_small_presets_agree_with_the_byte_tokenizer():
+    from k3rl.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    for name in ("k3-small", "k3-tiny"):
+        c = K3Config.preset(name)
+        assert c.vocab_size == tok.vocab_size
+        assert c.media_placeholder_token_id == tok.special("<|media_pad|>")
+    assert K3Config.preset("k3").media_placeholder_token_id == 163605
