@@ -53,8 +53,18 @@ async def in_thread(fn, *args, **kwargs):
     return await asyncio.get_running_loop().run_in_executor(EXECUTOR, functools.partial(fn, *args, **kwargs))
 
 
-def helper_argv(python: str, mode: str, args: dict) -> list[str]:
-    return [python, "-I", "-S", "-c", HELPER_SOURCE, mode, json.dumps(args)]
+# The agent is started with a one-line bootstrap that reads its source from stdin (so `ps` in
+# the sandbox shows a short command line); the host sends `<length>\n<source>` first.
+AGENT_BOOTSTRAP = (
+    "import sys; n = int(sys.stdin.buffer.readline()); "
+    "exec(compile(sys.stdin.buffer.read(n), 'k3rl-agent', 'exec'))"
+)
+AGENT_ARGV = ["python3", "-I", "-S", "-c", AGENT_BOOTSTRAP]
+
+
+def agent_preamble() -> bytes:
+    source = HELPER_SOURCE.encode()
+    return f"{len(source)}\n".encode() + source
 
 
 def parse_reply(raw: bytes, where: str) -> tuple[dict, bytes]:
@@ -131,7 +141,6 @@ class Sandbox(ABC):
     ) -> tuple[dict, bytes]:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
-        args = {**args, "has_stdin": stdin is not None}
         raw, err = self._run_helper(mode, args, stdin, timeout + HOST_SLACK_S)
         try:
             header, payload = parse_reply(raw, f"sandbox {self.id} ({mode})")

@@ -1,11 +1,12 @@
 """bubblewrap backend: same contract as Docker, no daemon needed.
 
 A sandbox is a host directory (`work/` -> /work, `tmp/` -> /tmp) plus, when the host allows,
-a cgroup (memory / pids / CPU). Every exec is a fresh `bwrap` with all namespaces unshared
-(network: only `lo`; pid: killing its init kills everything inside), `--die-with-parent`,
-read-only root (the sandbox image's rootfs from `k3rl sandbox build`, else the host's /usr),
-uid 1000 inside, no capabilities. Files and /tmp persist across execs; processes do not
-(unlike Docker, a background job ends with its exec). When the host is root, bwrap runs
+a cgroup (memory / pids / CPU), plus one long-lived `bwrap` that runs the sandbox's agent
+(`inside_helper.py serve`, see `agent_channel`): all namespaces unshared (network: only `lo`;
+pid: killing bwrap kills everything inside), `--die-with-parent`, read-only root (the sandbox
+image's rootfs from `k3rl sandbox build`, else the host's /usr), uid 1000 inside, no
+capabilities. As with Docker, files, /tmp and background processes persist across execs, and
+an exec costs no process start on the host. When the host is root, bwrap runs
 as `nobody` on the host (via setpriv), so the sandbox has no host privileges at all.
 Without writable cgroups the limits fall back to rlimits (prlimit: address space, process
 count), and `oom_killed` can no longer be observed (an allocation fails instead).
@@ -17,7 +18,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket as socketlib
 import subprocess
 import tempfile
@@ -25,7 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from .base import Sandbox, helper_argv, log
+from .agent_channel import AgentLost, PipeAgentChannel
+from .base import AGENT_ARGV, Sandbox, agent_preamble, log
 from .cgroups import SandboxCgroup
 from .docker_backend import SANDBOX_ENV
 from .image import SANDBOX_UID, TMP_SEED_DIR, rootfs_dir
@@ -100,8 +101,8 @@ class BwrapSandbox(Sandbox):
         base_parent = sandbox_base_dir()
         base_parent.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(prefix=self.id + "-", dir=base_parent))
-        self._procs: set[subprocess.Popen] = set()
-        self._procs_lock = threading.Lock()
+        self._agent: PipeAgentChannel | None = None
+        self._agent_lock = threading.Lock()
         self.cgroup: SandboxCgroup | None = None
         try:
             (self.base / OWNER_FILE).write_text(
@@ -180,6 +181,20 @@ class BwrapSandbox(Sandbox):
         memory = self.limits.memory_mb << 20
         return ["prlimit", f"--as={memory}", f"--nproc={running + self.limits.pids}", "--"]
 
+    def _start_agent(self) -> PipeAgentChannel:
+        with self._agent_lock:
+            if self._agent is None or self._agent.closed:
+                if self._agent is not None:
+                    self._agent.close()  # reap the old process tree
+                self._agent = PipeAgentChannel(self._argv(AGENT_ARGV), agent_preamble(), self.id)
+            return self._agent
+
+    @property
+    def host_pid(self) -> int | None:
+        """Host pid of the sandbox's process tree root (its bwrap), None before the first call."""
+        agent = self._agent
+        return agent.proc.pid if agent is not None and not agent.closed else None
+
     def _run_helper(
         self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
     ) -> tuple[bytes, bytes]:
@@ -187,63 +202,29 @@ class BwrapSandbox(Sandbox):
             raise SandboxDeadError(
                 f"sandbox {self.id}: its directory {self.base} is gone (removed from outside?)"
             )
-        argv = self._argv(helper_argv("python3", mode, args))
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
-        with self._procs_lock:
-            self._procs.add(proc)
+        agent = self._start_agent()
         try:
-            out, err = proc.communicate(stdin, timeout=host_timeout)
-        except subprocess.TimeoutExpired as exc:
-            self._kill(proc)
-            proc.communicate()
+            return agent.request(mode, args, stdin, host_timeout), b""
+        except AgentLost as exc:
+            if self._closed:
+                raise SandboxDeadError(f"sandbox {self.id} was closed during {mode}") from exc
+            code = agent.proc.poll()
+            if code == 125:
+                raise SandboxError(f"sandbox {self.id}: could not join its cgroup: {exc}") from exc
+            raise SandboxDeadError(
+                f"the processes of sandbox {self.id} were killed during {mode} (killed from outside, or the "
+                "command killed every process, e.g. `kill -9 -1`); its files are kept and the next call "
+                f"starts fresh processes ({exc})"
+            ) from exc
+        except TimeoutError as exc:
             raise SandboxError(f"sandbox {self.id} did not answer within {host_timeout:.0f}s") from exc
-        finally:
-            with self._procs_lock:
-                self._procs.discard(proc)
-        if proc.returncode == 125 and not out:
-            raise SandboxError(
-                f"sandbox {self.id}: could not join its cgroup: {err.decode(errors='replace')}"
-            )
-        if proc.returncode != 0 and not out:
-            if self._closed or not self.is_alive():
-                raise SandboxDeadError(f"sandbox {self.id} was closed or removed while running {mode}")
-            if proc.returncode < 0:
-                raise SandboxDeadError(
-                    f"sandbox {self.id}: bwrap was killed by signal {-proc.returncode} during {mode} "
-                    "(killed from outside?)"
-                )
-            if proc.returncode == 128 + signal.SIGKILL:
-                raise SandboxError(
-                    f"the helper of sandbox {self.id} was killed during {mode} (did the command kill every "
-                    "process, e.g. `kill -9 -1`?); the sandbox itself is fine"
-                )
-            raise SandboxError(
-                f"bwrap failed (exit {proc.returncode}): {err.decode(errors='replace')[-2000:]}"
-            )
-        return out, err
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def _destroy(self) -> None:
-        with self._procs_lock:
-            procs = list(self._procs)
-        for proc in procs:
-            self._kill(proc)
+        agent = getattr(self, "_agent", None)
+        if agent is not None:
+            agent.close()  # kills bwrap's process group: its pid namespace and everything in it die
         if self.cgroup is not None:
             self.cgroup.remove()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                log.error("bwrap process %d of sandbox %s did not exit", proc.pid, self.id)
         for _ in range(20):
             shutil.rmtree(self.base, ignore_errors=True)
             if not self.base.exists():

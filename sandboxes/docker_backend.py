@@ -22,8 +22,8 @@ import docker
 import docker.errors
 from docker.types import LogConfig, Ulimit
 
-from .agent_channel import AgentChannel, AgentLost
-from .base import Sandbox, helper_argv, log
+from .agent_channel import AgentChannel, AgentLost, DockerAgentChannel
+from .base import AGENT_ARGV, Sandbox, agent_preamble, log
 from .image import SANDBOX_UID, image_tag
 from .paths import WORK_DIR
 from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
@@ -194,10 +194,11 @@ class DockerSandbox(Sandbox):
     def _start_agent(self) -> AgentChannel:
         with self._agent_lock:
             if self._agent is None or self._agent.closed:
-                self._agent = AgentChannel(
+                self._agent = DockerAgentChannel(
                     self.api,
                     self.id,
-                    helper_argv("python3", "serve", {}),
+                    AGENT_ARGV,
+                    agent_preamble(),
                     f"{SANDBOX_UID}:{SANDBOX_UID}",
                     WORK_DIR,
                 )

@@ -1,15 +1,12 @@
-"""The helper every backend runs INSIDE the sandbox: `python3 -I -S -c <this file> MODE JSON`.
+"""The agent every backend runs INSIDE the sandbox, one long-lived process per sandbox.
 
-Standard library only (it runs on the sandbox's own Python). One protocol for all backends:
-every request is answered by one reply: a header line `K3RL/1 {json}\\n`, then the payload
-bytes the header announces. Two ways to run it:
-
-- one shot (bubblewrap): `MODE JSON` on the command line, the request's input bytes on stdin
-  (when `has_stdin`), the reply on stdout;
-- `serve` (Docker): a long-lived agent started once per container by `docker exec`; requests
-  arrive on stdin as frames `>QI` (request id, length) + `JSON\\n` + input bytes, each is
-  handled in its own thread, replies go out as frames `>QI` (request id, length) + reply.
-  One agent per container means a tool call costs no `docker exec` (no runc, no daemon work).
+Standard library only (it runs on the sandbox's own Python). Started as `python3 -I -S -c
+<bootstrap>` (base.AGENT_BOOTSTRAP), which reads this source from stdin. Then requests arrive
+on stdin as frames `>QI` (request id, length) + `JSON\\n` + input bytes; each is handled in its
+own thread and answered on stdout by a frame `>QI` (request id, length) + reply, where a reply
+is a header line `K3RL/1 {json}\\n` followed by the payload bytes the header announces.
+Docker starts it with one `docker exec -i` per container, bubblewrap as the sandbox's process,
+so a tool call costs no process start on the host and no daemon work.
 
 Modes:
 
@@ -168,8 +165,11 @@ def do_exec(args, data):
             timed_out = True
             break
         wait = min(deadline - now, 0.05)
-        if not sel.get_map():
-            time.sleep(wait)
+        if not sel.get_map():  # output closed, command still running: wait for it (not a fixed sleep)
+            try:
+                proc.wait(timeout=deadline - now)
+            except subprocess.TimeoutExpired:
+                pass
             continue
         for key, _ in sel.select(wait):
             try:
@@ -347,16 +347,5 @@ def serve():
         ).start()
 
 
-def main():
-    mode = sys.argv[1]
-    if mode == "serve":
-        serve()
-        return
-    args = json.loads(sys.argv[2])
-    data = sys.stdin.buffer.read() if args.get("has_stdin") else None
-    sys.stdout.buffer.write(handle(mode, args, data))
-    sys.stdout.buffer.flush()
-
-
 if __name__ == "__main__":
-    main()
+    serve()

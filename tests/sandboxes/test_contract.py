@@ -193,9 +193,8 @@ def test_killed_from_outside_mid_exec_gives_a_clear_error(backend):
             time.sleep(1.0)
             if backend == "docker":
                 box.client.api.kill(box.id)
-            else:  # the exec's bwrap process, as an admin's `kill -9` would
-                for proc in list(box._procs):
-                    os.kill(proc.pid, signal.SIGKILL)
+            else:  # the sandbox's bwrap process, as an admin's `kill -9` would
+                os.kill(box.host_pid, signal.SIGKILL)
 
         killer = threading.Thread(target=kill_soon)
         killer.start()
