@@ -55,7 +55,8 @@ class LearnerActor:
         out = []
         rng = random.Random(self.cfg.learner.seed)
         for _ in range(steps):
-            batch = rng.sample(trajectories, k=min(len(trajectories), max(4, self.cfg.rollout.prompts_per_step)))
+            # one RL batch worth of demonstrations per SFT step
+            batch = rng.sample(trajectories, k=min(len(trajectories), self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size))
             out.append(self.trainer.sft_step(batch))
         return out
 

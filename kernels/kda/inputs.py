@@ -118,7 +118,6 @@ def run_reference(
         o_p, S = core(*(hf(x) for x in padded[:4]), padded[4].transpose(1, 2), S0)
         o = unpad_documents(o_p.transpose(1, 2), cu_seqlens).to(v.dtype)
         return o, (S if output_final_state else None)
-    outs, states = [], []
-    o = torch.cat(outs, dim=1).to(v.dtype)
-    final = torch.cat(states, dim=0) if output_final_state else None
-    return o, final
+    S0 = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if initial_state is None else initial_state.to(dt)
+    o, S = core(hf(qs), hf(ks), hf(vs), hf(gs), bs.transpose(1, 2), S0)
+    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
