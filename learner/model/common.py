@@ -1,4 +1,4 @@
-"""Small shared pieces: RMSNorm, fp32 islands, the SiTU-GLU MLP, initialisation helpers."""
+"""Small shared pieces: RMSNorm, fp32 islands, the SiTU-GLU MLP."""
 
 from __future__ import annotations
 
@@ -63,9 +63,3 @@ class SiTUGLUMLP(nn.Module):
         act = situ_glu(self.gate_proj(x), self.up_proj(x), beta_gate=self.beta_gate, beta_up=self.beta_up)
         return self.down_proj(act)
 
-
-def init_normal_(module: nn.Module, std: float) -> None:
-    """N(0, std) for every nn.Linear / nn.Embedding weight directly inside `module` (§11 choice)."""
-    for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=std)
