@@ -154,8 +154,10 @@ class InferencePool:
         self._where: dict[str, int] = {}
         self._rr = itertools.count()
         self._weights: list = []  # object refs: the latest full update and the partial ones after it
-        self._version = 0
-        self._slot_version = [0] * num_workers  # the weights each slot's worker runs
+        # engines start at engine_kwargs["version"] (default 0); start them at -1 to push the
+        # learner's initial weights as version 0
+        self._version = int(self.spec.engine_kwargs.get("version", 0))
+        self._slot_version = [self._version] * num_workers  # the weights each slot's worker runs
         self._collective_generation: list[int] | None = None
         self._health_task: asyncio.Task | None = None
         self.restarts = 0
@@ -382,7 +384,7 @@ class InferencePool:
                 pass
 
 
-@ray.remote
+@ray.remote(num_cpus=0)  # it only routes: it must not take a CPU slot the engines need
 class PoolActor:
     """An InferencePool as a Ray actor: one routing view shared by many rollout workers."""
 
