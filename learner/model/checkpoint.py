@@ -92,7 +92,7 @@ def load_state_into(model: K3ForCausalLM, directory: str | Path) -> None:
     expected = model.state_dict()
     if model.config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    ours, unexpected = adapter.from_hf(hf, expected)
+    ours, unexpected = adapter.from_hf(hf, expected, fill_missing_experts=False)
     hf_names = set(hf)
     missing = [n for key in expected if key not in ours for n in adapter.missing_hf_names(key, expected[key], hf_names)]
     mis_shaped = [

@@ -44,9 +44,16 @@ def to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+def from_hf(
+    hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], fill_missing_experts: bool = True
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Official tensors -> our names, guided by the model's own state dict `expected` (for
-    shapes). Returns (state dict, names in `hf` that map to nothing in the model)."""
+    shapes). Returns (state dict, names in `hf` that map to nothing in the model).
+
+    When only some experts of a layer are given (a partial weight update), the stacked tensor
+    takes the others from `expected` (the model's current values) if `fill_missing_experts`,
+    and is left out otherwise (a checkpoint loader then reports those experts as missing).
+    """
     out: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -71,15 +78,19 @@ def from_hf(hf: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> t
             unexpected.append(name)
     for (prefix, w), per_expert in experts.items():
         key = f"{prefix}.{w}"
-        n = expected[key].shape[0]
-        if sorted(per_expert) != list(range(n)):
-            missing = sorted(set(range(n)) - set(per_expert))
-            extra = sorted(set(per_expert) - set(range(n)))
-            if extra:
-                unexpected.extend(f"{prefix}.{e}.{w}.weight" for e in extra)
-            if missing:
-                continue  # reported as missing by the caller (the stacked tensor is absent)
-        out[key] = torch.stack([per_expert[e] for e in range(n)])
+        current = expected[key]
+        n = current.shape[0]
+        extra = sorted(set(per_expert) - set(range(n)))
+        unexpected.extend(f"{prefix}.{e}.{w}.weight" for e in extra)
+        missing = [e for e in range(n) if e not in per_expert]
+        if not missing:
+            out[key] = torch.stack([per_expert[e] for e in range(n)])
+        elif fill_missing_experts:
+            out[key] = torch.stack([
+                per_expert[e].to(device=current.device, dtype=current.dtype) if e in per_expert else current[e]
+                for e in range(n)
+            ])
+        # else: left out, so the caller reports the missing experts by name
     return out, unexpected
 
 

@@ -112,3 +112,22 @@ def test_single_file_checkpoint_loads(saved, tmp_path):
         load_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json or model.safetensors"):
         load_state_into(target, tmp_path)
+
+
+def test_partial_expert_update_keeps_the_other_experts():
+    from k3rl.learner.model.state_dict_adapter import from_hf, to_hf
+
+    model = make_tiny(seed=10)
+    expected = model.state_dict()
+    new0 = torch.randn(model.config.moe_intermediate_size, model.config.routed_expert_hidden_size)
+    update = {"model.layers.1.mlp.experts.0.w1.weight": new0}
+    state, unexpected = from_hf(update, expected)
+    assert unexpected == []
+    stacked = state["model.layers.1.mlp.experts.w1"]
+    assert torch.equal(stacked[0], new0) and torch.equal(stacked[1:], expected["model.layers.1.mlp.experts.w1"][1:])
+    strict, _ = from_hf(update, expected, fill_missing_experts=False)
+    assert "model.layers.1.mlp.experts.w1" not in strict
+    full = to_hf(expected)  # and a full round trip through the official names is the identity
+    back, unexpected = from_hf(full, expected, fill_missing_experts=False)
+    assert unexpected == [] and back.keys() == expected.keys()
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
