@@ -7,6 +7,9 @@ PYTEST_ARGS ?=
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export PYTHONUNBUFFERED := 1
+# one BLAS/OpenMP thread per process: tests, Ray actors and engines share two cores here,
+# and oversubscribed torch threads are 10-60x slower than one thread each
+export OMP_NUM_THREADS ?= 1
 export MPLBACKEND := Agg
 
 .PHONY: setup venv host demo test test-fast bench lint clean
