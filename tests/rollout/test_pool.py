@@ -18,6 +18,7 @@ from k3rl.types import SamplingParams, WeightUpdate
 
 torch.set_num_threads(1)
 SPEC = EngineSpec(preset="k3-tiny", seed=0, engine_kwargs={"max_num_seqs": 16})
+NO_CPU_SLOT = {"num_cpus": 0}  # schedulable whatever Ray cluster another test module left running
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _local(prompt, params):
 
 def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
     async def main():
-        pool = InferencePool(2, SPEC, max_retries=3)
+        pool = InferencePool(2, SPEC, max_retries=3, actor_options=NO_CPU_SLOT)
         await pool.wait_ready()
         try:
             # least-loaded: 4 concurrent requests spread 2 / 2
@@ -141,7 +142,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
 def test_pool_actor_is_one_shared_handle(ray_cluster):
     from k3rl.rollout.pool import PoolActor
 
-    actor = PoolActor.remote(1, SPEC)
+    actor = PoolActor.remote(1, SPEC, actor_options=NO_CPU_SLOT)
     try:
         ray.get(actor.wait_ready.remote(), timeout=120)
         params = SamplingParams(temperature=0, max_tokens=4)
