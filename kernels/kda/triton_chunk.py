@@ -547,7 +547,8 @@ def _chunk_tables(cu: torch.Tensor):
 
 
 # launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
-CONFIG = {"BV": 32, "warps_intra": 8, "warps_state": 8, "warps_grads": 8}
+# (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200)
+CONFIG = {"BV": 32, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8}
 
 
 def _blocks(K, V):
@@ -644,6 +645,7 @@ class ChunkKDATriton(torch.autograd.Function):
             q, k, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_H=need_grad,
             FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
+            num_stages=CONFIG["stages_state"],
         )  # fmt: skip
         if need_grad:
             ctx.save_for_backward(q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off)
@@ -667,6 +669,7 @@ class ChunkKDATriton(torch.autograd.Function):
             q, k, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0,
             FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
+            num_stages=CONFIG["stages_state"],
         )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=dev)
         dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
