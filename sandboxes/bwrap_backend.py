@@ -126,6 +126,11 @@ class BwrapSandbox(Sandbox):
             raise
         if self.cgroup is None:
             log.warning("bwrap sandbox %s: no writable cgroups here, limits fall back to rlimits", self.id)
+        try:  # warm: the agent runs before the first call, and a broken setup fails here, not later
+            self._start_agent().request("ping", {}, None, 60.0)
+        except Exception as exc:
+            self._destroy()
+            raise SandboxError(f"could not start bwrap sandbox {self.id}: {exc}") from exc
 
     @property
     def workdir_on_host(self) -> Path:

@@ -165,8 +165,8 @@ class DockerSandbox(Sandbox):
                 log_config=LogConfig(type="none"),
             )
             self.container_id = container.id
-            self._start_agent()
-        except docker.errors.DockerException as exc:
+            self._start_agent().request("ping", {}, None, 60.0)  # warm, and fail here if it cannot run
+        except (docker.errors.DockerException, ConnectionError, TimeoutError) as exc:
             self._destroy()
             raise SandboxError(f"could not start sandbox container {self.id}: {exc}") from exc
         log.debug("docker sandbox %s started (job=%s)", self.id, self.job)

@@ -342,9 +342,11 @@ def serve():
             return
         line, _, data = message.partition(b"\n")
         meta = json.loads(line)
-        threading.Thread(
-            target=answer, args=(req_id, meta, data if meta.get("has_stdin") else None), daemon=True
-        ).start()
+        work = (req_id, meta, data if meta.get("has_stdin") else None)
+        try:
+            threading.Thread(target=answer, args=work, daemon=True).start()
+        except RuntimeError:  # no thread left (pids limit reached, e.g. a fork bomb): answer inline
+            answer(*work)
 
 
 if __name__ == "__main__":
