@@ -439,7 +439,9 @@ class EmbeddedEngine(InferenceEngine):
             raise ValueError(f"weight update v{update.version} is not newer than the engine's v{self._version}; "
                              "versions must increase")
         expected = self.model.state_dict()
-        state, unexpected = from_hf(update.state_dict(), expected)
+        # a partial update may carry some experts of a layer (the others keep their values); a
+        # full one must carry all of them, so nothing is filled in and the gaps are reported
+        state, unexpected = from_hf(update.state_dict(), expected, fill_missing_experts=not update.full)
         if unexpected:
             raise ValueError(f"weight update v{update.version} has {len(unexpected)} names the model does not have, "
                              f"e.g. {unexpected[:3]}; send official HF names (state_dict_adapter.to_hf)")

@@ -98,6 +98,22 @@ def test_bad_updates_are_refused_and_leave_the_weights_untouched():
         assert torch.equal(eng.model.lm_head.weight, ref) and eng.version == 0
 
 
+def test_partial_update_of_some_experts_keeps_the_others():
+    eng = EmbeddedEngine(_model(0), background=False)
+    layer = eng.config.moe_layer_ids[0]
+    w1 = eng.model.model.layers[layer].mlp.experts.w1
+    before = w1.detach().clone()
+    new0 = torch.randn_like(before[0])
+    name = f"model.layers.{layer}.mlp.experts.0.w1.weight"  # one expert, official name
+    eng.update_weights(WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={name: new0})]))
+    assert torch.equal(w1[0], new0) and torch.equal(w1[1:], before[1:])
+    with pytest.raises(ValueError, match="marked full"):  # a full update must carry every expert
+        full = to_hf(eng.model.state_dict())
+        del full[f"model.layers.{layer}.mlp.experts.3.w2.weight"]
+        eng.update_weights(WeightUpdate.from_state_dict(2, full))
+    assert eng.version == 1
+
+
 def test_threaded_engine_switches_between_steps():
     eng = EmbeddedEngine(_model(0), max_num_seqs=8)
     try:
