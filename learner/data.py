@@ -5,6 +5,9 @@ input at position i is token x_i and its target is x_{i+1}. Completion token j s
 absolute position P + j, so it is predicted at position P + j - 1; that position carries
 the loss when `loss_mask[j]` is 1, with behaviour log-prob `logprobs[j]`.
 
+Images (vision-in-the-loop episodes) travel with their micro-batch as PNG bytes, in the
+order of their `<|media_pad|>` runs in the packed stream (the trajectories' turn order).
+
 Routing replay: `routed_experts[j]` holds the experts completion token j was routed to
 when the engine processed it as an input (position P + j). Positions without a record
 (the prompt, tokens the engine did not return routes for) are -1.
@@ -18,7 +21,7 @@ copy of a real micro-batch, so every rank runs the same number of forward passes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,6 +45,7 @@ class MicroBatch:
     versions: torch.Tensor  # [T] int64, policy version of the target token (-1: not sampled)
     routed_experts: torch.Tensor | None  # [1, T, n_moe, k] int64, -1 = no record
     traj_indices: list[int]
+    images: list[bytes] = field(default_factory=list)  # PNG bytes, in the order of their pad runs
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +174,7 @@ def build_micro_batches(
                 versions=torch.cat([per[s][4] for s in group]),
                 routed_experts=torch.cat([per[s][5] for s in group])[None] if want_routes else None,
                 traj_indices=list(group),
+                images=[img for s in group for img in trajectories[s].images],
             )
         )
     return out

@@ -144,7 +144,7 @@ class Trainer:
         finally:
             self.model.qb_frozen = before
 
-    def _replay_routes(self, mb: MicroBatch) -> torch.Tensor | None:
+    def _replay_routes(self, mb: MicroBatch, media=None) -> torch.Tensor | None:
         """Recorded experts for every position; positions without a record take the routes the
         current model picks (one extra forward without gradients, not counted by QB)."""
         if not self.cfg.routing_replay or mb.routed_experts is None:
@@ -152,13 +152,21 @@ class Trainer:
         routes = mb.routed_experts
         if bool((routes < 0).any()):
             with torch.no_grad(), self._autocast(), self._qb_paused():
-                _, own = self.model(mb.input_ids, cu_seqlens=mb.cu_seqlens, return_routing=True)
+                _, own = self.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_routing=True)
             routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
 
-    def _forward_logits(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None) -> torch.Tensor:
+    def _media(self, mb: MicroBatch):
+        """The micro-batch's images, decoded and preprocessed once (None without images)."""
+        if not mb.images:
+            return None
+        from k3rl.images import from_png
+
+        return self.model.as_media([from_png(b) for b in mb.images])
+
+    def _forward_logits(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None, media=None) -> torch.Tensor:
         with self._autocast():
-            logits = model(mb.input_ids, cu_seqlens=mb.cu_seqlens, routed_experts=routes)
+            logits = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes)
         return logits[0]  # [T, V]
 
     def _clip_and_step(self, lr: float) -> float:
@@ -228,9 +236,10 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         ratio_max = torch.zeros((), dtype=torch.float64)
         for mb in mbs:
-            routes = self._replay_routes(mb)
+            media = self._media(mb)
+            routes = self._replay_routes(mb, media)
             with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
-                logits = self._forward_logits(self.model, mb, routes)
+                logits = self._forward_logits(self.model, mb, routes, media)
             logp = token_logprobs(logits, mb.targets)
             if self.loss_cfg.entropy_coef != 0:
                 entropy = token_entropy(logits)
@@ -240,7 +249,7 @@ class Trainer:
             ref_logp = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes), mb.targets)
+                    ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes, media), mb.targets)
             loss, stats = policy_loss(
                 logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
                 ref_logp=ref_logp, entropy=entropy,
@@ -302,9 +311,10 @@ class Trainer:
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         for mb in mbs:
-            routes = self._replay_routes(mb)
+            media = self._media(mb)
+            routes = self._replay_routes(mb, media)
             with self._qb_paused(not mb.traj_indices):
-                logits = self._forward_logits(self.model, mb, routes)
+                logits = self._forward_logits(self.model, mb, routes, media)
             loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
             (loss * self.world_size).backward()
             for k, v in stats.items():
@@ -339,7 +349,7 @@ class Trainer:
         out: list[list[float] | None] = [None] * len(trajectories)
         for mb in mbs:
             mb = mb.to(self.device)
-            logp = token_logprobs(self._forward_logits(self.model, mb, None), mb.targets) * mb.mask
+            logp = token_logprobs(self._forward_logits(self.model, mb, None, self._media(mb)), mb.targets) * mb.mask
             bounds = mb.cu_seqlens.tolist()
             for i, s in enumerate(mb.traj_indices):
                 P = len(trajectories[s].prompt_ids)

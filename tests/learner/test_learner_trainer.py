@@ -223,3 +223,39 @@ def test_logprobs_of_completion_tokens_match_a_direct_forward():
         ref = ref * torch.tensor(tr.loss_mask)
         assert len(lp) == len(tr.completion_ids)
         assert torch.allclose(torch.tensor(lp, dtype=torch.float32), ref, atol=1e-4)
+
+
+def _image_trajectory(model, color, seed=0):
+    import random
+
+    from PIL import Image
+
+    from k3rl.images import to_png
+    from k3rl.types import Trajectory, Turn
+
+    img = Image.new("RGB", (56, 42), color)
+    pads = int(model.as_media([img]).tokens_per_item()[0])
+    pad_id = model.config.media_placeholder_token_id
+    rng = random.Random(seed)
+    prompt = [1, 2] + [pad_id] * pads + [3]
+    C = 12
+    return Trajectory(env_id="e", group_id="g", prompt_ids=prompt, completion_ids=[rng.randrange(256) for _ in range(C)],
+                      logprobs=[-5.0] * C, loss_mask=[1] * C, versions=[0] * C, reward=float(seed),
+                      turns=[Turn(role="user", images=[to_png(img)], start=0, end=len(prompt))])
+
+
+def test_vision_trajectories_train_the_vision_tower():
+    t = trainer()
+    batch = [_image_trajectory(t.model, (200, 30, 30), seed=0), _image_trajectory(t.model, (20, 30, 230), seed=1),
+             make_trajectories(11, n=1)[0].model_copy(update={"group_id": "g", "reward": 0.5})]
+    before = params(t)
+    m = t.train_step(batch)
+    assert math.isfinite(m["loss"])
+    after = params(t)
+    assert not torch.equal(before["mm_projector.proj.0.weight"], after["mm_projector.proj.0.weight"])
+    assert not torch.equal(before["vision_tower.encoder.blocks.0.wqkv.weight"],
+                           after["vision_tower.encoder.blocks.0.wqkv.weight"])
+    # the pixels matter: another image changes the policy's log-probs of the same tokens
+    other = batch[0].model_copy(update={"turns": batch[1].turns})
+    lp_a, lp_b = t.logprobs([batch[0], other])
+    assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) > 1e-6
