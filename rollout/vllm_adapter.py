@@ -23,7 +23,8 @@ What the adapter does:
   * vLLM starts its engine in other processes: for them to see the registration, the package
     declares `register_k3_architecture` as a `vllm.general_plugins` entry point;
   * updates weights through vLLM's worker-extension RPC: `collective_rpc("k3rl_load_weights",
-    args=(PackedUpdate,))` calls `model.load_weights(...)` on every worker with the official
+    args=(PackedUpdate.to_wire(),))` (plain lists and numpy byte arrays, which vLLM's msgpack
+    serialiser carries) calls `model.load_weights(...)` on every worker with the official
     HF names. The switch drains first: new requests wait, running ones finish, then the
     weights change, so a request never spans two versions (vLLM has no per-token version).
   * routed experts are not available from vLLM: requesting them raises.
@@ -218,8 +219,8 @@ def _register_hf_config() -> None:
 class K3WorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`): receives k3rl weight updates."""
 
-    def k3rl_load_weights(self, packed: PackedUpdate) -> int:
-        update = packed.to_update()
+    def k3rl_load_weights(self, wire: dict) -> int:
+        update = PackedUpdate.from_wire(wire).to_update()
         self.model_runner.model.load_weights(weights=list(update.state_dict().items()))
         return update.version
 
@@ -336,7 +337,7 @@ class VLLMEngine(InferenceEngine):
         async def switch():
             async with self._gate:  # no new request starts...
                 await self._idle.wait()  # ...and the running ones finish: the switch is atomic
-                await self.engine.collective_rpc("k3rl_load_weights", args=(packed,))
+                await self.engine.collective_rpc("k3rl_load_weights", args=(packed.to_wire(),))
                 if hasattr(self.engine, "reset_prefix_cache"):
                     await self.engine.reset_prefix_cache()  # states of the old version must not be reused
                 self._version = update.version

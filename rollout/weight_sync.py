@@ -130,6 +130,24 @@ class PackedUpdate:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.buffers)
 
+    def to_wire(self) -> dict:
+        """Only ints, strings, lists and numpy arrays: what RPC layers with a restricted
+        serialiser (vLLM's msgpack `collective_rpc`) carry without pickling our classes."""
+        return {
+            "version": self.version,
+            "full": self.full,
+            "manifests": [[[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in m.slots] + [m.nbytes]
+                          for m in self.manifests],
+            "buffers": list(self.buffers),
+        }
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> PackedUpdate:
+        manifests = [BucketManifest([TensorSlot(n, d, tuple(sh), int(o), int(b)) for n, d, sh, o, b in m[:-1]], int(m[-1]))
+                     for m in wire["manifests"]]
+        buffers = [np.asarray(b, dtype=np.uint8) for b in wire["buffers"]]
+        return cls(int(wire["version"]), bool(wire["full"]), manifests, buffers)
+
 
 def publish(update: WeightUpdate):
     """Put `update` into Ray's object store once; hand the ref to every worker (`receive` it there)."""

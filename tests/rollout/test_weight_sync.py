@@ -140,7 +140,7 @@ def test_pack_unpack_round_trip_keeps_dtypes_shapes_and_bits():
     for k, t in tensors.items():
         assert out[k].dtype == t.dtype and out[k].shape == t.shape and torch.equal(out[k], t)
     upd = WeightUpdate.from_state_dict(4, tensors, bucket_bytes=32)
-    back = PackedUpdate.pack(upd).to_update()
+    back = PackedUpdate.from_wire(PackedUpdate.pack(upd).to_wire()).to_update()  # through the plain-data form
     assert back.version == 4 and len(back.buckets) == len(upd.buckets)
     assert all(torch.equal(back.state_dict()[k], t) for k, t in tensors.items())
     with pytest.raises(ValueError, match="disagree"):
