@@ -65,6 +65,11 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             assert len({r.worker for r in group}) == 1
             assert sorted(r.cached_prompt_tokens for r in group) == [0, 30, 30]
 
+            # a bad request fails with the engine's message and is not retried
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                await pool.generate([1, 10**6], SamplingParams(max_tokens=2))
+            assert pool.retries == 0
+
             # abort through the pool: the request returns its tokens so far
             task = asyncio.create_task(pool.generate(_prompt(8), SamplingParams(max_tokens=500, seed=1), request_id="ab"))
             while not await pool.abort("ab"):
