@@ -564,17 +564,50 @@ class EmbeddedEngine(InferenceEngine):
         return end, last_image - seq.image_cursor
 
     def _prefill(self) -> list[_Seq]:
+        """Run this step's prefill chunks. Chunks of the same length (and without images) run as
+        one batched forward on stacked caches; the others run alone."""
         ready: list[_Seq] = self._pending_ready
         self._pending_ready = []
         budget = self.max_prefill_tokens
-        for seq in list(self._prefilling):
+        plan: list[tuple[_Seq, int, int, int]] = []  # (seq, start, end, images in the chunk)
+        for seq in self._prefilling:
             if budget <= 0:
                 break
-            start = seq.computed
-            end, n_img = self._chunk_end(seq, start, min(self.prefill_chunk, budget))
-            images = None
-            if n_img:
-                images = seq.images[seq.image_cursor : seq.image_cursor + n_img]
+            end, n_img = self._chunk_end(seq, seq.computed, min(self.prefill_chunk, budget))
+            plan.append((seq, seq.computed, end, n_img))
+            budget -= end - seq.computed
+        groups: dict[int, list[tuple[_Seq, int, int, int]]] = {}
+        for item in plan:
+            _, start, end, n_img = item
+            groups.setdefault(-1 - len(groups) if n_img else end - start, []).append(item)
+        for items in groups.values():
+            for (seq, start, end, n_img), logits in self._prefill_forward(items):
+                seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
+                self.stats["prefill_tokens"] += end - start
+                if end == len(seq.prompt):
+                    ready += self._prefill_done(seq, logits)
+        return ready
+
+    def _prefill_forward(self, items):
+        """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
+
+        A chunk whose forward fails fails its own request (and the group waiting on it) only."""
+        if len(items) > 1:
+            from k3rl.learner.model import K3Cache
+
+            try:
+                cache = K3Cache.stack([seq.cache for seq, *_ in items])
+                ids = torch.tensor([seq.prompt[start:end] for seq, start, end, _ in items], device=self.device)
+                logits = self.model(ids, cache=cache)[:, -1]
+            except Exception:  # noqa: BLE001 - retry one by one to find the request at fault
+                logits = None
+            if logits is not None:
+                for (seq, *_), c, row in zip(items, cache.split(), logits, strict=True):
+                    seq.cache = c
+                    yield (seq, *_), row
+                return
+        for seq, start, end, n_img in items:
+            images = seq.images[seq.image_cursor : seq.image_cursor + n_img] if n_img else None
             ids = torch.tensor([seq.prompt[start:end]], device=self.device)
             try:
                 logits = self.model(ids, images=images, cache=seq.cache)
@@ -585,20 +618,20 @@ class EmbeddedEngine(InferenceEngine):
                         self._live.pop(s.id, None)
                     s.future.set_exception(e)
                 continue
-            seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
-            budget -= end - start
-            self.stats["prefill_tokens"] += end - start
-            if end == len(seq.prompt):
-                seq.logits = logits[0, -1]
-                self._prefilling.remove(seq)
-                self._remember(seq, seq.prompt, seq.cache, seq.logits)
-                ready.append(seq)
-                for f in seq.followers:  # the group fork: one prefill, n states
-                    f.cache, f.logits = seq.cache.clone(), seq.logits.clone()
-                    f.computed = f.cached_prompt_tokens = len(f.prompt)
-                    f.image_cursor, f.leader = seq.image_cursor, None
-                    ready.append(f)
-                seq.followers = []
+            yield (seq, start, end, n_img), logits[0, -1]
+
+    def _prefill_done(self, seq: _Seq, logits: torch.Tensor) -> list[_Seq]:
+        """The prompt is in the cache: the sequence and the group waiting on it are ready to sample."""
+        seq.logits = logits
+        self._prefilling.remove(seq)
+        self._remember(seq, seq.prompt, seq.cache, seq.logits)
+        ready = [seq]
+        for f in seq.followers:  # the group fork: one prefill, n states
+            f.cache, f.logits = seq.cache.clone(), seq.logits.clone()
+            f.computed = f.cached_prompt_tokens = len(f.prompt)
+            f.image_cursor, f.leader = seq.image_cursor, None
+            ready.append(f)
+        seq.followers = []
         return ready
 
     # 5. batched decode
