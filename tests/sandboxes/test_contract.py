@@ -86,6 +86,18 @@ def test_background_job_holding_the_output_is_ended_with_the_exec(sb):
     assert "sleep" not in sb.exec("ps -eo comm").stdout
 
 
+def test_a_daemon_with_redirected_output_keeps_running_between_calls(sb):
+    sb.exec("nohup sh -c 'while :; do date +%s%N >> beat.log; sleep 0.1; done' > /dev/null 2>&1 &")
+    sb.exec("for i in $(seq 100); do [ -s beat.log ] && break; sleep 0.05; done")
+    assert "beat.log" in sb.exec("ps -eo args").stdout
+    first = sb.read_file("beat.log").count(b"\n")
+    time.sleep(0.5)
+    assert sb.read_file("beat.log").count(b"\n") > first  # still beating after its exec returned
+    sb.reset()  # ... until the sandbox is reset
+    assert "beat.log" not in sb.exec("ps -eo args").stdout
+    assert sb.exec("ls -A").stdout == ""
+
+
 def test_fork_bomb_is_contained_and_sandbox_stays_usable(backend):
     with open_sandbox(backend, job=JOB, limits=SMALL.with_(pids=48)) as box:
         r = box.exec("bash -c ':(){ :|:& };:'", timeout=5)

@@ -161,6 +161,19 @@ def test_health_check_replaces_an_idle_sandbox_killed_from_outside(docker_only):
     asyncio.run(main())
 
 
+def test_max_uses_retires_a_sandbox(backend):
+    async def main():
+        async with SandboxPool(backend, max_size=1, min_idle=0, max_uses=2, job=JOB, limits=SMALL) as pool:
+            ids = []
+            for _ in range(3):
+                async with pool.sandbox(timeout=60) as sb:
+                    ids.append(sb.id)
+            return ids, pool.stats
+
+    ids, stats = asyncio.run(main())
+    assert ids[0] == ids[1] != ids[2] and stats.recreated >= 1
+
+
 def test_pool_argument_errors():
     with pytest.raises(ValueError, match="max_size"):
         SandboxPool("bwrap", max_size=0)
