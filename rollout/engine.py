@@ -10,8 +10,9 @@ One scheduler step (`EmbeddedEngine.step`), always in this order:
   3. admit waiting requests: reuse the longest cached prefix, or join a prefill of the same
      prompt already in progress (a GRPO group prefills once and forks the state), or start
      a prefill,
-  4. prefill: up to `prefill_chunk` prompt tokens per prefilling sequence (chunked prefill,
-     so a long prompt never stalls the decoding batch for long),
+  4. prefill: up to `prefill_chunk` prompt tokens per prefilling sequence, `max_prefill_tokens`
+     in all (chunked prefill, so a long prompt never stalls the decoding batch for long);
+     chunks of equal length from several sequences run as one batched forward,
   5. decode: one batched forward of the last sampled token of every running sequence
      (sequences of different lengths share one stacked K3Cache),
   6. sample one token for every sequence whose logits were computed in 4-5, check stop
