@@ -93,3 +93,16 @@ def test_cli_doctor_build_and_gc():
     assert build.exit_code == 0 and f"image up to date: {image.image_tag()}" in build.output
     gc = runner.invoke(app, ["gc", "--job", "no-such-job-k3rl"])
     assert gc.exit_code == 0 and "0 leftover(s) removed" in gc.output
+
+
+@pytest.mark.docker
+def test_missing_image_or_rootfs_says_how_to_build_it(tmp_path):
+    from k3rl.sandboxes import BackendUnavailableError, open_sandbox
+
+    reason = docker_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with pytest.raises(BackendUnavailableError, match="k3rl sandbox build"):
+        open_sandbox("docker", image="k3rl-sandbox:not-built-anywhere")
+    with pytest.raises(BackendUnavailableError, match="k3rl sandbox build"):
+        open_sandbox("bwrap", rootfs=tmp_path)  # an empty dir is no rootfs
