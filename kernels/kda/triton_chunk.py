@@ -8,13 +8,17 @@ Kernels (one program per (chunk, head) unless said otherwise):
   state_fwd         one program per (document, head, V-block), serial over chunks:
                     V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Diag(Gamma_C) S + ((Gamma_C/Gamma) K)^T V~
   state_bwd         serial in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~
-  grads_bwd         every chunk-local gradient from (S, dS', dV~): through O, the state update, the WY
-                    factors (dB = T~^T dX, dL = -dB X^T) and the 16-row tiles of A_qk / A_kk
+  grads_state       per (chunk, head, 64-wide K slice): gradients through O, the state update and the
+                    WY factors (dB = T~^T dX, dL = -dB X^T); sums over K slices by atomic adds
+  grads_tiles       per (chunk, head, K slice): gradients through the 16-row tiles of A_qk / A_kk
   gate_cumsum_bwd   reverse chunk-local cumsum of dG, then the gate derivative
 
 Tensors are flattened to one token axis (a batch of B sequences is B documents of length T), so
 one code path serves padded batches and ``cu_seqlens``. The bounded gate (g >= lower_bound >= -5
 per token) keeps every exponential inside a 16-token tile below e^80 (fp32 and bf16 safe).
+The q/k L2 normalisation and the query scale run in PyTorch before the kernels (autograd
+differentiates them); the gate is fused into ``gate_cumsum``. Offsets into [T, H, K] tensors
+are int32: T * H * max(K, V) must stay below 2^31 (e.g. T <= 174k tokens at H = 96, K = 128).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 from .._backend import resolve_backend
 
-HAS_TRITON_QB = False
+HAS_TRITON_QB = True
 
 
 def _as_float(x, name):

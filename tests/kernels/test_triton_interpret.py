@@ -140,3 +140,15 @@ def test_situ_glu_triton_matches_reference_fwd_bwd():
     (out_ref * w).sum().backward()
     assert torch.allclose(situ_glu(g, u, backend="triton"), out_ref, atol=1e-5)
     assert torch.allclose(g.grad, g2.grad, atol=1e-5) and torch.allclose(u.grad, u2.grad, atol=1e-5)
+
+
+def test_qb_histogram_triton_matches_reference():
+    from k3rl.kernels.qb_histogram import qb_histogram
+
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(150, 37, generator=gen) * 2
+    mask = torch.rand(150, generator=gen) > 0.2
+    for tm in (None, mask):
+        a = qb_histogram(r, -3.0, 0.05, 100, token_mask=tm, backend="triton")
+        b = qb_histogram(r, -3.0, 0.05, 100, token_mask=tm, backend="torch")
+        assert a.dtype == torch.int64 and torch.equal(a, b)
