@@ -14,6 +14,7 @@ count), and `oom_killed` can no longer be observed (an allocation fails instead)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -56,6 +57,15 @@ def bwrap_available() -> bool:
     try:
         return subprocess.run(argv, capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@functools.cache
+def _supports_disable_userns(exe: str) -> bool:
+    """bwrap >= 0.8 can forbid new user namespaces inside (a large kernel attack surface)."""
+    try:
+        return "--disable-userns" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    except OSError:
         return False
 
 
@@ -149,6 +159,7 @@ class BwrapSandbox(Sandbox):
         argv = [
             self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
             "--hostname", "sandbox", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+            *(["--disable-userns"] if _supports_disable_userns(self.bwrap) else []),
             *_root_binds(self.rootfs),
             "--dev", "/dev", "--proc", "/proc",
             "--bind", str(self.base / "work"), WORK_DIR, "--bind", str(self.base / "tmp"), "/tmp",

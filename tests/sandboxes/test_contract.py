@@ -57,6 +57,8 @@ def test_runs_as_non_root_without_capabilities(sb):
     for cap in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
         assert int(status[cap], 16) == 0, f"{cap}={status[cap]}"
     assert status["NoNewPrivs"].strip() == "1"
+    nested = sb.exec("unshare --user --map-root-user id")  # no new user namespace (kernel attack surface)
+    assert nested.exit_code != 0 and "uid=0" not in nested.stdout
 
 
 def test_writes_outside_the_work_dir_fail(sb):
