@@ -134,7 +134,10 @@ def time_fwd_bwd(fn, x):
     return ms
 
 
-def kda():
+KDA_SHAPES = "1x4096x96,1x16384x96,1x65536x96,8x4096x32"
+
+
+def kda(shapes=KDA_SHAPES):
     print("\n## KDA chunk (bf16, K = V = 128, safe gate -5, gate + q/k L2 norm in kernel)\n")
     row(
         "B, T, H",
@@ -146,7 +149,7 @@ def kda():
         "fla/ours fwd+bwd",
     )
     row(*["---"] * 7)
-    for B, T, H in [(1, 4096, 96), (1, 16384, 96), (1, 65536, 96), (8, 4096, 32)]:
+    for B, T, H in (tuple(int(n) for n in s.split("x")) for s in shapes.split(",")):
         x = kda_inputs(B, T, H)
         with torch.no_grad():
             ours_f = bench(lambda x=x: ours_kda(x))

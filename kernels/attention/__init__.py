@@ -1,11 +1,11 @@
-"""Causal attention with fp32 output for Gated MLA (K3_SPEC §3.2-3.3): reference, Triton, dispatcher."""
+"""Causal attention with fp32 output for Gated MLA (K3_SPEC §3.2-3.3): reference, fused GPU path (SDPA), dispatcher."""
 
 from __future__ import annotations
 
 from .._backend import resolve_backend
 from .reference import attention_mask, causal_attention_reference
 
-HAS_TRITON_ATTENTION = False
+HAS_TRITON_ATTENTION = True  # the fast GPU path is PyTorch SDPA in fp32 (see sdpa.py)
 
 
 def _check(q, k, v, cu_seqlens, kv_lengths):
@@ -45,13 +45,15 @@ def causal_attention(q, k, v, scale, cu_seqlens=None, kv_lengths=None, backend="
     the mask block-diagonal per document (B = 1, S = T); ``kv_lengths`` [B] masks keys at
     positions >= kv_lengths[b] (right-padded batches). Scores and softmax are fp32; returns
     o [B, T, H, Dv] in fp32 (K3_SPEC §3.3: cast to bf16 only at the o_proj input).
+    ``backend="triton"`` (the CUDA default) is not a Triton kernel: it is PyTorch's fused SDPA on
+    fp32 inputs (``sdpa.py`` says why); "torch" is the explicit reference.
     """
     _check(q, k, v, cu_seqlens, kv_lengths)
     path = resolve_backend(backend, "causal_attention", q, k, v, has_triton=HAS_TRITON_ATTENTION)
     if path == "triton":
-        from .triton_attention import causal_attention_triton
+        from .sdpa import causal_attention_sdpa
 
-        return causal_attention_triton(q, k, v, scale, cu_seqlens, kv_lengths)
+        return causal_attention_sdpa(q, k, v, scale, cu_seqlens, kv_lengths)
     return causal_attention_reference(q, k, v, scale, cu_seqlens, kv_lengths)
 
 

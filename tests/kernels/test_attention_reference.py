@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from k3rl.kernels.attention import causal_attention
 
 
@@ -60,3 +61,21 @@ def test_gradients_flow():
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="S >= T"):
         causal_attention(torch.randn(1, 5, 1, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), 1.0)
+
+
+@pytest.mark.parametrize("case", ["causal", "prefix", "packed", "kv_lengths"])
+def test_sdpa_path_matches_reference(case):
+    from k3rl.kernels.attention.reference import causal_attention_reference
+    from k3rl.kernels.attention.sdpa import causal_attention_sdpa
+
+    torch.manual_seed(0)
+    B, T, S, H = (1, 9, 9, 2) if case == "packed" else (2, 6, 9 if case == "prefix" else 6, 2)
+    q, k, v = torch.randn(B, T, H, 12), torch.randn(B, S, H, 12), torch.randn(B, S, H, 5)
+    kw = {}
+    if case == "packed":
+        kw["cu_seqlens"] = torch.tensor([0, 4, 5, 9])
+    if case == "kv_lengths":
+        kw["kv_lengths"] = torch.tensor([6, 0])  # the second sequence has no key at all
+    o = causal_attention_sdpa(q, k, v, 0.3, **kw)
+    ref = causal_attention_reference(q, k, v, 0.3, **kw)
+    assert o.dtype == torch.float32 and torch.allclose(o, ref, atol=1e-5)
