@@ -1,7 +1,7 @@
-"""`Sandbox`: the contract every backend implements, and the host side of the helper protocol.
+"""`Sandbox`: the contract every backend implements, and the host side of the agent protocol.
 
-A backend only knows how to start/stop its isolation unit and how to run the helper
-(`inside_helper.py`) inside it (`_run_helper`). Everything else — exec semantics, output
+A backend only knows how to start/stop its isolation unit and how to send one request to the
+sandbox's agent (`inside_helper.py`, `_request`). Everything else — exec semantics, output
 caps, path checks, file transfer, async variants — lives here once, so Docker and
 bubblewrap behave the same.
 """
@@ -28,7 +28,6 @@ from .types import (
     ExecResult,
     PathEscapeError,
     SandboxClosedError,
-    SandboxDeadError,
     SandboxError,
     SandboxFileError,
     SandboxLimits,
@@ -43,9 +42,8 @@ MAGIC = b"K3RL/1 "
 EXECUTOR = ThreadPoolExecutor(
     max_workers=int(os.environ.get("K3RL_SANDBOX_THREADS", "64")), thread_name_prefix="k3rl-sb"
 )
-HOST_SLACK_S = (
-    15.0  # the host waits this much longer than the in-sandbox timeout before declaring the sandbox hung
-)
+# The host waits this much longer than the in-sandbox timeout before declaring the sandbox hung.
+HOST_SLACK_S = 15.0
 
 
 async def in_thread(fn, *args, **kwargs):
@@ -68,10 +66,10 @@ def agent_preamble() -> bytes:
 
 
 def parse_reply(raw: bytes, where: str) -> tuple[dict, bytes]:
-    """Split the helper's stdout into (header, payload); raise SandboxError when it is not there."""
+    """Split an agent reply into (header, payload); raise SandboxError when it is malformed."""
     if not raw.startswith(MAGIC) or b"\n" not in raw:
         snippet = raw[:200].decode(errors="replace")
-        raise SandboxError(f"{where}: the in-sandbox helper gave no reply (got {snippet!r})")
+        raise SandboxError(f"{where}: malformed reply from the sandbox agent (got {snippet!r})")
     line, _, payload = raw.partition(b"\n")
     return json.loads(line[len(MAGIC) :]), payload
 
@@ -104,10 +102,8 @@ class Sandbox(ABC):
 
     # ---- what a backend provides -------------------------------------------------------
     @abstractmethod
-    def _run_helper(
-        self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
-    ) -> tuple[bytes, bytes]:
-        """Run the helper inside the sandbox; return its raw (stdout, stderr). Raise SandboxDeadError if gone."""
+    def _request(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> bytes:
+        """Send one request to the sandbox's agent; return its reply. Raise SandboxDeadError if gone."""
 
     @abstractmethod
     def _oom_file(self) -> str | None:
@@ -122,7 +118,7 @@ class Sandbox(ABC):
         """Cheap liveness check (container running / directories present)."""
 
     def _settles_dead(self, within_s: float = 3.0) -> bool:
-        """After a broken reply: is the sandbox dead? (A killed container may still look running for a moment.)"""
+        """After a lost agent: is the sandbox dead? (A killed container may still look running for a moment.)"""
         deadline = time.monotonic() + within_s
         while True:
             if not self.is_alive():
@@ -141,17 +137,8 @@ class Sandbox(ABC):
     ) -> tuple[dict, bytes]:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
-        raw, err = self._run_helper(mode, args, stdin, timeout + HOST_SLACK_S)
-        try:
-            header, payload = parse_reply(raw, f"sandbox {self.id} ({mode})")
-        except SandboxError as exc:
-            if self._settles_dead():
-                raise SandboxDeadError(
-                    f"sandbox {self.id} died during {mode} (killed from outside or by the host); "
-                    "open a new sandbox (a SandboxPool replaces it automatically)"
-                ) from exc
-            tail = err[-2000:].decode(errors="replace")
-            raise SandboxError(f"{exc}; helper stderr: {tail!r}") from exc
+        raw = self._request(mode, args, stdin, timeout + HOST_SLACK_S)
+        header, payload = parse_reply(raw, f"sandbox {self.id} ({mode})")
         if "error" in header:
             kind, message = header["error"], f"sandbox {self.id}: {header['message']}"
             if kind == "escape":

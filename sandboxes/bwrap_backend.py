@@ -211,16 +211,14 @@ class BwrapSandbox(Sandbox):
         agent = self._agent
         return agent.proc.pid if agent is not None and not agent.closed else None
 
-    def _run_helper(
-        self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
-    ) -> tuple[bytes, bytes]:
+    def _request(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> bytes:
         if not self.is_alive():
             raise SandboxDeadError(
                 f"sandbox {self.id}: its directory {self.base} is gone (removed from outside?)"
             )
         agent = self._start_agent()
         try:
-            return agent.request(mode, args, stdin, host_timeout), b""
+            return agent.request(mode, args, stdin, host_timeout)
         except AgentLost as exc:
             if self._closed:
                 raise SandboxDeadError(f"sandbox {self.id} was closed during {mode}") from exc

@@ -204,9 +204,7 @@ class DockerSandbox(Sandbox):
                 )
             return self._agent
 
-    def _run_helper(
-        self, mode: str, args: dict, stdin: bytes | None, host_timeout: float
-    ) -> tuple[bytes, bytes]:
+    def _request(self, mode: str, args: dict, stdin: bytes | None, host_timeout: float) -> bytes:
         try:
             agent = self._start_agent()
         except docker.errors.NotFound as exc:
@@ -216,7 +214,7 @@ class DockerSandbox(Sandbox):
                 raise self._dead(mode, exc) from exc
             raise SandboxError(f"could not start the agent of sandbox {self.id}: {exc}") from exc
         try:
-            return agent.request(mode, args, stdin, host_timeout), b""
+            return agent.request(mode, args, stdin, host_timeout)
         except AgentLost as exc:
             if self._closed:
                 raise SandboxDeadError(f"sandbox {self.id} was closed during {mode}") from exc
