@@ -46,6 +46,8 @@ __all__ = [
     "QKClip",
 ]
 
+from .qk_clip import QKClip  # noqa: E402  (re-exported: the MLA weight clip that goes with Muon)
+
 NO_GROUP_SUFFIXES = ("e_score_correction_bias",)
 # AdamW by name: substrings of the parameter name (K3 / HF naming).
 ADAMW_NAME_PARTS = ("embed", "lm_head", "conv", "A_log", "dt_bias", "norm", "res_proj", "pos_emb", "bias")
@@ -337,37 +339,3 @@ class PerHeadMuon(torch.optim.Optimizer):
 
 def _full_shape(p: torch.Tensor) -> torch.Size:
     return p.shape  # a DTensor reports its global shape
-
-
-class QKClip:
-    """QK-Clip (MuonClip, K3_SPEC §8.3) for the Gated MLA layers, applied after the optimizer step.
-
-    For each MLA head h with max pre-softmax logit S_h (1/sqrt(dn+dr) included) above tau:
-    gamma_h = tau / S_h; scale the head's q-nope rows of q_b_proj and k-nope rows of
-    kv_b_proj by sqrt(gamma_h), its q-"rope" rows by gamma_h; the shared key rows of
-    kv_a_proj_with_mqa are not touched.
-    """
-
-    def __init__(self, nope_dim: int, rope_dim: int, v_dim: int, tau: float = 100.0):
-        if tau <= 0:
-            raise ValueError(f"QKClip: tau must be > 0, got {tau}")
-        self.nope_dim, self.rope_dim, self.v_dim, self.tau = nope_dim, rope_dim, v_dim, tau
-
-    @torch.no_grad()
-    def apply(self, q_b_proj: torch.Tensor, kv_b_proj: torch.Tensor, max_logits: torch.Tensor) -> torch.Tensor:
-        """Rescale the weights in place; returns gamma [H] (1 where the head was below tau)."""
-        H = max_logits.numel()
-        gamma = torch.clamp(self.tau / max_logits.float().clamp_min(1e-30), max=1.0)  # tau / S_max, at most 1
-        qd, kd = self.nope_dim + self.rope_dim, self.nope_dim + self.v_dim
-        if q_b_proj.shape[0] != H * qd or kv_b_proj.shape[0] != H * kd:
-            raise ValueError(
-                f"QKClip: expected q_b_proj rows {H}*{qd} and kv_b_proj rows {H}*{kd} for {H} heads, "
-                f"got {q_b_proj.shape[0]} and {kv_b_proj.shape[0]}"
-            )
-        q = q_b_proj.view(H, qd, -1)
-        kv = kv_b_proj.view(H, kd, -1)
-        sq = gamma.sqrt().to(q.dtype)[:, None, None]
-        q[:, : self.nope_dim].mul_(sq)  # q-nope rows * sqrt(gamma)
-        q[:, self.nope_dim :].mul_(gamma.to(q.dtype)[:, None, None])  # q-rope rows * gamma
-        kv[:, : self.nope_dim].mul_(sq.to(kv.dtype))  # k-nope rows * sqrt(gamma); value rows untouched
-        return gamma

@@ -33,6 +33,7 @@ from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
 from .losses import LossConfig, group_advantages, policy_loss, sft_loss, token_entropy, token_logprobs
 from .optim import PerHeadMuon, param_groups
+from .qk_clip import MaxLogitTracker, QKClip
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -59,7 +60,8 @@ class Trainer:
     Built from a `k3rl.config.LearnerSection`; `Trainer.from_job(job)` builds the model too.
     """
 
-    def __init__(self, model: nn.Module, config, device: str | torch.device | None = None):
+    def __init__(self, model: nn.Module, config, device: str | torch.device | None = None,
+                 qk_clip_tau: float | None = None):
         self.cfg = config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.rank, self.world_size = rank_and_world()
@@ -72,7 +74,6 @@ class Trainer:
             self.rank, self.world_size = 0, 1
         model.to(self.device)
         self.model_config = getattr(model, "config", None)
-        self._unsharded_template = None
         # model switches owned by the learner config
         if hasattr(model, "gradient_checkpointing"):
             model.gradient_checkpointing = config.activation_checkpointing
@@ -96,6 +97,13 @@ class Trainer:
                 g["kind"], g["block_rows"] = "adamw", None
         self.optimizer = PerHeadMuon(groups, lr=config.lr, weight_decay=config.weight_decay)
         self.trainable = [p for g in groups for p in g["params"]]
+        # QK-Clip on the MLA heads (K3_SPEC §8.3), off unless a threshold tau is given
+        tau = qk_clip_tau if qk_clip_tau is not None else getattr(config, "qk_clip_tau", None)
+        self.qk_clip = self.max_logits = None
+        if tau is not None:
+            c = self.model_config
+            self.qk_clip = QKClip(c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, tau=tau)
+            self.max_logits = MaxLogitTracker(model)
 
         self.step = 0  # RL optimizer steps done
         self.sft_step_count = 0  # SFT optimizer steps done
@@ -169,6 +177,28 @@ class Trainer:
             logits = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes)
         return logits[0]  # [T, V]
 
+    def _recording_logits(self):
+        return self.max_logits.recording() if self.max_logits is not None else nullcontext()
+
+    @torch.no_grad()
+    def _apply_qk_clip(self) -> dict[str, float]:
+        """Rescale the MLA heads whose max logit of this step exceeded tau (after the update)."""
+        if self.qk_clip is None:
+            return {}
+        maxima = self.max_logits.pop()
+        clipped, top = 0, float("-inf")
+        for name in sorted(maxima):
+            S = maxima[name]
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                dist.all_reduce(S, op=dist.ReduceOp.MAX)
+            mla = self.max_logits.modules[name]
+            gamma = self.qk_clip.apply(mla.q_b_proj.weight, mla.kv_b_proj.weight, S)
+            clipped += int((gamma < 1).sum())
+            top = max(top, float(S.max()))
+        return {"qk_clip_heads": float(clipped), "mla_max_logit": top}
+
     def _clip_and_step(self, lr: float) -> float:
         grads = [p for p in self.trainable if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
@@ -218,6 +248,36 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     # RL
     # ------------------------------------------------------------------------------------
+    def _rl_micro_batch(self, mb: MicroBatch, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; adds its statistics to `sums` and
+        returns its largest importance ratio."""
+        media = self._media(mb)
+        routes = self._replay_routes(mb, media)
+        with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
+            logits = self._forward_logits(self.model, mb, routes, media)
+        logp = token_logprobs(logits, mb.targets)
+        if self.loss_cfg.entropy_coef != 0:
+            entropy = token_entropy(logits)
+        else:  # logged only
+            with torch.no_grad():
+                entropy = token_entropy(logits.detach())
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes, media), mb.targets)
+        loss, stats = policy_loss(
+            logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
+            ref_logp=ref_logp, entropy=entropy,
+        )  # fmt: skip
+        (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
+        ratio_max = stats.pop("ratio_max").double().cpu()
+        vmask = (mb.mask > 0) & (mb.versions >= 0)
+        stats["staleness_sum"] = ((self.step - mb.versions) * vmask).sum()
+        stats["versioned_tokens"] = vmask.sum()
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0) + v.double().cpu()
+        return ratio_max
+
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One RL optimizer step on a batch of trajectories (groups of samples per prompt)."""
         t0 = time.perf_counter()
@@ -235,35 +295,13 @@ class Trainer:
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         ratio_max = torch.zeros((), dtype=torch.float64)
-        for mb in mbs:
-            media = self._media(mb)
-            routes = self._replay_routes(mb, media)
-            with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
-                logits = self._forward_logits(self.model, mb, routes, media)
-            logp = token_logprobs(logits, mb.targets)
-            if self.loss_cfg.entropy_coef != 0:
-                entropy = token_entropy(logits)
-            else:  # logged only
-                with torch.no_grad():
-                    entropy = token_entropy(logits.detach())
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes, media), mb.targets)
-            loss, stats = policy_loss(
-                logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
-                ref_logp=ref_logp, entropy=entropy,
-            )  # fmt: skip
-            (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
-            ratio_max = torch.maximum(ratio_max, stats.pop("ratio_max").double().cpu())
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.double().cpu()
-            vmask = (mb.mask > 0) & (mb.versions >= 0)
-            sums["staleness_sum"] = sums.get("staleness_sum", 0) + ((self.step - mb.versions) * vmask).sum().double().cpu()
-            sums["versioned_tokens"] = sums.get("versioned_tokens", 0) + vmask.sum().double().cpu()
+        with self._recording_logits():  # MLA max logits for QK-Clip, when it is on
+            for mb in mbs:
+                ratio_max = torch.maximum(ratio_max, self._rl_micro_batch(mb, sums))
         sums = all_reduce_sum(sums)
         ratio_max = all_reduce_max(ratio_max)
         grad_norm = self._clip_and_step(lr)
+        qk = self._apply_qk_clip()
         qb_layers = self._qb_update()
         self.step += 1
         self.data_position["trajectories"] += len(trajectories)
@@ -292,6 +330,7 @@ class Trainer:
             "sequences": float(len(trajectories)),
             "micro_batches": float(len(mbs)),
             "qb_layers_updated": float(qb_layers),
+            **qk,
             "step": float(self.step),
             "step_time_s": dt,
             "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
@@ -310,17 +349,19 @@ class Trainer:
                    self.cfg.min_lr_ratio)
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for mb in mbs:
-            media = self._media(mb)
-            routes = self._replay_routes(mb, media)
-            with self._qb_paused(not mb.traj_indices):
-                logits = self._forward_logits(self.model, mb, routes, media)
-            loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
-            (loss * self.world_size).backward()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.double().cpu()
+        with self._recording_logits():
+            for mb in mbs:
+                media = self._media(mb)
+                routes = self._replay_routes(mb, media)
+                with self._qb_paused(not mb.traj_indices):
+                    logits = self._forward_logits(self.model, mb, routes, media)
+                loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
+                (loss * self.world_size).backward()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0) + v.double().cpu()
         sums = all_reduce_sum(sums)
         grad_norm = self._clip_and_step(lr)
+        qk = self._apply_qk_clip()
         qb_layers = self._qb_update()
         self.sft_step_count += 1
         self.data_position["sft_trajectories"] += len(trajectories)
@@ -336,6 +377,7 @@ class Trainer:
             "sequences": float(len(trajectories)),
             "micro_batches": float(len(mbs)),
             "qb_layers_updated": float(qb_layers),
+            **qk,
             "sft_step": float(self.sft_step_count),
             "step_time_s": dt,
             "tokens_per_s": total_positions / dt if dt > 0 else 0.0,

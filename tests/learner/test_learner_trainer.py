@@ -259,3 +259,29 @@ def test_vision_trajectories_train_the_vision_tower():
     other = batch[0].model_copy(update={"turns": batch[1].turns})
     lp_a, lp_b = t.logprobs([batch[0], other])
     assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) > 1e-6
+
+
+def test_qk_clip_caps_the_mla_heads_above_tau():
+    t = Trainer(tiny(), LearnerSection(lr=1e-9, micro_batch_tokens=64, steps=10), qk_clip_tau=1e9)
+    batch = make_trajectories(12, n=4)
+
+    def maxima():
+        with t.max_logits.recording():
+            t.logprobs(batch)
+        return t.max_logits.pop()
+
+    before = maxima()
+    assert len(before) == len(t.model.config.mla_layer_ids)
+    heads = torch.cat(list(before.values()))
+    tau = float(heads.median())
+    t.qk_clip.tau = tau
+    m = t.train_step(batch)  # lr ~ 0: the weights move only by the clip
+    after = maxima()
+    hot = int((heads > tau).sum())
+    assert m["qk_clip_heads"] == hot > 0
+    assert m["mla_max_logit"] == pytest.approx(float(heads.max()), rel=1e-5)
+    first = f"model.layers.{t.model.config.mla_layer_ids[0]}.self_attn"
+    for name, s in before.items():
+        expect = torch.where(s > tau, torch.full_like(s, tau), s)
+        # the first MLA layer sees unchanged inputs: exact; later ones see the clipped layers' outputs
+        assert torch.allclose(after[name], expect, rtol=1e-4 if name == first else 2e-2), (name, s, after[name])
