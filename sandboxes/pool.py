@@ -336,14 +336,17 @@ class SandboxPool:
             await self._put_idle(sb)
 
     async def _health_check(self) -> None:
-        async with self._cond:
-            batch = list(self._idle)
-            self._idle.clear()
+        """Ping the idle sandboxes; they stay available meanwhile (the agent serves requests concurrently)."""
+        batch = list(self._idle)
         healthy = await asyncio.gather(*(sb.aping(timeout=10.0) for sb in batch), return_exceptions=True)
         for sb, ok in zip(batch, healthy, strict=True):
             if ok is True:
-                await self._put_idle(sb)
-            else:
+                continue
+            async with self._cond:
+                still_idle = sb in self._idle
+                if still_idle:
+                    self._idle.remove(sb)
+            if still_idle:  # a sandbox leased meanwhile is checked again at its release
                 self.stats.replaced_dead += 1
                 log.warning("sandbox pool: idle sandbox %s failed its health check, replacing it", sb.id)
                 await self._discard(sb)
