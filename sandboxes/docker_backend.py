@@ -166,7 +166,7 @@ class DockerSandbox(Sandbox):
             )
             self.container_id = container.id
             self._start_agent().request("ping", {}, None, 60.0)  # warm, and fail here if it cannot run
-        except (docker.errors.DockerException, ConnectionError, TimeoutError) as exc:
+        except Exception as exc:  # daemon errors, HTTP timeouts of an overloaded daemon, agent failures
             self._destroy()
             raise SandboxError(f"could not start sandbox container {self.id}: {exc}") from exc
         log.debug("docker sandbox %s started (job=%s)", self.id, self.job)
@@ -211,6 +211,10 @@ class DockerSandbox(Sandbox):
             raise self._dead(mode, exc) from exc
         except docker.errors.APIError as exc:
             if exc.status_code == 409 or not self.is_alive():
+                raise self._dead(mode, exc) from exc
+            raise SandboxError(f"could not start the agent of sandbox {self.id}: {exc}") from exc
+        except OSError as exc:  # the new agent's stream broke at once (container going away?)
+            if self._settles_dead():
                 raise self._dead(mode, exc) from exc
             raise SandboxError(f"could not start the agent of sandbox {self.id}: {exc}") from exc
         try:
