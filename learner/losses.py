@@ -34,8 +34,9 @@ parallel ranks add up to exactly the full-batch value):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 

@@ -299,13 +299,13 @@ class PerHeadMuon(torch.optim.Optimizer):
         mesh = next((p.device_mesh for p, _, _ in work if _is_dtensor(p)), None)
         group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
         ortho: dict[int, torch.Tensor] = {}
-        for (shape, steps, _), idx in by_shape.items():
+        for (_, steps, _), idx in by_shape.items():
             stacked = torch.cat([work[i][2] for i in idx], dim=0)  # [sum n, r, c]
             if group is None:
                 out = newton_schulz(stacked, steps=steps, backend=self.ns_backend)
             else:
                 out = _split_ns_over_ranks(stacked, steps, self.ns_backend, group)
-            for i, part in zip(idx, out.split([work[i][2].shape[0] for i in idx], dim=0)):
+            for i, part in zip(idx, out.split([work[i][2].shape[0] for i in idx], dim=0), strict=True):
                 ortho[i] = part
         # 3. decoupled weight decay and the scaled update.
         for i, (p, g, blocks) in enumerate(work):

@@ -55,7 +55,7 @@ class QKClip:
                 f"QKClip: expected q_b_proj rows {H}*{qd} and kv_b_proj rows {H}*{kd} for {H} heads, "
                 f"got {q_b_proj.shape[0]} and {kv_b_proj.shape[0]}"
             )
-        for w, scale in zip((q_b_proj, kv_b_proj), self.row_scales(max_logits.cpu())):
+        for w, scale in zip((q_b_proj, kv_b_proj), self.row_scales(max_logits.cpu()), strict=True):
             scale = scale[:, None].to(dtype=w.dtype)
             if _is_dtensor(w):
                 from torch.distributed.tensor import distribute_tensor
@@ -81,7 +81,7 @@ def mla_max_logits(mla: nn.Module, x: torch.Tensor, cu_seqlens: torch.Tensor | N
     bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, T]
     best = torch.full((H,), float("-inf"), device=x.device)
     for b in range(B):
-        for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        for s0, s1 in zip(bounds[:-1], bounds[1:], strict=True):
             kd = k[b, s0:s1]  # [L, H, D]
             for t0 in range(s0, s1, chunk):
                 t1 = min(s1, t0 + chunk)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from learner_helpers import make_trajectories
 
 from k3rl.learner.data import build_micro_batches, pack_lengths, shard_micro_batches
 from k3rl.types import Trajectory
-from learner_helpers import make_trajectories
 
 
 def test_pack_lengths_respects_the_budget_and_places_every_sequence_once():

@@ -15,11 +15,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from learner_helpers import make_trajectories
 
 from k3rl.config import LearnerSection
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
-from learner_helpers import make_trajectories
 
 STEPS = 2
 
@@ -80,7 +80,7 @@ def test_fsdp_two_processes_equal_one_process(tmp_path):
     state = one.full_state_dict()
 
     assert two["metrics"][0]["micro_batches"] < metrics[0]["micro_batches"]  # each rank did only its share
-    for m1, m2 in zip(metrics, two["metrics"]):
+    for m1, m2 in zip(metrics, two["metrics"], strict=True):
         for key in ("loss", "pg_loss", "entropy", "is_ratio_mean", "clip_frac", "loss_tokens"):
             assert abs(m1[key] - m2[key]) <= 1e-5 * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
         assert abs(m1["grad_norm"] - m2["grad_norm"]) <= 1e-5 * m1["grad_norm"]

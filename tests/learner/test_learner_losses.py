@@ -179,11 +179,11 @@ def test_token_logprobs_match_log_softmax():
 def test_token_mean_and_sequence_mean_aggregation():
     mask = T([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     seq = T([0, 0, 0, 0, 1, 1, 2])  # sequence 2 has no loss token
-    l = T([1.0, 2.0, 3.0, 99.0, 10.0, 99.0, 99.0])
+    per_token = T([1.0, 2.0, 3.0, 99.0, 10.0, 99.0, 99.0])
     a_tok = aggregation_weights(mask, seq, "token_mean")
     a_seq = aggregation_weights(mask, seq, "seq_mean", num_seqs=3)
-    assert (a_tok * l).sum().item() == pytest.approx((1 + 2 + 3 + 10) / 4)
-    assert (a_seq * l).sum().item() == pytest.approx(((1 + 2 + 3) / 3 + 10) / 2)
+    assert (a_tok * per_token).sum().item() == pytest.approx((1 + 2 + 3 + 10) / 4)
+    assert (a_seq * per_token).sum().item() == pytest.approx(((1 + 2 + 3) / 3 + 10) / 2)
     assert (a_seq * (1 - mask)).sum().item() == 0
 
 

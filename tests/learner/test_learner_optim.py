@@ -38,18 +38,18 @@ def test_newton_schulz_equalises_singular_values_spanning_two_orders():
     s = torch.linalg.svdvals(newton_schulz(G, steps=5))[:32]
     assert s.min() > 0.6 and s.max() < 1.2, (s.min(), s.max())
     # ... and keeps the singular vectors: O = U diag(p(sigma)) V^T
-    O = newton_schulz(G, steps=5)
-    assert torch.allclose(U @ (U.T @ O @ V) @ V.T, O, atol=1e-4)
+    ortho = newton_schulz(G, steps=5)
+    assert torch.allclose(U @ (U.T @ ortho @ V) @ V.T, ortho, atol=1e-4)
 
 
 class HeadProj(nn.Module):
     """A KDA-like q_proj [H*D, d] plus a stacked expert weight [E, f, l]."""
 
-    def __init__(self, H=4, D=32, d=256, E=3, f=16, l=24):
+    def __init__(self, H=4, D=32, d=256, E=3, f=16, latent=24):
         super().__init__()
         self.q_proj = nn.Linear(d, H * D, bias=False)
         self.experts = nn.Module()
-        self.experts.w1 = nn.Parameter(torch.zeros(E, f, l))
+        self.experts.w1 = nn.Parameter(torch.zeros(E, f, latent))
 
 
 def _one_step(module, grads, block_rows, lr=0.1, wd=0.0):
@@ -174,13 +174,13 @@ def test_adamw_side_matches_torch_adamw():
     assert all(g["kind"] == "adamw" for g in groups)
     ours = PerHeadMuon(groups, lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    for step in range(5):
+    for _ in range(5):
         x = torch.randint(0, 10, (7,))
         for m, opt in ((a, ours), (b, ref)):
             opt.zero_grad()
             m(x).pow(2).sum().backward()
             opt.step()
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
 
 

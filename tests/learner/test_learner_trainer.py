@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from learner_helpers import make_trajectories
 
 from k3rl.config import JobConfig, LearnerSection
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import from_hf
 from k3rl.learner.trainer import Trainer, lr_at
-from learner_helpers import make_trajectories
 
 torch.set_num_threads(1)
 
@@ -88,7 +88,7 @@ def test_resume_is_bit_identical():
         b.load_checkpoint(d)
         assert b.step == 1 and b.sft_step_count == 1 and b.data_state == {"cursor": 17}
         got = [b.train_step(batches[2]), b.train_step(batches[3])]
-    for r, g in zip(ref, got):
+    for r, g in zip(ref, got, strict=True):
         for key in ("loss", "pg_loss", "entropy", "grad_norm", "lr", "is_ratio_mean"):
             assert r[key] == g[key], key
     pa, pb = params(a), params(b)
@@ -214,7 +214,7 @@ def test_logprobs_of_completion_tokens_match_a_direct_forward():
     t = trainer()
     batch = make_trajectories(10, n=3)
     got = t.logprobs(batch)
-    for tr, lp in zip(batch, got):
+    for tr, lp in zip(batch, got, strict=True):
         ids = torch.tensor([tr.prompt_ids + tr.completion_ids])
         with torch.no_grad():
             logits = t.model(ids)[0].float()
@@ -258,7 +258,7 @@ def test_vision_trajectories_train_the_vision_tower():
     # the pixels matter: another image changes the policy's log-probs of the same tokens
     other = batch[0].model_copy(update={"turns": batch[1].turns})
     lp_a, lp_b = t.logprobs([batch[0], other])
-    assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) > 1e-6
+    assert max(abs(a - b) for a, b in zip(lp_a, lp_b, strict=True)) > 1e-6
 
 
 def test_qk_clip_caps_the_mla_heads_above_tau():
