@@ -410,7 +410,7 @@ def collect_demonstrations(cfg: JobConfig, run_name: str) -> list[Trajectory]:
 
         from k3rl.envs.actions import encode_with_specials
 
-        async def generate(token_ids, sampling, images=None, key=None):
+        async def generate(token_ids, sampling, images=None, key=None, **kw):
             ids = encode_with_specials(template, oracle())
             return SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), versions=[0] * len(ids), finish_reason="stop")
 

@@ -98,8 +98,9 @@ async def run_episode(
                 traj.error = f"episode time budget of {time_budget_s:.0f}s used up"
                 break
             g0 = time.monotonic()
+            kw = {"group_key": spec.group_id} if (_turn == 0 and spec.group_id) else {}
             out = await generate(traj.token_ids, sampling.model_copy(update={"max_tokens": min(sampling.max_tokens, room)}),
-                                 images=images or None, key=spec.id)
+                                 images=images or None, key=spec.id, **kw)
             timings["generate_s"] += time.monotonic() - g0
             ids = list(out.token_ids)
             versions = list(out.versions) if getattr(out, "versions", None) else [getattr(out, "version", 0)] * len(ids)

@@ -109,8 +109,10 @@ class RolloutWorker:
 
         return factory, release
 
-    async def _generate(self, token_ids, sampling, images=None, key=None):
-        return await self.pool.generate.remote(token_ids, sampling, images=images, key=key)
+    async def _generate(self, token_ids, sampling, images=None, key=None, group_key=None):
+        # sticky by episode; the first turn of a GRPO group is routed together so the shared
+        # prompt is prefilled once and forked
+        return await self.pool.generate.remote(token_ids, sampling, images=images, key=key, group_key=group_key)
 
     async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
         spec_obj = EpisodeSpec(**spec)

@@ -96,7 +96,7 @@ def record(env_id: str, seed: int, episode_id: str, step: int, oracle, **env_kwa
     policy = oracle(env)
     version = step
 
-    async def generate(token_ids, sampling, images=None, key=None):
+    async def generate(token_ids, sampling, images=None, key=None, **kw):
         ids = policy()
         return SimpleNamespace(token_ids=ids, logprobs=[-0.25] * len(ids), versions=[version] * len(ids),
                                finish_reason="stop")
@@ -104,6 +104,10 @@ def record(env_id: str, seed: int, episode_id: str, step: int, oracle, **env_kwa
     spec = EpisodeSpec(id=episode_id, env_id=env_id, seed=seed, group_id=f"g{seed}", env_kwargs=env_kwargs)
     traj = asyncio.run(run_episode(env, spec, generate, TEMPLATE, SamplingParams(), max_turns=4, max_context_tokens=8192))
     assert traj.error is None, traj.error
+    assert traj.metadata["env_kwargs"] == env_kwargs  # the agent loop records them
+    # these recordings exercise the fallback for episodes that did not record their kwargs:
+    # re-execution then takes them from the run's config.yaml
+    traj.metadata.pop("env_kwargs")
     traj.metadata.update(step=step, policy_version=version)
     return traj
 

@@ -20,7 +20,7 @@ def _env(template, **kw):
 def _oracle_generate(env, template, version=3, finish="stop", mangle=None):
     calls = []
 
-    async def generate(token_ids, sampling, images=None, key=None):
+    async def generate(token_ids, sampling, images=None, key=None, **kw):
         calls.append(list(token_ids))
         ids = encode_with_specials(template, env.oracle())
         if mangle:
