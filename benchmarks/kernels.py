@@ -350,6 +350,13 @@ def main():
     )
     args = p.parse_args()
     which = set(args.only.split(","))
+    if args.kda_config:
+        from k3rl.kernels.kda import triton_chunk
+
+        triton_chunk.CONFIG.update(
+            {kv.split("=")[0]: int(kv.split("=")[1]) for kv in args.kda_config.split(",")}
+        )
+        print("KDA chunk launch config:", triton_chunk.CONFIG)
     print(f"# kernels benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {platform.python_version()}, fla-core {'present' if fla_chunk_kda else 'absent'}")  # fmt: skip

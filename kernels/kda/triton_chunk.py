@@ -214,33 +214,57 @@ def intra_fwd_kernel(
 
 
 # ----------------------------------------------------------------------------- serial state pass
+# The state slice [K, BV] is held as two halves over K (rows ck1 and ck2), so every tile the loop
+# touches is [64, K/2]: few registers per program, several programs resident per SM, and the
+# serial chains of different (head, V-block) programs overlap.
 @triton.jit
 def _state_fwd_step(
-    t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
+    t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
     H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~."""
     dt = k.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
+    mv = cv < V
     if STORE_H:
-        tl.store(h + ((c0 + t) * H + i_h).to(tl.int64) * (K * V) + off_s, S.to(h.dtype.element_ty), mask=m_s)
-    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-    m_k = mr[:, None] & (ck < K)[None, :]
+        base = h + ((c0 + t) * H + i_h).to(tl.int64) * (K * V)
+        tl.store(
+            base + ck1[:, None] * V + cv[None, :],
+            S1.to(h.dtype.element_ty),
+            mask=(ck1 < K)[:, None] & mv[None, :],
+        )
+        tl.store(
+            base + ck2[:, None] * V + cv[None, :],
+            S2.to(h.dtype.element_ty),
+            mask=(ck2 < K)[:, None] & mv[None, :],
+        )
+    off1 = rows[:, None] * (H * K) + i_h * K + ck1[None, :]
+    off2 = rows[:, None] * (H * K) + i_h * K + ck2[None, :]
+    m1 = mr[:, None] & (ck1 < K)[None, :]
+    m2 = mr[:, None] & (ck2 < K)[None, :]
     off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
-    m_v = mr[:, None] & (cv < V)[None, :]
-    Sd = S.to(dt)
-    w = tl.load(W + off_k, mask=m_k, other=0.0)
-    vn = tl.load(U + off_v, mask=m_v, other=0.0).to(tl.float32) - tl.dot(w, Sd)  # V~ = U - W S
-    Gc = tl.load(G + off_k, mask=m_k, other=0.0)
-    qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
+    m_v = mr[:, None] & mv[None, :]
+    S1d, S2d = S1.to(dt), S2.to(dt)
+    vn = tl.load(U + off_v, mask=m_v, other=0.0).to(tl.float32)
+    vn -= tl.dot(tl.load(W + off1, mask=m1, other=0.0), S1d)  # V~ = U - W S
+    vn -= tl.dot(tl.load(W + off2, mask=m2, other=0.0), S2d)
+    vnd = vn.to(dt)
+    G1 = tl.load(G + off1, mask=m1, other=0.0)
+    G2 = tl.load(G + off2, mask=m2, other=0.0)
     a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
-    out = tl.dot(qg, Sd) + tl.dot(a, vn.to(dt))  # O = (Q Gamma) S + A_qk V~
+    out = tl.dot(a, vnd)  # O = A_qk V~ + (Q Gamma) S
+    out += tl.dot((tl.load(q + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(G1)).to(dt), S1d)
+    out += tl.dot((tl.load(q + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(G2)).to(dt), S2d)
     tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
     last = tl.minimum(bos + t * BT + BT, eos) - 1
-    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=ck < K, other=0.0)
-    kd = tl.where(m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0)
-    return S * tl.exp(Gl)[:, None] + tl.dot(tl.trans(kd.to(dt)), vn.to(dt))  # Gamma_C S + Kd^T V~
+    Gl1 = tl.load(G + last * (H * K) + i_h * K + ck1, mask=ck1 < K, other=0.0)
+    Gl2 = tl.load(G + last * (H * K) + i_h * K + ck2, mask=ck2 < K, other=0.0)
+    kd1 = tl.where(m1, tl.load(k + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(Gl1[None, :] - G1), 0.0)
+    kd2 = tl.where(m2, tl.load(k + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(Gl2[None, :] - G2), 0.0)
+    S1 = S1 * tl.exp(Gl1)[:, None] + tl.dot(tl.trans(kd1.to(dt)), vnd)  # Gamma_C S + Kd^T V~
+    S2 = S2 * tl.exp(Gl2)[:, None] + tl.dot(tl.trans(kd2.to(dt)), vnd)
+    return S1, S2
 
 
 @triton.jit
@@ -253,58 +277,84 @@ def state_fwd_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_off + i_n)
-    ck = tl.arange(0, BK)
+    BKH: tl.constexpr = BK // 2
+    ck1 = tl.arange(0, BKH)
+    ck2 = BKH + tl.arange(0, BKH)
     cv = i_v * BV + tl.arange(0, BV)
     jj = tl.arange(0, BT)
-    off_s = ck[:, None] * V + cv[None, :]
-    m_s = (ck < K)[:, None] & (cv < V)[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
+    m_s1 = (ck1 < K)[:, None] & (cv < V)[None, :]
+    m_s2 = (ck2 < K)[:, None] & (cv < V)[None, :]
+    S1 = tl.zeros([BKH, BV], dtype=tl.float32)
+    S2 = tl.zeros([BKH, BV], dtype=tl.float32)
     if HAS_H0:
-        S = tl.load(h0 + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+        S1 = tl.load(h0 + i_nh * K * V + ck1[:, None] * V + cv[None, :], mask=m_s1, other=0.0).to(tl.float32)
+        S2 = tl.load(h0 + i_nh * K * V + ck2[:, None] * V + cv[None, :], mask=m_s2, other=0.0).to(tl.float32)
     NT = tl.cdiv(eos - bos, BT)
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for t in range(NT):
-            S = _state_fwd_step(
-                t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V, STORE_H
+            S1, S2 = _state_fwd_step(
+                t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
             )
     else:  # the CPU interpreter cannot take a data-dependent range(): the same loop as a while
         t = 0
         while t < NT:
-            S = _state_fwd_step(
-                t, S, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V, STORE_H
+            S1, S2 = _state_fwd_step(
+                t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
             )
             t += 1
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + off_s, S, mask=m_s)
+        tl.store(ht + i_nh * K * V + ck1[:, None] * V + cv[None, :], S1, mask=m_s1)
+        tl.store(ht + i_nh * K * V + ck2[:, None] * V + cv[None, :], S2, mask=m_s2)
 
 
 @triton.jit
 def _state_bwd_step(
-    t, dS, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s,
+    t, dS1, dS2, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj,
     H, K: tl.constexpr, V: tl.constexpr,
 ):  # fmt: skip
     """One chunk in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~."""
     dt = k.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
+    mv = cv < V
+    base = dh + ((c0 + t) * H + i_h).to(tl.int64) * (K * V)  # dS' of chunk t
     tl.store(
-        dh + ((c0 + t) * H + i_h).to(tl.int64) * (K * V) + off_s, dS.to(dh.dtype.element_ty), mask=m_s
-    )  # dS' of chunk t
-    off_k = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-    m_k = mr[:, None] & (ck < K)[None, :]
+        base + ck1[:, None] * V + cv[None, :],
+        dS1.to(dh.dtype.element_ty),
+        mask=(ck1 < K)[:, None] & mv[None, :],
+    )
+    tl.store(
+        base + ck2[:, None] * V + cv[None, :],
+        dS2.to(dh.dtype.element_ty),
+        mask=(ck2 < K)[:, None] & mv[None, :],
+    )
+    off1 = rows[:, None] * (H * K) + i_h * K + ck1[None, :]
+    off2 = rows[:, None] * (H * K) + i_h * K + ck2[None, :]
+    m1 = mr[:, None] & (ck1 < K)[None, :]
+    m2 = mr[:, None] & (ck2 < K)[None, :]
     off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
-    m_v = mr[:, None] & (cv < V)[None, :]
-    Gc = tl.load(G + off_k, mask=m_k, other=0.0)
+    m_v = mr[:, None] & mv[None, :]
     last = tl.minimum(bos + t * BT + BT, eos) - 1
-    Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=ck < K, other=0.0)
-    kd = tl.where(m_k, tl.load(k + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gl[None, :] - Gc), 0.0)
+    Gl1 = tl.load(G + last * (H * K) + i_h * K + ck1, mask=ck1 < K, other=0.0)
+    Gl2 = tl.load(G + last * (H * K) + i_h * K + ck2, mask=ck2 < K, other=0.0)
+    G1 = tl.load(G + off1, mask=m1, other=0.0)
+    G2 = tl.load(G + off2, mask=m2, other=0.0)
+    kd1 = tl.where(m1, tl.load(k + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(Gl1[None, :] - G1), 0.0)
+    kd2 = tl.where(m2, tl.load(k + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(Gl2[None, :] - G2), 0.0)
     a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
     dob = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
-    dv = tl.dot(tl.trans(a), dob) + tl.dot(kd.to(dt), dS.to(dt))  # dV~ = A_qk^T dO + Kd dS'
+    dv = tl.dot(tl.trans(a), dob)  # dV~ = A_qk^T dO + Kd dS'
+    dv += tl.dot(kd1.to(dt), dS1.to(dt))
+    dv += tl.dot(kd2.to(dt), dS2.to(dt))
     tl.store(dvn + off_v, dv.to(dvn.dtype.element_ty), mask=m_v)
-    qg = (tl.load(q + off_k, mask=m_k, other=0.0).to(tl.float32) * tl.exp(Gc)).to(dt)
-    w = tl.load(W + off_k, mask=m_k, other=0.0)
-    return dS * tl.exp(Gl)[:, None] + tl.dot(tl.trans(qg), dob) - tl.dot(tl.trans(w), dv.to(dt))
+    dvd = dv.to(dt)
+    qg1 = (tl.load(q + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(G1)).to(dt)
+    qg2 = (tl.load(q + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(G2)).to(dt)
+    w1 = tl.load(W + off1, mask=m1, other=0.0)
+    w2 = tl.load(W + off2, mask=m2, other=0.0)
+    dS1 = dS1 * tl.exp(Gl1)[:, None] + tl.dot(tl.trans(qg1), dob) - tl.dot(tl.trans(w1), dvd)
+    dS2 = dS2 * tl.exp(Gl2)[:, None] + tl.dot(tl.trans(qg2), dob) - tl.dot(tl.trans(w2), dvd)
+    return dS1, dS2
 
 
 @triton.jit
@@ -317,20 +367,29 @@ def state_bwd_kernel(
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     c0 = tl.load(chunk_off + i_n)
-    ck = tl.arange(0, BK)
+    BKH: tl.constexpr = BK // 2
+    ck1 = tl.arange(0, BKH)
+    ck2 = BKH + tl.arange(0, BKH)
     cv = i_v * BV + tl.arange(0, BV)
     jj = tl.arange(0, BT)
-    off_s = ck[:, None] * V + cv[None, :]
-    m_s = (ck < K)[:, None] & (cv < V)[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    m_s1 = (ck1 < K)[:, None] & (cv < V)[None, :]
+    m_s2 = (ck2 < K)[:, None] & (cv < V)[None, :]
+    dS1 = tl.zeros([BKH, BV], dtype=tl.float32)
+    dS2 = tl.zeros([BKH, BV], dtype=tl.float32)
     if HAS_DHT:
-        dS = tl.load(dht + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+        dS1 = tl.load(dht + i_nh * K * V + ck1[:, None] * V + cv[None, :], mask=m_s1, other=0.0).to(
+            tl.float32
+        )
+        dS2 = tl.load(dht + i_nh * K * V + ck2[:, None] * V + cv[None, :], mask=m_s2, other=0.0).to(
+            tl.float32
+        )
     NT = tl.cdiv(eos - bos, BT)
     if FOR_LOOP:
         for tt in range(NT):
-            dS = _state_bwd_step(
+            dS1, dS2 = _state_bwd_step(
                 NT - 1 - tt,
-                dS,
+                dS1,
+                dS2,
                 q,
                 k,
                 G,
@@ -343,11 +402,10 @@ def state_bwd_kernel(
                 eos,
                 c0,
                 i_h,
-                ck,
+                ck1,
+                ck2,
                 cv,
                 jj,
-                off_s,
-                m_s,
                 H,
                 K,
                 V,
@@ -355,12 +413,13 @@ def state_bwd_kernel(
     else:
         t = NT - 1
         while t >= 0:  # chunks in reverse order
-            dS = _state_bwd_step(
-                t, dS, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck, cv, jj, off_s, m_s, H, K, V
+            dS1, dS2 = _state_bwd_step(
+                t, dS1, dS2, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V
             )
             t -= 1
     if STORE_DH0:
-        tl.store(dh0 + i_nh * K * V + off_s, dS, mask=m_s)
+        tl.store(dh0 + i_nh * K * V + ck1[:, None] * V + cv[None, :], dS1, mask=m_s1)
+        tl.store(dh0 + i_nh * K * V + ck2[:, None] * V + cv[None, :], dS2, mask=m_s2)
 
 
 # ----------------------------------------------------------------------------- chunk-local gradients
@@ -556,7 +615,7 @@ CONFIG = {"BV": 32, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warp
 
 
 def _blocks(K, V):
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(32, triton.next_power_of_2(K))  # the state kernels split BK into two halves of >= 16
     BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
     if BK > 256:
         raise ValueError(
