@@ -63,8 +63,8 @@ class SandboxLimits:
     pids:         maximum number of processes/threads (contains fork bombs).
     timeout_s:    default wall-clock limit of one `exec`.
     output_bytes: cap of stdout and of stderr (each) returned by one `exec`.
-    workdir_mb:   size of the writable work dir (Docker: tmpfs size).
-    tmp_mb:       size of the writable /tmp (Docker: tmpfs size).
+    workdir_mb:   size of the writable work dir (Docker: tmpfs size; its contents count toward memory_mb).
+    tmp_mb:       size of the writable /tmp (Docker: tmpfs size; counts toward memory_mb as well).
     max_file_bytes: largest file `write_file` / `read_file` moves.
     """
 
