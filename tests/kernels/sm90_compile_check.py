@@ -1,0 +1,122 @@
+"""Compile every Triton kernel for Hopper (sm_90) on the CPU and print its shared memory use.
+
+Run as a script (a GPU is not needed: Triton's bundled ptxas builds the cubin). Used by
+test_triton_compile.py in a subprocess, so that TRITON_INTERPRET=1 elsewhere does not matter.
+Launch settings mirror the host code (CONFIG dicts, pointers 16-byte aligned as at a real launch).
+"""
+
+import inspect
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from k3rl.kernels.kda import triton_chunk as tc  # noqa: E402
+from k3rl.kernels.kda import triton_recurrent as tr  # noqa: E402
+from k3rl.kernels.qb_histogram import triton_qb as tq  # noqa: E402
+from k3rl.kernels.situ import triton_situ as ts  # noqa: E402
+
+FP32_ARGS = {
+    "G",
+    "Ti",
+    "dq",
+    "dk",
+    "dG",
+    "dbeta",
+    "dA",
+    "dAqk_s",
+    "h0",
+    "ht",
+    "dht",
+    "dh0",
+    "r",
+    "dz",
+    "dt_bias",
+    "A_log",
+}
+INT_ARGS = {"H", "m", "n"}
+FLOAT_ARGS = {"lo", "inv_width", "scale"}
+
+
+def compile_one(kernel, constexprs, num_warps, num_stages=3):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in INT_ARGS:
+            sig[n] = "i32"
+        elif n in FLOAT_ARGS:
+            sig[n] = "fp32"
+        elif n in {"cu", "chunk_idx", "chunk_off", "hist"}:
+            sig[n] = "*i32"
+        elif n == "mask":
+            sig[n] = "*i8"
+        else:
+            sig[n] = "*fp32" if n in FP32_ARGS else "*bf16"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(
+        kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    k = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    return k.metadata.shared
+
+
+def main():
+    C = dict(K=128, V=128, BK=128, BV=tc.CONFIG["BV"])
+    cfg = tc.CONFIG
+    out = {
+        "gate_cumsum_fwd": compile_one(
+            tc.gate_cumsum_fwd_kernel, dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0), 4
+        ),
+        "gate_cumsum_bwd": compile_one(
+            tc.gate_cumsum_bwd_kernel, dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0), 4
+        ),
+        "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
+        "state_fwd": compile_one(
+            tc.state_fwd_kernel,
+            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True),
+            cfg["warps_state"],
+            cfg["stages_state"],
+        ),
+        "state_bwd": compile_one(
+            tc.state_bwd_kernel,
+            dict(C, HAS_DHT=True, STORE_DH0=True, FOR_LOOP=True),
+            cfg["warps_state"],
+            cfg["stages_state"],
+        ),
+        "grads_state": compile_one(tc.grads_state_kernel, dict(C, BKS=64), cfg["warps_grads"]),
+        "grads_tiles": compile_one(tc.grads_tiles_kernel, dict(K=128, BKS=64), cfg["warps_grads"]),
+        "recurrent": compile_one(
+            tr.recurrent_fwd_kernel,
+            dict(
+                K=128,
+                V=128,
+                BK=128,
+                BV=tr.CONFIG["BV"],
+                L2NORM=True,
+                USE_GATE=True,
+                HAS_BIAS=True,
+                BOUNDED=True,
+                LB=-5.0,
+                HAS_H0=True,
+                STORE_HT=True,
+                EPS=1e-6,
+            ),
+            tr.CONFIG["num_warps"],
+        ),  # fmt: skip
+        "situ_fwd": compile_one(ts.situ_fwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
+        "situ_bwd": compile_one(ts.situ_bwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
+        "qb_hist": compile_one(tq.qb_hist_kernel, dict(BINS=1000, HAS_MASK=True, BM=64, BN=32), 4),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
