@@ -76,6 +76,7 @@ class RolloutWorker:
         self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                        max_tokens=s.max_tokens_per_turn)
         self.sandbox_pool = None
+        self._executor_set = False
         self.running = 0
         self.finished = 0
 
@@ -95,8 +96,10 @@ class RolloutWorker:
             from k3rl.sandboxes import SandboxPool
 
             s = self.cfg.sandbox
-            self.sandbox_pool = SandboxPool(backend=s.backend, max_size=s.max_concurrency, min_idle=min(s.pool_size, s.max_concurrency),
-                                            starts_per_s=s.starts_per_second, **sandbox_limits(self.cfg))
+            self.sandbox_pool = SandboxPool(backend=s.backend, max_size=s.max_concurrency,
+                                            min_idle=min(s.pool_size, s.max_concurrency),
+                                            starts_per_s=s.starts_per_second, job=self.cfg.tracking.run_name or self.cfg.name,
+                                            **sandbox_limits(self.cfg))
             await self.sandbox_pool.start()
         loop = asyncio.get_running_loop()
         pool = self.sandbox_pool
@@ -115,6 +118,14 @@ class RolloutWorker:
         return await self.pool.generate.remote(token_ids, sampling, images=images, key=key, group_key=group_key)
 
     async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
+        if not self._executor_set:
+            # env.step runs in threads (tool calls overlap decoding): one thread per episode,
+            # not asyncio's default of a handful
+            import concurrent.futures
+
+            asyncio.get_running_loop().set_default_executor(
+                concurrent.futures.ThreadPoolExecutor(max_workers=max(8, 2 * self.cfg.rollout.episodes_per_worker)))
+            self._executor_set = True
         spec_obj = EpisodeSpec(**spec)
         self.running += 1
         t0 = time.monotonic()
