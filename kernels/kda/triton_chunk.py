@@ -16,9 +16,10 @@ Kernels (one program per (chunk, head) unless said otherwise):
 Tensors are flattened to one token axis (a batch of B sequences is B documents of length T), so
 one code path serves padded batches and ``cu_seqlens``. The bounded gate (g >= lower_bound >= -5
 per token) keeps every exponential inside a 16-token tile below e^80 (fp32 and bf16 safe).
-The q/k L2 normalisation and the query scale run in PyTorch before the kernels (autograd
-differentiates them); the gate is fused into ``gate_cumsum``. Offsets into [T, H, K] tensors
-are int32: T * H * max(K, V) must stay below 2^31 (e.g. T <= 174k tokens at H = 96, K = 128).
+The q/k L2 normalisation (with the query scale folded in) is one Triton pass of its own
+(``triton_l2norm.py``) before the chunk kernels; the gate is fused into ``gate_cumsum``.
+Offsets into [T, H, K] tensors are int32: T * H * max(K, V) must stay below 2^31
+(e.g. T <= 174k tokens at H = 96, K = 128).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import triton
 import triton.language as tl
 
 from .._backend import interpreter_on
-from .gate import l2norm
 from .inputs import check_kda_inputs
+from .triton_l2norm import l2norm_scale_triton
 
 CHUNK = 64  # chunk size (host side)
 BT = tl.constexpr(CHUNK)  # the same, visible inside kernels
@@ -782,9 +783,10 @@ def chunk_kda_triton(
     tables = _chunk_tables(cu)
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:]).contiguous()
     scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q).to(q.dtype), l2norm(k).to(k.dtype)
-    qs = q * scale if scale != 1.0 else q
+    if use_qk_l2norm_in_kernel:  # one Triton pass each (forward and backward), the scale folded in
+        qs, k = l2norm_scale_triton(q, scale), l2norm_scale_triton(k, 1.0)
+    else:
+        qs = q * scale if scale != 1.0 else q
     G = GateCumsum.apply(
         flat(g), A_log.float() if use_gate_in_kernel else None,
         dt_bias.float() if (use_gate_in_kernel and dt_bias is not None) else None,

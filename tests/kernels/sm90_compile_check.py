@@ -16,6 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from k3rl.kernels.kda import triton_chunk as tc  # noqa: E402
+from k3rl.kernels.kda import triton_l2norm as tn  # noqa: E402
 from k3rl.kernels.kda import triton_recurrent as tr  # noqa: E402
 from k3rl.kernels.qb_histogram import triton_qb as tq  # noqa: E402
 from k3rl.kernels.situ import triton_situ as ts  # noqa: E402
@@ -38,7 +39,7 @@ FP32_ARGS = {
     "dt_bias",
     "A_log",
 }
-INT_ARGS = {"H", "m", "n"}
+INT_ARGS = {"H", "m", "n", "n_rows"}
 FLOAT_ARGS = {"lo", "inv_width", "scale"}
 
 
@@ -113,6 +114,8 @@ def main():
         ),  # fmt: skip
         "situ_fwd": compile_one(ts.situ_fwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
         "situ_bwd": compile_one(ts.situ_bwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
+        "l2norm_fwd": compile_one(tn.l2norm_fwd_kernel, dict(K=128, BK=128, BR=32, EPS=1e-6), 4),
+        "l2norm_bwd": compile_one(tn.l2norm_bwd_kernel, dict(K=128, BK=128, BR=32), 4),
         "qb_hist": compile_one(tq.qb_hist_kernel, dict(BINS=1000, HAS_MASK=True, BM=64, BN=32), 4),
     }
     print(json.dumps(out))

@@ -14,6 +14,8 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
 from k3rl.kernels.kda import (  # noqa: E402  # noqa: E402
     chunk_kda,
     chunk_kda_reference,
@@ -22,7 +24,6 @@ from k3rl.kernels.kda import (  # noqa: E402  # noqa: E402
     triton_chunk,
     triton_recurrent,
 )
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not isinstance(triton_chunk.intra_fwd_kernel, InterpretedFunction),
@@ -152,3 +153,18 @@ def test_qb_histogram_triton_matches_reference():
         a = qb_histogram(r, -3.0, 0.05, 100, token_mask=tm, backend="triton")
         b = qb_histogram(r, -3.0, 0.05, 100, token_mask=tm, backend="torch")
         assert a.dtype == torch.int64 and torch.equal(a, b)
+
+
+def test_l2norm_scale_triton_matches_torch():
+    from k3rl.kernels.kda.gate import l2norm
+    from k3rl.kernels.kda.triton_l2norm import l2norm_scale_triton
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 2, 48, generator=gen, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(3, 5, 2, 48, generator=gen)
+    (l2norm_scale_triton(x, 0.3) * w).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    ref = l2norm(x2) * 0.3
+    (ref * w).sum().backward()
+    assert torch.allclose(l2norm_scale_triton(x, 0.3), ref, atol=1e-6)
+    assert torch.allclose(x.grad, x2.grad, atol=1e-6)
