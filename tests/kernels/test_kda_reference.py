@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from k3rl.kernels.kda import (
     chunk_kda,
     chunk_kda_reference,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop
 from k3rl.kernels.situ import situ_glu
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop
 
 

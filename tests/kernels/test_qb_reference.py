@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from k3rl.kernels.qb_histogram import qb_histogram, qb_quantile
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from k3rl.kernels.situ import situ_glu, situ_glu_formula
 
 F64 = torch.float64
