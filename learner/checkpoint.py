@@ -2,6 +2,7 @@
 without one, bit for bit.
 
     <dir>/model/                 config.json + safetensors shards + index (official HF layout, save_hf)
+    <dir>/reference/             the frozen reference policy of the KL term, same layout (when KL is on)
     <dir>/optimizer-rank{r}.pt   optimizer state (each rank's shard under FSDP, as local tensors)
     <dir>/qb-rank{r}.pt          Quantile Balancing histograms accumulated on the rank (the bias is in model/)
     <dir>/rng-rank{r}.pt         torch CPU / CUDA, Python and NumPy generator states
@@ -89,6 +90,22 @@ def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
     return model
 
 
+def _load_reference(trainer, path: Path) -> None:
+    """The saved reference policy; a checkpoint written without KL has none, and then the
+    reference becomes the loaded policy weights (the policy at the start of this run)."""
+    if not path.exists():
+        state = trainer.full_state_dict()
+        trainer.reference.load_state_dict({k: v.to(trainer.device) for k, v in state.items()}, strict=True)
+    elif hasattr(trainer.model_config, "to_hf"):
+        from k3rl.learner.model import load_state_into
+
+        load_state_into(trainer.reference, path)
+    else:
+        from safetensors.torch import load_file
+
+        trainer.reference.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+
+
 def save(trainer, directory) -> Path:
     d = Path(directory)
     rank = trainer.rank
@@ -112,6 +129,17 @@ def save(trainer, directory) -> Path:
         if rank == 0:
             (d / "model").mkdir(exist_ok=True)
             save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model" / "model.safetensors"))
+    if trainer.reference is not None and rank == 0:
+        if hasattr(trainer.model_config, "to_hf"):
+            from k3rl.learner.model import save_hf
+
+            save_hf(trainer.reference, d / "reference")
+        else:
+            from safetensors.torch import save_file
+
+            (d / "reference").mkdir(exist_ok=True)
+            ref_state = {k: v.detach().cpu().contiguous() for k, v in trainer.reference.state_dict().items()}
+            save_file(ref_state, str(d / "reference" / "model.safetensors"))
     # 2. per-rank pieces
     torch.save(_optimizer_state_local(trainer.optimizer), d / f"optimizer-rank{rank}.pt")
     qb = []
@@ -171,6 +199,8 @@ def load(trainer, directory) -> None:
             load_full_state_dict(trainer.model, state)
         else:
             trainer.model.load_state_dict(state, strict=True)
+    if trainer.reference is not None:
+        _load_reference(trainer, d / "reference")
     # 2. optimizer, QB, RNG
     opt_sd = torch.load(d / f"optimizer-rank{rank}.pt", map_location=trainer.device, weights_only=True)
     if trainer.sharded:

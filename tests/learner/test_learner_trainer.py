@@ -75,7 +75,7 @@ def test_gradient_accumulation_equals_one_big_micro_batch():
 
 def test_resume_is_bit_identical():
     batches = [make_trajectories(s) for s in range(4)]
-    a = trainer(steps=6)
+    a = trainer(steps=6, kl_coef=0.1)
     a.sft_step(batches[0])
     a.train_step(batches[1])
     a.data_state = {"cursor": 17}
@@ -84,13 +84,14 @@ def test_resume_is_bit_identical():
     with tempfile.TemporaryDirectory() as d:
         a.save_checkpoint(d)
         ref = [a.train_step(batches[2]), a.train_step(batches[3])]
-        b = trainer(seed=123, steps=6)  # other initial weights: everything must come from the checkpoint
+        b = trainer(seed=123, steps=6, kl_coef=0.1)  # other initial weights: everything comes from the checkpoint
         b.load_checkpoint(d)
         assert b.step == 1 and b.sft_step_count == 1 and b.data_state == {"cursor": 17}
         got = [b.train_step(batches[2]), b.train_step(batches[3])]
     for r, g in zip(ref, got, strict=True):
-        for key in ("loss", "pg_loss", "entropy", "grad_norm", "lr", "is_ratio_mean"):
+        for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "lr", "is_ratio_mean"):
             assert r[key] == g[key], key
+        assert r["kl"] > 0
     pa, pb = params(a), params(b)
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
