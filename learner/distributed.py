@@ -60,17 +60,24 @@ def all_reduce_sum(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if not is_distributed() or not values:
         return values
     keys = sorted(values)
-    flat = torch.stack([values[k].detach().double().reshape(()) for k in keys])
+    flat = torch.stack([values[k].detach().double().reshape(()).to(_collective_device()) for k in keys])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     return {k: flat[i] for i, k in enumerate(keys)}
+
+
+def _collective_device() -> torch.device:
+    """Where small reduction buffers must live: NCCL only reduces CUDA tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     if not is_distributed():
         return value
-    v = value.detach().double().reshape(1).clone()
+    v = value.detach().double().reshape(1).clone().to(_collective_device())
     dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    return v[0]
+    return v[0].to(value.device)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
