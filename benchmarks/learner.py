@@ -10,7 +10,7 @@ micro-batches, gradient clipping and the optimizer step included) over its wall 
 after warm-up steps. MFU = achieved model FLOP/s / peak dense bf16 FLOP/s, with
 
     FLOPs per token = 6 * N_active_matmul                            (forward + backward of the GEMMs)
-                    + 3 * [ n_MLA * 4 * H * (d_qk + d_v) / 2 * S      (causal softmax attention, mean context S/2)
+                    + 3 * [ n_MLA * 2 * H * (d_qk + d_v) * S / 2      (QK^T and PV over the mean causal context S/2)
                           + n_KDA * H * 6 * D^2 ]                    (KDA: state read, delta and update per token)
 
 where N_active_matmul counts the weights one token multiplies (routed experts: k of E;
@@ -77,7 +77,7 @@ def flops_per_token(c: K3Config, seq_len: int) -> float:
     la = c.linear_attn_config
     n_mla = len(la.full_attn_layers)
     n_kda = c.num_hidden_layers - n_mla
-    mla = n_mla * 4 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) / 2 * seq_len
+    mla = n_mla * 2 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * seq_len / 2
     kda = n_kda * la.num_heads * 6 * la.head_dim**2
     return 6 * active + 3 * (mla + kda)
 
