@@ -51,7 +51,8 @@ class KeyLookupEnv(ToolEnv):
 
     default_max_turns = 4
 
-    def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False, **kwargs: Any) -> None:
+    def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
+                 partial_credit: bool = False, **kwargs: Any) -> None:
         if not 1 <= num_keys <= 26:
             raise ValueError(f"num_keys must be in 1..26 (one letter each), got {num_keys}")
         if not 1 <= value_digits <= 9:
@@ -59,6 +60,8 @@ class KeyLookupEnv(ToolEnv):
         self.num_keys = num_keys
         self.value_digits = value_digits
         self.declare_tools = declare_tools
+        self.partial_credit = partial_credit
+        self._looked_up: list[str] = []
         super().__init__(**kwargs)
 
     @property
@@ -78,12 +81,25 @@ class KeyLookupEnv(ToolEnv):
     @tool
     def lookup(self, key: str) -> str:
         """Value of a key."""
+        self._looked_up.append(key)
         if key not in self.task.keys:
             raise ToolError(f"no key {key!r}; keys: {' '.join(self.task.keys)}")
         return self.task.values[self.task.keys.index(key)]
 
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self._looked_up = []
+        return super().reset(seed=seed, options=options)
+
     def score(self, final_text: str) -> float:
-        return 1.0 if final_text.strip() == self.task.value else 0.0
+        """1 for the exact value. With `partial_credit` (a shaped reward for tiny models):
+        0.25 for having looked up a key that exists + 0.25 for the requested key + 0.5 for
+        the exact value, so the reward also rises while copying is still being learned."""
+        correct = 1.0 if final_text.strip() == self.task.value else 0.0
+        if not self.partial_credit:
+            return correct
+        valid = 0.25 if any(k in self.task.keys for k in self._looked_up) else 0.0
+        right = 0.25 if self.task.key in self._looked_up else 0.0
+        return valid + right + 0.5 * correct
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """Call lookup on the requested key; once the value came back, answer with it."""
