@@ -310,7 +310,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         # 3. decoupled weight decay and the scaled update.
         for i, (p, g, blocks) in enumerate(work):
             r, c = blocks.shape[1:]
-            update = _like_param(ortho[i].reshape(_full_shape(p)), p)
+            update = _like_param(ortho[i].reshape(p.shape), p)  # a DTensor reports its global shape
             p.mul_(1 - g["lr"] * g["weight_decay"])  # W <- W (1 - lr wd)
             p.add_(update, alpha=-g["lr"] * muon_update_scale(r, c))  # W <- W - lr 0.2 sqrt(max(r,c)) O
 
@@ -336,6 +336,3 @@ class PerHeadMuon(torch.optim.Optimizer):
             p.mul_(1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
             p.addcdiv_(m, denom, value=-g["lr"] / bc1)  # W <- W - lr m_hat / (sqrt(v_hat) + eps)
 
-
-def _full_shape(p: torch.Tensor) -> torch.Size:
-    return p.shape  # a DTensor reports its global shape
