@@ -335,4 +335,3 @@ class PerHeadMuon(torch.optim.Optimizer):
             denom = (v.sqrt() / math.sqrt(bc2)).add_(g["eps"])  # sqrt(v_hat) + eps
             p.mul_(1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
             p.addcdiv_(m, denom, value=-g["lr"] / bc1)  # W <- W - lr m_hat / (sqrt(v_hat) + eps)
-
