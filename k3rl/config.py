@@ -82,6 +82,7 @@ class LearnerSection(_Section):
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
+    qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
     bf16: bool = False
     activation_checkpointing: bool = False
     routing_replay: bool = True
