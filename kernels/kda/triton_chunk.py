@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._backend import interpreter_on
 from .inputs import check_kda_inputs
@@ -593,21 +594,33 @@ def grads_tiles_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def _chunk_tables(cu: torch.Tensor):
-    """(chunk_idx [NT, 2] = (document, chunk in document), chunk_off [N+1], NT, chunks of the longest document)."""
-    lens = (cu[1:] - cu[:-1]).tolist()
+def _tables_from_lengths(lens, device):
+    """(cu [N+1], chunk_idx [NT, 2] = (document, chunk in document), chunk_off [N+1], NT, longest in chunks)."""
     nts = [(n + CHUNK - 1) // CHUNK for n in lens]
     idx = [(d, c) for d, nt in enumerate(nts) for c in range(nt)]
-    off = [0]
-    for nt in nts:
+    cu, off = [0], [0]
+    for n, nt in zip(lens, nts, strict=True):
+        cu.append(cu[-1] + n)
         off.append(off[-1] + nt)
-    dev = cu.device
-    return (
-        torch.tensor(idx, dtype=torch.int32, device=dev).reshape(-1, 2),
-        torch.tensor(off, dtype=torch.int32, device=dev),
-        len(idx),
-        max(nts),
-    )
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32).to(device, non_blocking=True)
+    return as_i32(cu), as_i32(idx).reshape(-1, 2), as_i32(off), len(idx), max(nts, default=0)
+
+
+# The 60-odd KDA layers of one forward pass share one cu_seqlens tensor: its tables are built once
+# (one host read of cu_seqlens) and reused while that tensor lives and is not modified in place.
+_TABLES = WeakTensorKeyDictionary()
+
+
+def _chunk_tables(B, T, cu_seqlens, device):
+    if cu_seqlens is None:  # B sequences of length T: no device read at all
+        return _tables_from_lengths([T] * B, device)
+    hit = _TABLES.get(cu_seqlens)
+    if hit is not None and hit[0] == (cu_seqlens._version, device):
+        return hit[1]
+    cs = cu_seqlens.tolist()
+    tables = _tables_from_lengths([b - a for a, b in zip(cs[:-1], cs[1:], strict=True)], device)
+    _TABLES[cu_seqlens] = ((cu_seqlens._version, device), tables)
+    return tables
 
 
 # launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
@@ -776,11 +789,7 @@ def chunk_kda_triton(
         raise ValueError("chunk_kda: use_gate_in_kernel=True needs A_log [H]")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    tables = _chunk_tables(cu)
+    cu, *tables = _chunk_tables(B, T, cu_seqlens, q.device)
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:]).contiguous()
     scale = K**-0.5 if scale is None else scale
     if use_qk_l2norm_in_kernel:  # one Triton pass each (forward and backward), the scale folded in
