@@ -52,7 +52,8 @@ class KeyLookupEnv(ToolEnv):
     default_max_turns = 4
 
     def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
-                 partial_credit: bool = False, **kwargs: Any) -> None:
+                 partial_credit: bool = False, step_delay_s: float = 0.0, step_delay_sigma: float = 0.0,
+                 **kwargs: Any) -> None:
         if not 1 <= num_keys <= 26:
             raise ValueError(f"num_keys must be in 1..26 (one letter each), got {num_keys}")
         if not 1 <= value_digits <= 9:
@@ -61,6 +62,10 @@ class KeyLookupEnv(ToolEnv):
         self.value_digits = value_digits
         self.declare_tools = declare_tools
         self.partial_credit = partial_credit
+        if step_delay_s < 0 or step_delay_sigma < 0:
+            raise ValueError("step_delay_s and step_delay_sigma must be >= 0")
+        self.step_delay_s = step_delay_s
+        self.step_delay_sigma = step_delay_sigma
         self._looked_up: list[str] = []
         super().__init__(**kwargs)
 
@@ -89,6 +94,16 @@ class KeyLookupEnv(ToolEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._looked_up = []
         return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any):
+        """With `step_delay_s`, every step first waits step_delay_s * lognormal(0, sigma) seconds:
+        a simulated long-tailed environment latency (sandbox start, slow tools) for pipeline
+        benchmarks. The draw comes from the episode's seeded RNG, so it is reproducible."""
+        if self.step_delay_s > 0:
+            import time
+
+            time.sleep(self.step_delay_s * float(self.np_random.lognormal(0.0, self.step_delay_sigma)))
+        return super().step(action)
 
     def score(self, final_text: str) -> float:
         """1 for the exact value. With `partial_credit` (a shaped reward for tiny models):
