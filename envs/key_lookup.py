@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.tools import ToolError, tool
-
-from k3rl.chat import Message
 
 
 @dataclass(frozen=True)
