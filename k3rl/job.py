@@ -213,7 +213,8 @@ def init_ray(cfg: JobConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.ray.namespace,
+        # address="local": always a fresh local Ray, never a cluster that happens to run here
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.ray.namespace,
                  include_dashboard=cfg.ray.include_dashboard, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}})
 
