@@ -58,6 +58,7 @@ class LearnerActor:
             # one RL batch worth of demonstrations per SFT step
             batch = rng.sample(trajectories, k=min(len(trajectories), self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size))
             out.append(self.trainer.sft_step(batch))
+        self.trainer.reset_reference()  # the KL term anchors RL to the warm-started policy
         return out
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:

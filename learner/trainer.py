@@ -110,6 +110,13 @@ class Trainer:
         self.data_position = {"trajectories": 0, "sft_trajectories": 0, "tokens": 0}
         self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
 
+    def reset_reference(self) -> None:
+        """Make the current weights the KL reference policy (e.g. after an SFT warm start)."""
+        if self.cfg.kl_coef > 0:
+            if self.sharded:
+                raise RuntimeError("reset_reference under FSDP: build the Trainer from the warm-started weights instead")
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
     @classmethod
     def from_job(cls, job, device: str | torch.device | None = None) -> Trainer:
         """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer."""
