@@ -32,8 +32,16 @@ $(VENV)/.installed: pyproject.toml
 host: venv
 	@bash sandboxes/host_setup.sh
 
+ifndef DEMO_RUN
+DEMO_RUN := demo-$(shell date +%Y%m%d-%H%M%S)
+endif
 demo: setup
-	$(PY) -m k3rl.cli train examples/demo.yaml
+	$(PY) -m k3rl.cli train examples/demo.yaml --set tracking.run_name=$(DEMO_RUN)
+	$(PY) -m k3rl.cli compare $(DEMO_RUN) --out runs/$(DEMO_RUN)/reward_curve.png --tracking-uri sqlite:///runs/mlflow.db
+	@echo ""
+	@echo "reward curve:  runs/$(DEMO_RUN)/reward_curve.png"
+	@echo "MLflow UI:     $(VENV)/bin/k3rl ui      (then open http://127.0.0.1:5000)"
+	@echo "an episode:    $(VENV)/bin/k3rl replay runs/$(DEMO_RUN) --html runs/$(DEMO_RUN)/episode.html"
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
