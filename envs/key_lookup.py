@@ -51,16 +51,20 @@ class KeyLookupEnv(ToolEnv):
     default_max_turns = 4
 
     def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
-                 partial_credit: bool = False, step_delay_s: float = 0.0, step_delay_sigma: float = 0.0,
-                 **kwargs: Any) -> None:
-        if not 1 <= num_keys <= 26:
-            raise ValueError(f"num_keys must be in 1..26 (one letter each), got {num_keys}")
+                 partial_credit: bool = False, key_letters: str = string.ascii_lowercase, key_digit: bool = True,
+                 step_delay_s: float = 0.0, step_delay_sigma: float = 0.0, **kwargs: Any) -> None:
+        if len(set(key_letters)) != len(key_letters) or not key_letters.isalpha():
+            raise ValueError(f"key_letters must be distinct letters, got {key_letters!r}")
+        if not 1 <= num_keys <= len(key_letters):
+            raise ValueError(f"num_keys must be in 1..{len(key_letters)} (one letter each), got {num_keys}")
         if not 1 <= value_digits <= 9:
             raise ValueError(f"value_digits must be in 1..9, got {value_digits}")
         self.num_keys = num_keys
         self.value_digits = value_digits
         self.declare_tools = declare_tools
         self.partial_credit = partial_credit
+        self.key_letters = key_letters
+        self.key_digit = key_digit
         if step_delay_s < 0 or step_delay_sigma < 0:
             raise ValueError("step_delay_s and step_delay_sigma must be >= 0")
         self.step_delay_s = step_delay_s
@@ -73,8 +77,8 @@ class KeyLookupEnv(ToolEnv):
         return super().tools if self.declare_tools else []
 
     def generate_task(self, rng, options: dict[str, Any]) -> KeyLookupTask:
-        letters = rng.choice(list(string.ascii_lowercase), size=self.num_keys, replace=False)
-        keys = tuple(f"{c}{int(rng.integers(10))}" for c in letters)
+        letters = rng.choice(list(self.key_letters), size=self.num_keys, replace=False)
+        keys = tuple(f"{c}{int(rng.integers(10))}" if self.key_digit else str(c) for c in letters)
         lo = 10 ** (self.value_digits - 1) if self.value_digits > 1 else 0
         values = tuple(str(int(rng.integers(lo, 10 ** self.value_digits))) for _ in keys)
         return KeyLookupTask(keys, values, keys[int(rng.integers(len(keys)))])

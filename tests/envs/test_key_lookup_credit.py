@@ -25,3 +25,15 @@ def test_partial_credit_components(partial):
     env.reset(seed=5)
     _, reward, _, _, _ = env.step(env.say("nothing"))
     assert reward == 0.0
+
+
+def test_small_key_alphabet():
+    env = gymnasium.make("k3rl/KeyLookup-v0", num_keys=2, value_digits=1, key_letters="abcd", key_digit=False).unwrapped
+    for seed in range(20):
+        obs, _ = env.reset(seed=seed)
+        assert set(env.task.keys) <= set("abcd") and len(env.task.keys) == 2
+        assert all(len(v) == 1 for v in env.task.values)
+    with pytest.raises(ValueError, match="num_keys must be in 1..4"):
+        gymnasium.make("k3rl/KeyLookup-v0", num_keys=5, key_letters="abcd")
+    with pytest.raises(ValueError, match="distinct letters"):
+        gymnasium.make("k3rl/KeyLookup-v0", key_letters="aab")
