@@ -92,6 +92,7 @@ class LearnerSection(_Section):
     sft_steps: int = Field(0, ge=0, description="SFT warm start on oracle demonstrations")
     sft_lr: float = Field(3e-3, gt=0)
     sft_episodes: int = Field(64, ge=0)
+    eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")
     data_parallel: Literal["none", "fsdp"] = "none"
     world_size: int = Field(1, ge=1)
     gpus: float = Field(0.0, ge=0.0)

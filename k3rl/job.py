@@ -172,7 +172,7 @@ def rollout_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
     m["episodes/turns"] = sum(t.num_turns for t in trajs) / len(trajs)
     m["episodes/tokens"] = sum(len(t.token_ids) for t in trajs) / len(trajs)
     m["episodes/generated_tokens"] = sum(t.num_generated for t in trajs) / len(trajs)
-    gen_versions = [v for t in trajs for v, mk in zip(t.versions, t.loss_mask) if mk]
+    gen_versions = [v for t in trajs for v, mk in zip(t.versions, t.loss_mask, strict=True) if mk]
     if gen_versions:
         m["staleness/mean"] = sum(version - v for v in gen_versions) / len(gen_versions)
         m["staleness/max"] = float(max(version - v for v in gen_versions))
@@ -266,6 +266,37 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     elif resume:
         console.log(f"[yellow]--resume: no checkpoint in {run_dir}, starting from scratch")
 
+    # Policy versions: the weights after `step` RL steps are version step + 1. Version 0 is the
+    # engines' own seeded init (the same init as the learner's); it serves only the optional
+    # evaluation of the untrained policy below.
+    spec = EngineSpec(kind=cfg.rollout.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
+                      checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype,
+                      device="cuda" if cfg.rollout.gpus_per_inference_worker > 0 else "cpu", seed=cfg.model.seed,
+                      engine_kwargs={"max_num_seqs": cfg.rollout.max_batch_sequences})
+    pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(
+        cfg.rollout.num_inference_workers, spec,
+        actor_options={"num_cpus": 1, "num_gpus": cfg.rollout.gpus_per_inference_worker, "max_concurrency": 10_000})
+    await pool.wait_ready.remote()
+    buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(
+        cfg.rollout.group_size, store_dir=str(run_dir))
+
+    def make_worker(i: int):
+        return ray.remote(num_cpus=0, max_concurrency=cfg.rollout.episodes_per_worker, max_restarts=0)(
+            RolloutWorker).remote(cfg_dict, pool, buffer, i)
+
+    sup = WorkerSupervisor(make_worker, cfg.rollout.num_rollout_workers)
+    P = cfg.rollout.prompts_per_step
+
+    if ckpt is None and cfg.learner.eval_before_training:
+        # the untrained policy on one batch of prompts: the reward curve's step 0
+        for g in range(P):
+            for spec_ in episode_specs(cfg, f"{run_name}-eval", g, 0):
+                sup.submit(spec_)
+        groups = await buffer.get_groups.remote(P, None, -1)
+        m0 = rollout_metrics([t for grp in groups for t in grp], 0)
+        tracker.log_metrics(m0, step=0)
+        console.log(f"untrained policy: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
+
     # SFT warm start on oracle demonstrations (only for a fresh run).
     if cfg.learner.sft_steps > 0 and ckpt is None:
         demos = await asyncio.to_thread(collect_demonstrations, cfg, run_name)
@@ -275,26 +306,8 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
         console.log(f"SFT warm start: {len(demos)} oracle episodes, {cfg.learner.sft_steps} steps, "
                     f"loss {sft_metrics[0].get('loss', float('nan')):.3f} -> {sft_metrics[-1].get('loss', float('nan')):.3f}")
 
-    # Policy versions: the weights after `step` RL steps are version step + 1 (the engines'
-    # own random init is version 0 and never serves an episode).
-    spec = EngineSpec(kind=cfg.rollout.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
-                      checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype,
-                      device="cuda" if cfg.rollout.gpus_per_inference_worker > 0 else "cpu", seed=cfg.model.seed,
-                      engine_kwargs={"max_num_seqs": cfg.rollout.max_batch_sequences})
-    pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(
-        cfg.rollout.num_inference_workers, spec,
-        actor_options={"num_cpus": 1, "num_gpus": cfg.rollout.gpus_per_inference_worker, "max_concurrency": 10_000})
-    await pool.wait_ready.remote()
     weights = await learner.export_weights.remote(start_step + 1)
     await pool.update_weights.remote(weights)
-    buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(
-        cfg.rollout.group_size, store_dir=str(run_dir))
-
-    def make_worker(i: int):
-        return ray.remote(num_cpus=0, max_concurrency=cfg.rollout.episodes_per_worker, max_restarts=0)(
-            RolloutWorker).remote(cfg_dict, pool, buffer, i)
-
-    sup = WorkerSupervisor(make_worker, cfg.rollout.num_rollout_workers)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -302,7 +315,7 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     except (NotImplementedError, RuntimeError):  # not the main thread
         pass
 
-    P, lag = cfg.rollout.prompts_per_step, cfg.rollout.max_policy_lag
+    lag = cfg.rollout.max_policy_lag
     issued = start_step * P  # groups consumed before a resume are not re-issued
     version = start_step
 

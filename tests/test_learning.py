@@ -1,7 +1,8 @@
 """The demo's recipe learns: SFT warm start on oracle demonstrations, then GRPO, on two seeds.
 
-The untrained k3-tiny policy emits no well-formed message (its reward on KeyLookup is 0);
-after the warm start and a few RL steps the policy calls the tool and answers on every seed.
+The untrained k3-tiny policy (evaluated by the job as step 0 of the reward curve) emits no
+well-formed message and earns 0 on KeyLookup; after the warm start and a few RL steps it calls
+the tool and answers on every seed.
 """
 
 from pathlib import Path
@@ -36,7 +37,10 @@ def test_short_job_learns_keylookup(tmp_path, seed):
     assert sft[-1] < sft[0] / 10  # the warm start learned the message format
     rewards = [m["reward/mean"] for m in summary["history"]]
     assert len(rewards) == 4
-    # well-formed tool use that earns credit on every seed (an untrained policy earns exactly 0) ...
+    curve = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "reward/mean")}
+    # step 0 is the untrained policy (evaluated before training): no well-formed tool use, reward 0
+    assert curve[0] == 0.0
+    # after the warm start and RL the policy earns credit on every seed ...
     assert sum(rewards) / len(rewards) > 0.05, rewards
     # ... and RL keeps it: no collapse of the format over the RL steps
     assert rewards[-1] > 0.0, rewards
