@@ -40,13 +40,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
+
+from k3rl.chat import ChatTemplate, Message, ToolCallParseError
 from k3rl.envs.actions import assistant_text, parse_action
 from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
 from k3rl.envs.timings import Timings
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, collect_tools
 from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError
-
-from k3rl.chat import ChatTemplate, Message, ToolCallParseError
 from k3rl.types import ToolCall
 
 # Sandbox errors the model caused (a bad path, a missing file, drawing code that fails) come

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.similarity import image_similarity
 from k3rl.envs.tools import ToolError, ToolResult, tool
-
-from k3rl.chat import Message
 
 WIDTH, HEIGHT, DPI = 256, 192, 64
 NUM_TASKS = 32

@@ -8,12 +8,13 @@ import warnings
 from typing import Any
 
 import gymnasium as gym
+from rich.console import Console
+from rich.table import Table
+
 import k3rl.envs  # noqa: F401  (registers the built-ins and the entry points)
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.builtin import DESCRIPTIONS
 from k3rl.envs.episode import run_oracle_episode
-from rich.console import Console
-from rich.table import Table
 
 
 def _env_class(env_id: str) -> Any:

@@ -19,12 +19,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.code_fix_tasks import BUGS, CodeFixTask
 from k3rl.envs.sandboxed import format_exec, read_text, write_text
 from k3rl.envs.tools import ToolError, tool
-
-from k3rl.chat import Message
 
 PYTEST = "python3 -m pytest -q -p no:cacheprovider"
 

@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.sandboxed import format_exec
 from k3rl.envs.tools import tool
-
-from k3rl.chat import Message
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 from types import SimpleNamespace
 
 import gymnasium as gym
-from k3rl.envs import ToolEnv, ToolError, tool
-from k3rl.envs.episode import run_oracle_episode
 
 from k3rl.chat import Message
+from k3rl.envs import ToolEnv, ToolError, tool
+from k3rl.envs.episode import run_oracle_episode
 
 FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60}
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import gymnasium
 import pytest
-from k3rl.rollout.agent import EpisodeSpec, run_episode
 from PIL import Image
 from rich.console import Console
 from test_store import make_episode
@@ -21,6 +20,7 @@ from k3rl.chat import OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseErr
 from k3rl.config import JobConfig
 from k3rl.images import to_png
 from k3rl.replay import re_execute_episode, replay_command
+from k3rl.rollout.agent import EpisodeSpec, run_episode
 from k3rl.store import TrajectoryStore
 from k3rl.types import SamplingParams, ToolCall
 

@@ -1,6 +1,5 @@
 import io
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch

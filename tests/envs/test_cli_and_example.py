@@ -6,13 +6,13 @@ from pathlib import Path
 
 import gymnasium as gym
 from gymnasium.utils.env_checker import check_env
-from k3rl.envs.builtin import BUILTIN_ENVS
-from k3rl.envs.cli import check_env_command, list_envs
-from k3rl.envs.episode import run_oracle_episode
 from rich.console import Console
 from typer.testing import CliRunner
 
 from k3rl.cli import app
+from k3rl.envs.builtin import BUILTIN_ENVS
+from k3rl.envs.cli import check_env_command, list_envs
+from k3rl.envs.episode import run_oracle_episode
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_env.py"
 

@@ -1,8 +1,9 @@
 """KeyLookup-v0: the oracle always wins, difficulty knob, and the episode's token budget with the byte tokenizer."""
 
 import gymnasium as gym
-import k3rl.envs  # noqa: F401
 import pytest
+
+import k3rl.envs  # noqa: F401
 from k3rl.envs.episode import run_oracle_episode
 
 

@@ -5,9 +5,10 @@ import textwrap
 import warnings
 
 import gymnasium as gym
-import k3rl.envs
 import pytest
 from gymnasium.utils.env_checker import check_env
+
+import k3rl.envs
 from k3rl.envs.builtin import BUILTIN_ENVS, register_all
 from k3rl.envs.cli import tool_env_ids
 

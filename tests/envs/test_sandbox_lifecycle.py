@@ -5,8 +5,9 @@ import gc
 import threading
 
 import gymnasium as gym
-import k3rl.envs  # noqa: F401
 import pytest
+
+import k3rl.envs  # noqa: F401
 from k3rl.envs.episode import run_oracle_episode
 from k3rl.envs.sandboxed import pooled
 from k3rl.sandboxes import SandboxClosedError, SandboxError, SandboxFileError, SandboxPool, open_sandbox

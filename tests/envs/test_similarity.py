@@ -1,9 +1,9 @@
 """ChartMatch's image similarity: 1 for identical, 0 for blank or worse, monotone in between."""
 
-from k3rl.envs.chart_match import load_targets
-from k3rl.envs.similarity import image_similarity
 from PIL import Image, ImageDraw
 
+from k3rl.envs.chart_match import load_targets
+from k3rl.envs.similarity import image_similarity
 from k3rl.images import to_png
 
 

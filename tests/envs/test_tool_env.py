@@ -3,14 +3,14 @@
 import time
 
 import gymnasium as gym
-import k3rl.envs  # noqa: F401
 import numpy as np
 import pytest
+
+import k3rl.envs  # noqa: F401
+from k3rl.chat import ChatTemplate, Message
 from k3rl.envs import EpisodeNotActiveError, NoOracleError, ToolEnv, ToolResult, tool
 from k3rl.envs.actions import action_to_ids, parse_action
 from k3rl.envs.episode import run_oracle_episode
-
-from k3rl.chat import ChatTemplate, Message
 from k3rl.types import ToolCall
 
 
@@ -198,9 +198,9 @@ def test_parse_action_reports_ids_of_malformed_output():
 
 
 def test_spaces_accept_what_envs_send_and_reject_the_rest():
-    from k3rl.envs.spaces import AssistantAction, ChatMessages
     from PIL import Image
 
+    from k3rl.envs.spaces import AssistantAction, ChatMessages
     from k3rl.images import to_png
 
     space = ChatMessages(seed=0)

@@ -1,10 +1,10 @@
 """Tool declarations: typed functions and pydantic models -> JSON schema, argument validation, results."""
 
 import pytest
-from k3rl.envs import Tool, ToolArgumentError, ToolResult, tool
 from PIL import Image
 from pydantic import BaseModel, Field
 
+from k3rl.envs import Tool, ToolArgumentError, ToolResult, tool
 from k3rl.images import PNG_MAGIC
 
 

@@ -4,7 +4,6 @@ import asyncio
 from types import SimpleNamespace
 
 import gymnasium
-import pytest
 
 import k3rl.envs  # noqa: F401
 from k3rl.chat import ChatTemplate
