@@ -95,6 +95,9 @@ class LearnerSection(_Section):
     eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")
     data_parallel: Literal["none", "fsdp"] = "none"
     world_size: int = Field(1, ge=1)
+    expert_parallel: int = Field(
+        1, ge=1, description="ranks sharing the routed experts (EP, with FSDP); divides world_size and num_experts"
+    )
     gpus: float = Field(0.0, ge=0.0)
     seed: int = 0
 
@@ -102,6 +105,15 @@ class LearnerSection(_Section):
     def _ratio_bounds(self):
         if self.ratio_mask_low >= self.ratio_mask_high:
             raise ValueError(f"ratio_mask_low ({self.ratio_mask_low}) must be below ratio_mask_high ({self.ratio_mask_high})")
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel(self):
+        ep = self.expert_parallel
+        if ep > 1 and self.data_parallel != "fsdp":
+            raise ValueError(f"expert_parallel={ep} needs data_parallel='fsdp' (FSDP shards all but the experts)")
+        if self.world_size % ep:
+            raise ValueError(f"expert_parallel={ep} must divide world_size={self.world_size}")
         return self
 
 
@@ -154,6 +166,15 @@ class JobConfig(_Section):
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     ray: RaySection = Field(default_factory=RaySection)
+
+    @model_validator(mode="after")
+    def _experts_divisible(self):
+        ep = self.learner.expert_parallel
+        if ep > 1:
+            n = self.model.k3_config().num_experts
+            if n % ep:
+                raise ValueError(f"learner.expert_parallel={ep} must divide the model's num_experts={n}")
+        return self
 
     # -- loading ---------------------------------------------------------------------
     @classmethod

@@ -7,6 +7,10 @@ and with gloo on CPUs (the tests run two CPU processes).
 
 FSDP averages gradients over ranks; the trainer's loss is a partial *sum* with weights of
 the whole step, so it multiplies the loss by the world size to get the full-batch gradient.
+
+With expert parallelism (`expert_parallel.py`, applied first) the rank-local expert slices
+are FSDP's `ignored_params`: FSDP neither shards nor reduces them, the EP all-to-alls and
+`reduce_expert_grads` take care of them, and the state-dict helpers below gather / slice them.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def apply_fsdp(model: nn.Module, device: torch.device) -> nn.Module:
-    """Shard `model` over all ranks of the default process group (in place; returns it)."""
+def apply_fsdp(
+    model: nn.Module, device: torch.device, ignored_params: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """Shard `model` over all ranks of the default process group (in place; returns it).
+
+    `ignored_params` stay plain rank-local tensors (the expert slices under expert parallelism)."""
     if not is_distributed():
         raise RuntimeError(
             "data_parallel='fsdp' needs an initialised process group: call "
@@ -50,8 +58,8 @@ def apply_fsdp(model: nn.Module, device: torch.device) -> nn.Module:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is not None:
         for layer in layers:
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, ignored_params=ignored_params)
+    fully_shard(model, mesh=mesh, ignored_params=ignored_params)
     return model
 
 
@@ -81,12 +89,17 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full (unsharded) state dict on the CPU, on every rank."""
+    """The model's full (unsharded) state dict on the CPU, on every rank (collective)."""
+    from .expert_parallel import sharded_expert_params
+
+    experts = sharded_expert_params(model)
     state = model.state_dict()
     out = {}
     for name, t in state.items():
         if type(t).__name__ == "DTensor":
             t = t.full_tensor()
+        elif name in experts:  # this rank's E / ep experts -> all E
+            t = experts[name].gather(t)
         out[name] = t.detach().cpu()
     return out
 
@@ -96,13 +109,19 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     """Copy full tensors into a (possibly sharded) model: each rank keeps its own shard."""
     from torch.distributed.tensor import distribute_tensor
 
+    from .expert_parallel import sharded_expert_params
+
+    experts = sharded_expert_params(model)
     keys = set(model.state_dict())
     own = {n: t for n, t in list(model.named_parameters()) + list(model.named_buffers()) if n in keys}
     missing = sorted(set(own) - set(state))
     if missing:
         raise KeyError(f"load_full_state_dict: the state lacks {len(missing)} tensors, e.g. {missing[:5]}")
     for name, target in own.items():
-        value = state[name].to(device=target.device, dtype=target.dtype)
+        value = state[name]
+        if name in experts:
+            value = experts[name].local_slice(value)
+        value = value.to(device=target.device, dtype=target.dtype)
         if type(target).__name__ == "DTensor":
             value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
         target.copy_(value)

@@ -23,6 +23,8 @@ pseudo-queries. `e_score_correction_bias` belongs to no group: Quantile Balancin
 Parameters may be FSDP2 DTensors: element-wise state stays sharded like the parameter;
 the Muon input is gathered (`full_tensor`), each rank orthogonalises 1/W of the stacked
 blocks, one all-gather shares the results, and each rank keeps the slice of its shard.
+Plain tensors under FSDP (the rank-local expert slices of expert parallelism) are
+orthogonalised by their own rank: per-expert blocks need nothing from the other ranks.
 """
 
 from __future__ import annotations
@@ -293,15 +295,17 @@ class PerHeadMuon(torch.optim.Optimizer):
                 work.append((p, g, u.reshape(-1, rows, u.shape[-1])))
         # 2. one batched NS5 call per block shape (and step count).
         by_shape: dict[tuple, list[int]] = defaultdict(list)
-        for i, (_, g, blocks) in enumerate(work):
-            by_shape[(tuple(blocks.shape[1:]), g["ns_steps"], blocks.dtype)].append(i)
+        for i, (p, g, blocks) in enumerate(work):
+            by_shape[(tuple(blocks.shape[1:]), g["ns_steps"], blocks.dtype, _is_dtensor(p))].append(i)
         # Under FSDP every rank holds the same full inputs; the NS work is split between them.
+        # Plain tensors beside DTensors are rank-local (expert-parallel slices): each rank
+        # orthogonalises its own blocks.
         mesh = next((p.device_mesh for p, _, _ in work if _is_dtensor(p)), None)
         group = mesh.get_group() if mesh is not None and mesh.size() > 1 else None
         ortho: dict[int, torch.Tensor] = {}
-        for (_, steps, _), idx in by_shape.items():
+        for (_, steps, _, shared), idx in by_shape.items():
             stacked = torch.cat([work[i][2] for i in idx], dim=0)  # [sum n, r, c]
-            if group is None:
+            if group is None or not shared:
                 out = newton_schulz(stacked, steps=steps, backend=self.ns_backend)
             else:
                 out = _split_ns_over_ranks(stacked, steps, self.ns_backend, group)

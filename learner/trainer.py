@@ -13,7 +13,10 @@ enabled; routing replay when enabled), per-token log-probs in fp32, loss, backwa
 Quantile Balancing bias update unless frozen.
 
 With `data_parallel="fsdp"` every rank calls the same methods with the *same* full batch;
-each rank trains on its share of micro-batches and FSDP2 reduces the gradients.
+each rank trains on its share of micro-batches and FSDP2 reduces the gradients. With
+`expert_parallel=ep > 1` the routed experts are also sharded over groups of ep ranks
+(expert_parallel.py): FSDP ignores the expert slices, whose gradients are summed by the
+all-to-all backward and scaled here to the full-batch gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ from k3rl.types import Trajectory, WeightUpdate
 from . import checkpoint as ckpt
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
+from .expert_parallel import (
+    apply_expert_parallel,
+    clip_grad_norm_with_experts,
+    expert_parallel_groups,
+    local_expert_params,
+    reduce_expert_grads,
+)
 from .losses import LossConfig, group_advantages, policy_loss, sft_loss, token_entropy, token_logprobs
 from .optim import PerHeadMuon, param_groups
 from .qk_clip import MaxLogitTracker, QKClip
@@ -85,8 +95,13 @@ class Trainer:
         self.reference = None
         if config.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.expert_parallel = getattr(config, "expert_parallel", 1)
+        if self.expert_parallel > 1:
+            ep_group, replicate_group = expert_parallel_groups(self.expert_parallel, self.device.type)
+            apply_expert_parallel(model, ep_group, replicate_group)
         if config.data_parallel == "fsdp":
-            apply_fsdp(model, self.device)
+            # FSDP shards everything but the expert slices (EP shards those)
+            apply_fsdp(model, self.device, ignored_params=set(local_expert_params(model)))
         self.model = model
         self.sharded = config.data_parallel == "fsdp"
         self.loss_cfg = LossConfig.from_section(config)
@@ -162,13 +177,17 @@ class Trainer:
     def _replay_routes(self, mb: MicroBatch, media=None) -> torch.Tensor | None:
         """Recorded experts for every position; positions without a record take the routes the
         current model picks (one extra forward without gradients, not counted by QB)."""
-        if not self.cfg.routing_replay or mb.routed_experts is None:
+        if not self.cfg.routing_replay:
             return None
         routes = mb.routed_experts
-        if bool((routes < 0).any()):
+        probe = routes is not None and bool((routes < 0).any())
+        if self.world_size > 1:  # the probe forward is collective (FSDP, EP): all ranks run it or none
+            probe = float(all_reduce_max(torch.tensor(float(probe)))) > 0
+        if probe:
             with torch.no_grad(), self._autocast(), self._qb_paused():
                 _, own = self.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_routing=True)
-            routes = torch.where(routes < 0, own.to(routes.dtype), routes)
+            if routes is not None:
+                routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
 
     def _media(self, mb: MicroBatch):
@@ -207,8 +226,13 @@ class Trainer:
         return {"qk_clip_heads": float(clipped), "mla_max_logit": top}
 
     def _clip_and_step(self, lr: float) -> float:
-        grads = [p for p in self.trainable if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
+        if self.expert_parallel > 1:
+            # expert grads hold W x their share (loss x W, summed by the all-to-all backward): / W
+            reduce_expert_grads(self.model, 1.0 / self.world_size)
+            norm = clip_grad_norm_with_experts(self.model, self.trainable, self.cfg.grad_clip)
+        else:
+            grads = [p for p in self.trainable if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
         if type(norm).__name__ == "DTensor":
             norm = norm.full_tensor()
         self._set_lr(lr)
