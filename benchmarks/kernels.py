@@ -169,6 +169,67 @@ def kda(shapes=KDA_SHAPES):
         torch.cuda.empty_cache()
 
 
+def profile(B=1, T=4096, H=96, with_fla=True):
+    """Per-kernel CUDA time of one forward + backward of ours and of fla-core (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = kda_inputs(B, T, H)
+    for name, fn in (("ours", ours_kda), ("fla-core", fla_kda if fla_chunk_kda and with_fla else None)):
+        if fn is None:
+            continue
+        time_fwd_bwd(fn, x)  # compile / autotune outside the trace
+        leaves = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        for t in leaves:
+            t.requires_grad_(True)
+        do = torch.randn_like(x["v"])
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                o, _ = fn(x)
+                o.backward(do)
+            torch.cuda.synchronize()
+        for t in leaves:
+            t.requires_grad_(False)
+            t.grad = None
+        print(f"\n### {name}: CUDA time per forward + backward by kernel ({B}x{T}x{H})\n")
+        row("kernel", "ms per call", "calls per step")
+        row(*["---"] * 3)
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]:
+            row(ev.key[:70], f"{ev.device_time_total / 5 / 1000:.3f}", ev.count // 5)
+
+
+SWEEP = [
+    {},
+    {"BV": 32},
+    {"maxnreg_grads": None},
+    {"stages_state": 1},
+    {"warps_state": 4},
+]
+
+
+def sweep(B=1, T=4096, H=96):
+    """Our chunk KDA under several launch settings (one change each against the defaults)."""
+    from k3rl.kernels.kda import triton_chunk
+
+    base = dict(triton_chunk.CONFIG)
+    x = kda_inputs(B, T, H)
+    print(f"\n## KDA chunk launch settings ({B}x{T}x{H}); defaults {base}\n")
+    row("change", "fwd ms", "fwd+bwd ms")
+    row(*["---"] * 3)
+    for change in SWEEP:
+        triton_chunk.CONFIG.clear()
+        triton_chunk.CONFIG.update(base, **change)
+        try:
+            with torch.no_grad():
+                f = bench(lambda: ours_kda(x))
+            fb = time_fwd_bwd(ours_kda, x)
+            row(change or "defaults", f"{f:.3f}", f"{fb:.3f}")
+        except Exception as e:  # a setting that does not compile must not stop the sweep
+            row(change, "failed", str(e).splitlines()[0][:80])
+    triton_chunk.CONFIG.clear()
+    triton_chunk.CONFIG.update(base)
+
+
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -348,6 +409,8 @@ def main():
     p.add_argument(
         "--copy-gbs", type=float, default=4270.0, help="copy bandwidth (GB/s) when 'peak' is skipped"
     )
+    p.add_argument("--kda-shapes", default=KDA_SHAPES, help="B x T x H list for the KDA section")
+    p.add_argument("--kda-config", default="", help="launch settings for our chunk kernels, e.g. BV=64,warps_state=4")
     args = p.parse_args()
     which = set(args.only.split(","))
     if args.kda_config:
@@ -362,7 +425,10 @@ def main():
           f"python {platform.python_version()}, fla-core {'present' if fla_chunk_kda else 'absent'}")  # fmt: skip
     tflops, bw = peak() if "peak" in which else (args.peak_tflops, args.copy_gbs)
     sections = dict(
-        kda=kda, agree=agree, recurrent=lambda: recurrent(bw), situ=situ, moe=lambda: moe(tflops), ns=ns
+        kda=lambda: kda(args.kda_shapes),
+        sweep=sweep,
+        profile=profile,
+        profile_ours=lambda: profile(with_fla=False), agree=agree, recurrent=lambda: recurrent(bw), situ=situ, moe=lambda: moe(tflops), ns=ns
     )
     for name, fn in sections.items():
         if name in which:

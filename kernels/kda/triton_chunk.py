@@ -87,13 +87,18 @@ def gate_cumsum_bwd_kernel(
 # ----------------------------------------------------------------------------- intra-chunk forward
 @triton.jit
 def _tri_inverse16(Ablk, BLK: tl.constexpr):
-    """(I + A)^-1 of a 16x16 strictly-lower A by forward substitution: X_i = e_i - sum_j A_ij X_j."""
+    """(I + A)^-1 of a 16x16 strictly-lower A: A is nilpotent (A^16 = 0), so the Neumann series is
+    finite and factors as  sum_{i<16} (-A)^i = (I - A)(I + A^2)(I + A^4)(I + A^8)  (6 small products
+    instead of 15 serial substitution steps)."""
     r = tl.arange(0, BLK)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in range(1, BLK):
-        a_i = tl.sum(tl.where(r[:, None] == i, Ablk, 0.0), axis=0)  # row i of A, zero for j >= i
-        x_i = tl.where(r == i, 1.0, 0.0) - tl.sum(a_i[:, None] * X, axis=0)
-        X = tl.where(r[:, None] == i, x_i[None, :], X)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)
+    X = eye - Ablk
+    P = _mm(Ablk, Ablk)  # A^2
+    X += _mm(X, P)
+    P = _mm(P, P)  # A^4
+    X += _mm(X, P)
+    P = _mm(P, P)  # A^8
+    X += _mm(X, P)
     return X
 
 
@@ -121,7 +126,7 @@ def _mm(a, b):
 
 @triton.jit
 def intra_fwd_kernel(
-    q, k, v, G, beta, Aqk, Ti, W, U, cu, chunk_idx,
+    q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -213,6 +218,13 @@ def intra_fwd_kernel(
         m_v = mc[:, None] & (cv < V)[None, :]
         vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
         tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+    # 4) the gated operands of the serial passes, so that they run no exponentials:
+    #    QG = Q Gamma, KD = K e^{G_C - G} (G_C = the chunk's last row)
+    m_c = mc[:, None] & mk[None, :]
+    q_c = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
+    tl.store(QG + off_c, (q_c * tl.exp(G_c)).to(dt), mask=m_c)
+    Gl = tl.load(G + (tl.minimum(start + BT, eos) - 1) * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+    tl.store(KD + off_c, (k_c * tl.exp(Gl[None, :] - G_c)).to(dt), mask=m_c)
 
 
 # ----------------------------------------------------------------------------- serial state pass
@@ -221,11 +233,11 @@ def intra_fwd_kernel(
 # serial chains of different (head, V-block) programs overlap.
 @triton.jit
 def _state_fwd_step(
-    t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
+    t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
     H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
 ):  # fmt: skip
     """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~."""
-    dt = k.dtype.element_ty
+    dt = KD.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
     mv = cv < V
@@ -252,26 +264,24 @@ def _state_fwd_step(
     vn -= tl.dot(tl.load(W + off1, mask=m1, other=0.0), S1d)  # V~ = U - W S
     vn -= tl.dot(tl.load(W + off2, mask=m2, other=0.0), S2d)
     vnd = vn.to(dt)
-    G1 = tl.load(G + off1, mask=m1, other=0.0)
-    G2 = tl.load(G + off2, mask=m2, other=0.0)
     a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
     out = tl.dot(a, vnd)  # O = A_qk V~ + (Q Gamma) S
-    out += tl.dot((tl.load(q + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(G1)).to(dt), S1d)
-    out += tl.dot((tl.load(q + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(G2)).to(dt), S2d)
+    out += tl.dot(tl.load(QG + off1, mask=m1, other=0.0), S1d)
+    out += tl.dot(tl.load(QG + off2, mask=m2, other=0.0), S2d)
     tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
     last = tl.minimum(bos + t * BT + BT, eos) - 1
     Gl1 = tl.load(G + last * (H * K) + i_h * K + ck1, mask=ck1 < K, other=0.0)
     Gl2 = tl.load(G + last * (H * K) + i_h * K + ck2, mask=ck2 < K, other=0.0)
-    kd1 = tl.where(m1, tl.load(k + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(Gl1[None, :] - G1), 0.0)
-    kd2 = tl.where(m2, tl.load(k + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(Gl2[None, :] - G2), 0.0)
-    S1 = S1 * tl.exp(Gl1)[:, None] + tl.dot(tl.trans(kd1.to(dt)), vnd)  # Gamma_C S + Kd^T V~
-    S2 = S2 * tl.exp(Gl2)[:, None] + tl.dot(tl.trans(kd2.to(dt)), vnd)
+    kd1 = tl.load(KD + off1, mask=m1, other=0.0)
+    kd2 = tl.load(KD + off2, mask=m2, other=0.0)
+    S1 = S1 * tl.exp(Gl1)[:, None] + tl.dot(tl.trans(kd1), vnd)  # Gamma_C S + Kd^T V~
+    S2 = S2 * tl.exp(Gl2)[:, None] + tl.dot(tl.trans(kd2), vnd)
     return S1, S2
 
 
 @triton.jit
 def state_fwd_kernel(
-    q, k, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
+    QG, KD, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
@@ -295,13 +305,13 @@ def state_fwd_kernel(
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for t in range(NT):
             S1, S2 = _state_fwd_step(
-                t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
             )
     else:  # the CPU interpreter cannot take a data-dependent range(): the same loop as a while
         t = 0
         while t < NT:
             S1, S2 = _state_fwd_step(
-                t, S1, S2, q, k, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
             )
             t += 1
     if STORE_HT:
@@ -311,11 +321,11 @@ def state_fwd_kernel(
 
 @triton.jit
 def _state_bwd_step(
-    t, dS1, dS2, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj,
+    t, dS1, dS2, QG, KD, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj,
     H, K: tl.constexpr, V: tl.constexpr,
 ):  # fmt: skip
     """One chunk in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~."""
-    dt = k.dtype.element_ty
+    dt = KD.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
     mv = cv < V
@@ -339,19 +349,17 @@ def _state_bwd_step(
     last = tl.minimum(bos + t * BT + BT, eos) - 1
     Gl1 = tl.load(G + last * (H * K) + i_h * K + ck1, mask=ck1 < K, other=0.0)
     Gl2 = tl.load(G + last * (H * K) + i_h * K + ck2, mask=ck2 < K, other=0.0)
-    G1 = tl.load(G + off1, mask=m1, other=0.0)
-    G2 = tl.load(G + off2, mask=m2, other=0.0)
-    kd1 = tl.where(m1, tl.load(k + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(Gl1[None, :] - G1), 0.0)
-    kd2 = tl.where(m2, tl.load(k + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(Gl2[None, :] - G2), 0.0)
+    kd1 = tl.load(KD + off1, mask=m1, other=0.0)
+    kd2 = tl.load(KD + off2, mask=m2, other=0.0)
     a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
     dob = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
     dv = tl.dot(tl.trans(a), dob)  # dV~ = A_qk^T dO + Kd dS'
-    dv += tl.dot(kd1.to(dt), dS1.to(dt))
-    dv += tl.dot(kd2.to(dt), dS2.to(dt))
+    dv += tl.dot(kd1, dS1.to(dt))
+    dv += tl.dot(kd2, dS2.to(dt))
     tl.store(dvn + off_v, dv.to(dvn.dtype.element_ty), mask=m_v)
     dvd = dv.to(dt)
-    qg1 = (tl.load(q + off1, mask=m1, other=0.0).to(tl.float32) * tl.exp(G1)).to(dt)
-    qg2 = (tl.load(q + off2, mask=m2, other=0.0).to(tl.float32) * tl.exp(G2)).to(dt)
+    qg1 = tl.load(QG + off1, mask=m1, other=0.0)
+    qg2 = tl.load(QG + off2, mask=m2, other=0.0)
     w1 = tl.load(W + off1, mask=m1, other=0.0)
     w2 = tl.load(W + off2, mask=m2, other=0.0)
     dS1 = dS1 * tl.exp(Gl1)[:, None] + tl.dot(tl.trans(qg1), dob) - tl.dot(tl.trans(w1), dvd)
@@ -361,7 +369,7 @@ def _state_bwd_step(
 
 @triton.jit
 def state_bwd_kernel(
-    q, k, G, W, Aqk, do, dh, dvn, dht, dh0, cu, chunk_off,
+    QG, KD, G, W, Aqk, do, dh, dvn, dht, dh0, cu, chunk_off,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, FOR_LOOP: tl.constexpr,
 ):  # fmt: skip
@@ -392,8 +400,8 @@ def state_bwd_kernel(
                 NT - 1 - tt,
                 dS1,
                 dS2,
-                q,
-                k,
+                QG,
+                KD,
                 G,
                 W,
                 Aqk,
@@ -416,7 +424,7 @@ def state_bwd_kernel(
         t = NT - 1
         while t >= 0:  # chunks in reverse order
             dS1, dS2 = _state_bwd_step(
-                t, dS1, dS2, q, k, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V
+                t, dS1, dS2, QG, KD, G, W, Aqk, do, dh, dvn, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V
             )
             t -= 1
     if STORE_DH0:
@@ -535,6 +543,9 @@ def grads_tiles_kernel(
     mr = rows < eos
     off_ks = rows[:, None] * (H * K) + i_h * K + ks[None, :]
     m_ks = mr[:, None] & mks[None, :]
+    kc = tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32)  # the chunk's [64, BKS] slices, loaded once
+    Gc = tl.load(G + off_ks, mask=m_ks, other=0.0)
+    qc = tl.load(q + off_ks, mask=m_ks, other=0.0).to(tl.float32)
     # row side, reference point n = first row of the tile
     for r in tl.static_range(BT // BS):
         ii = r * BS + tl.arange(0, BS)
@@ -546,8 +557,6 @@ def grads_tiles_kernel(
         m_r = mrr[:, None] & mks[None, :]
         e_r = tl.exp(tl.where(m_r, tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :], 0.0))
         in_reach = mr & (jj < r * BS + BS)
-        kc = tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32)
-        Gc = tl.load(G + off_ks, mask=m_ks, other=0.0)
         kinv = (kc * tl.exp(tl.where(in_reach[:, None], Gn[None, :] - Gc, float("-inf")))).to(dt)
         off_ar = rr[:, None] * (H * BT) + i_h * BT + jj[None, :]
         dA_r = tl.load(dA + off_ar, mask=mrr[:, None], other=0.0).to(dt)
@@ -575,11 +584,9 @@ def grads_tiles_kernel(
         mref = tl.minimum(start + c * BS + BS, eos) - 1
         Gm = tl.load(G + mref * (H * K) + i_h * K + ks, mask=mks, other=0.0)
         below = mr & (jj >= c * BS)
-        em = tl.exp(
-            tl.where(below[:, None], tl.load(G + off_ks, mask=m_ks, other=0.0) - Gm[None, :], float("-inf"))
-        )
-        km = (tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32) * em).to(dt)
-        qm = (tl.load(q + off_ks, mask=m_ks, other=0.0).to(tl.float32) * em).to(dt)
+        em = tl.exp(tl.where(below[:, None], Gc - Gm[None, :], float("-inf")))
+        km = (kc * em).to(dt)
+        qm = (qc * em).to(dt)
         off_ac = rows[:, None] * (H * BT) + i_h * BT + ii[None, :]
         dA_c = (tl.load(dA + off_ac, mask=mr[:, None], other=0.0) * b_beta[:, None]).to(dt)
         dAq_c = tl.load(dAqk_s + off_ac, mask=mr[:, None], other=0.0).to(dt)
@@ -625,7 +632,16 @@ def _chunk_tables(B, T, cu_seqlens, device):
 
 # launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
 # (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200)
-CONFIG = {"BV": 32, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8}
+# maxnreg_* caps registers per thread (None: the compiler's choice; 128 at 8 warps lets 2 programs share an SM)
+CONFIG = {
+    "BV": 64, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 64,
+    "maxnreg_intra": None, "maxnreg_grads": 128,
+}  # fmt: skip
+
+
+def _maxnreg(key):
+    """The register cap as a launch option (compiled kernels only; the interpreter takes none)."""
+    return {} if CONFIG[key] is None or interpreter_on() else {"maxnreg": CONFIG[key]}
 
 
 def _blocks(K, V):
@@ -695,6 +711,7 @@ class ChunkKDATriton(torch.autograd.Function):
         Ti = torch.empty(1, TT, H, CHUNK, dtype=torch.float32, device=dev)
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
+        QG, KD = torch.empty_like(W), torch.empty_like(W)
         intra_fwd_kernel[(NT, H)](
             q,
             k,
@@ -705,6 +722,8 @@ class ChunkKDATriton(torch.autograd.Function):
             Ti,
             W,
             U,
+            QG,
+            KD,
             cu,
             chunk_idx,
             H=H,
@@ -713,25 +732,26 @@ class ChunkKDATriton(torch.autograd.Function):
             BK=BK,
             BV=BV,
             num_warps=CONFIG["warps_intra"],
+            **_maxnreg("maxnreg_intra"),
         )
         need_grad = any(ctx.needs_input_grad)
         o = torch.empty_like(v)
         h = torch.empty(NT, H, K, V, dtype=dt, device=dev) if need_grad else o
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else o
         state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
-            q, k, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
+            QG, KD, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_H=need_grad,
             FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
             num_stages=CONFIG["stages_state"],
         )  # fmt: skip
         if need_grad:
-            ctx.save_for_backward(q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off)
+            ctx.save_for_backward(q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, cu, chunk_idx, chunk_off)
             ctx.meta = (NT, h0 is not None)
         return o, (ht if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, G, beta, W, U, Aqk, Ti, h, cu, chunk_idx, chunk_off = ctx.saved_tensors
+        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, cu, chunk_idx, chunk_off = ctx.saved_tensors
         NT, has_h0 = ctx.meta
         _, TT, H, K = q.shape
         V = v.shape[-1]
@@ -743,7 +763,7 @@ class ChunkKDATriton(torch.autograd.Function):
         dvn = torch.empty_like(v)
         dh0 = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if has_h0 else dvn
         state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
-            q, k, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
+            QG, KD, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0,
             FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
             num_stages=CONFIG["stages_state"],
@@ -754,15 +774,16 @@ class ChunkKDATriton(torch.autograd.Function):
         dbeta = torch.zeros(1, TT, H, **f32)
         dA = torch.zeros(1, TT, H, CHUNK, **f32)  # atomic sums over the K slices
         dAqk = torch.empty(1, TT, H, CHUNK, **f32)
-        BKS = min(BK, 64)
+        BKS = min(BK, CONFIG["BKS"])
         grid = (NT, H, triton.cdiv(K, BKS))
         grads_state_kernel[grid](
             q, k, v, G, beta, W, U, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
             cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+            **_maxnreg("maxnreg_grads"),
         )  # fmt: skip
         grads_tiles_kernel[grid](
             q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKS,
-            num_warps=CONFIG["warps_grads"],
+            num_warps=CONFIG["warps_grads"], **_maxnreg("maxnreg_grads"),
         )  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),
