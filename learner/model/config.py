@@ -72,6 +72,10 @@ class VisionConfig(_Strict):
     in_patch_limit: int = 65536
     patch_limit_on_one_side: int = 512
     video_in_patch_limit: int = 4096  # per frame (K2.5's value; unknown for K3, §7.1)
+    # k3rl switch (§7.2 discrepancy): "joint" attention over all patches of a media item, as the
+    # public reference code (checkpoint-compatible default), or the report's "factorized" intra-frame
+    # spatial pass then inter-frame temporal pass with the same weights (identical for images)
+    vt_attention: Literal["joint", "factorized"] = "joint"
 
     @model_validator(mode="after")
     def _check(self) -> VisionConfig:

@@ -92,28 +92,54 @@ class VisionBlock(nn.Module):
         self.heads = vc.vt_num_attention_heads
         self.head_dim = vc.qkv_hidden_size // vc.vt_num_attention_heads
         self.theta = vc.rope_theta
+        self.layout = vc.vt_attention
         self.norm0 = RMSNorm(vc.vt_hidden_size, vc.vt_norm_eps)
         self.wqkv = nn.Linear(vc.vt_hidden_size, 3 * vc.qkv_hidden_size, bias=False)  # packed (3, heads, hd)
         self.wo = nn.Linear(vc.qkv_hidden_size, vc.vt_hidden_size, bias=False)
         self.norm1 = RMSNorm(vc.vt_hidden_size, vc.vt_norm_eps)
         self.mlp = VisionMLP(vc)
 
-    def attention(self, x: torch.Tensor, grid_thw, angles: list[torch.Tensor]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, grid_thw, angles: list[torch.Tensor], mode: str = "joint") -> torch.Tensor:
+        """Attention within each media item only. mode: "joint" (all t*gh*gw patches of the item),
+        "spatial" (patches of the same frame) or "temporal" (the t frames of each patch position;
+        zero for single frames, which have nothing to attend across)."""
         qkv = self.wqkv(x).reshape(x.shape[0], 3, self.heads, self.head_dim)
         outs, start = [], 0
-        for (t, gh, gw), ang in zip(grid_thw, angles, strict=True):  # joint attention within each media item only
-            n = t * gh * gw
+        for (t, gh, gw), ang in zip(grid_thw, angles, strict=True):
+            n, s = t * gh * gw, gh * gw
+            if mode == "temporal" and t == 1:
+                outs.append(x.new_zeros(n, self.heads * self.head_dim))
+                start += n
+                continue
             q, k, v = qkv[start : start + n].unbind(1)
-            q, k = apply_rope(q, ang), apply_rope(k, ang)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None])  # scale head_dim^-1/2
-            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+            q, k = apply_rope(q, ang), apply_rope(k, ang)  # (same rotation for all frames of a position)
+            q, k, v = (_groups(z, t, s, mode) for z in (q, k, v))  # [groups, heads, length, hd]
+            o = F.scaled_dot_product_attention(q, k, v)  # scale head_dim^-1/2
+            outs.append(_ungroup(o, t, s, mode))
             start += n
         return self.wo(torch.cat(outs))
 
     def forward(self, x, grid_thw, angles):
-        x = x + self.attention(self.norm0(x), grid_thw, angles)
+        if self.layout == "joint":
+            x = x + self.attention(self.norm0(x), grid_thw, angles, "joint")
+        else:  # factorised: an intra-frame pass, then an inter-frame pass, with the same weights
+            x = x + self.attention(self.norm0(x), grid_thw, angles, "spatial")
+            x = x + self.attention(self.norm0(x), grid_thw, angles, "temporal")
         return x + self.mlp(self.norm1(x))
+
+
+def _groups(z: torch.Tensor, t: int, s: int, mode: str) -> torch.Tensor:
+    """[t*s, heads, hd] patches (frame-major) -> [groups, heads, length, hd] attention groups."""
+    if mode == "joint":
+        return z.transpose(0, 1)[None]  # one group of t*s
+    z = z.reshape(t, s, *z.shape[1:])
+    return z.transpose(1, 2) if mode == "spatial" else z.permute(1, 2, 0, 3)  # [t, h, s, d] / [s, h, t, d]
+
+
+def _ungroup(o: torch.Tensor, t: int, s: int, mode: str) -> torch.Tensor:
+    """Inverse of `_groups`, flattened to [t*s, heads*hd]."""
+    o = o.permute(2, 0, 1, 3) if mode == "temporal" else o.transpose(1, 2)  # [t, s, h, d] or [1, t*s, h, d]
+    return o.reshape(t * s, -1)
 
 
 class VisionEncoder(nn.Module):

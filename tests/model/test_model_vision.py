@@ -131,3 +131,42 @@ def test_placeholders_are_replaced_and_counts_checked():
         model(ids[:, :-2], images=media)
     with pytest.raises(ValueError, match="no images were given"):
         model(ids)
+
+
+def _block_and_video(layout):
+    vc = TINY.vision_config.model_copy(update={"vt_attention": layout})
+    torch.manual_seed(0)
+    tower = MoonViT(vc)
+    video = preprocess_media([[rand_image(56, 28, seed=i) for i in range(3)]], vc)  # 3 frames of 2 x 4 patches
+    return tower, video
+
+
+def test_factorized_attention_equals_joint_for_images_and_differs_for_video():
+    joint, video = _block_and_video("joint")
+    fact, _ = _block_and_video("factorized")
+    fact.load_state_dict(joint.state_dict())  # same weights: the layout adds none
+    image = preprocess_media([rand_image(40, 30, seed=3)], TINY.vision_config)
+    with torch.no_grad():
+        torch.testing.assert_close(fact(image.pixel_values, image.grid_thw),
+                                   joint(image.pixel_values, image.grid_thw), atol=0, rtol=0)
+        a, b = fact(video.pixel_values, video.grid_thw), joint(video.pixel_values, video.grid_thw)
+    assert float((a - b).abs().max()) > 1e-3
+
+
+def test_factorized_passes_attend_within_a_frame_then_across_frames_of_one_position():
+    tower, video = _block_and_video("factorized")
+    block = tower.encoder.blocks[0]
+    grid = [tuple(int(v) for v in video.grid_thw[0].tolist())]
+    t, gh, gw = grid[0]
+    s = gh * gw
+    angles = [rope_2d_angles(t, gh, gw, block.head_dim, 10000.0, "cpu")]
+    x = torch.randn(t * s, TINY.vision_config.vt_hidden_size)
+    y = x.clone()
+    y[s + 2] += 1.0  # frame 1, position 2
+    with torch.no_grad():
+        for mode, changed in (
+            ("spatial", [s + i for i in range(s)]),  # every patch of frame 1, nothing else
+            ("temporal", [f * s + 2 for f in range(t)]),  # position 2 in every frame, nothing else
+        ):
+            diff = (block.attention(y, grid, angles, mode) - block.attention(x, grid, angles, mode)).abs().amax(1)
+            assert sorted(torch.nonzero(diff > 1e-7).flatten().tolist()) == changed, mode
