@@ -55,8 +55,8 @@ def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.
     if q + 1 > m:
         raise ValueError(f"quantile_balance: need more tokens than the target load (m={m}, q={q})")
     _, alpha = routing_cutoffs(scores, bias, k)
-    margins = scores - alpha[:, None]  # [m, n]: raw score minus biased cutoff
-    b_hat = -torch.topk(margins, q + 1, dim=0).values[q]  # (q+1)-th largest per expert, negated
+    margins = (scores - alpha[:, None]).t().contiguous()  # [n, m]: raw score minus biased cutoff
+    b_hat = -torch.kthvalue(margins, m - q, dim=1).values  # (q+1)-th largest = (m-q)-th smallest, negated
     return b_hat - b_hat.mean()
 
 

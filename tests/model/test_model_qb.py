@@ -53,8 +53,8 @@ def test_repeated_steps_balance_896_experts_top16():
     """Exact Eq. 14 steps on one skewed batch (n = 896, k = 16, q = 64).
 
     Measured (see benchmarks/results/model.md): max violation 730% -> 31% after one step and
-    ~10% after six, mean |load - q| 1.5% of q (load std ~1.4 tokens). The alternating exact
-    minimisation on a fixed batch stalls there, so "every expert within 1%" is not asserted.
+    ~10% after six, mean |load - q| 1.5% of q. At this small q the residual of a few sqrt(q)
+    tokens is ~10% of q; "every expert within 1%" holds from q ~ 16k (next test, benchmarks/qb.py).
     """
     m, n, k = 3584, 896, 16
     q = m * k / n
@@ -69,6 +69,24 @@ def test_repeated_steps_balance_896_experts_top16():
     assert float((final - q).abs().max()) <= 0.125 * q, f"loads {final.min()}..{final.max()} vs q={q}"
     assert float((final - q).abs().mean()) <= 0.02 * q
     assert abs(float(bias.mean())) < 1e-6  # mean-centred
+
+
+def test_repeated_steps_residual_shrinks_as_the_target_load_grows():
+    """On a fixed batch the iteration's residual is a few sqrt(q) tokens, so it shrinks relative to q
+    as the batch grows (benchmarks/qb.py: 10 steps give 10.9% at q = 64, 3.9% at 256, 2.4% at 1024,
+    1.4% at 4096, and 0.79% at q = 16384 (under 1% from step 9): K3's regime, where the global batch
+    gives q >> 10^4 per expert; that run takes 6 CPU minutes, so it is a benchmark, not a test)."""
+    n, k = 896, 16
+    worst = {}
+    for q in (64, 256):
+        m = q * n // k
+        scores = skewed_scores(m, n)
+        bias = torch.zeros(n)
+        for _ in range(10):
+            bias = quantile_balance(scores, bias, k)
+        worst[q] = float((loads(scores, bias, k).float() - q).abs().max()) / q
+    assert worst[256] < 0.6 * worst[64], worst
+    assert worst[256] <= 0.05, worst
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
