@@ -20,6 +20,7 @@ import math
 import os
 import random
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -38,18 +39,43 @@ console = Console()
 # Learner actor
 # --------------------------------------------------------------------------------------
 class LearnerActor:
-    """Owns the model, the optimizer and the checkpoints; runs in its own Ray process."""
+    """One rank of the learner: owns the model (or its FSDP / expert shard), the optimizer and the
+    checkpoints; runs in its own Ray process. `setup` joins the ranks' process group and builds
+    the trainer; every other method is called on all ranks with the same arguments."""
 
-    def __init__(self, cfg: dict[str, Any], run_dir: str) -> None:
+    def __init__(self, cfg: dict[str, Any], run_dir: str, rank: int = 0, world_size: int = 1) -> None:
         import torch
-
-        from k3rl.learner.trainer import Trainer
 
         torch.set_num_threads(max(1, int(os.environ.get("K3RL_LEARNER_THREADS", "1"))))
         self.cfg = JobConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
-        device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.trainer = Trainer.from_job(self.cfg, device=device)
+        self.rank, self.world_size = rank, world_size
+        self.device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.trainer = None
+
+    def rendezvous_address(self) -> str:
+        """host:port for the process group's store, on this (rank 0's) node: loopback when the job
+        runs its own local Ray (every rank is on this machine), the node's address on a cluster."""
+        import ray
+
+        host = ray.util.get_node_ip_address() if self.cfg.ray.address else "127.0.0.1"
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            return f"{host}:{sock.getsockname()[1]}"
+
+    def setup(self, rendezvous: str | None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from k3rl.learner.trainer import Trainer
+
+        if self.world_size > 1:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{rendezvous}", rank=self.rank,
+                                    world_size=self.world_size)
+            if self.device == "cuda":
+                torch.cuda.set_device(0)  # Ray gives each rank its own visible GPU
+        self.trainer = Trainer.from_job(self.cfg, device=self.device)
 
     def sft(self, trajectories: list[Trajectory], steps: int) -> list[dict[str, float]]:
         out = []
@@ -65,7 +91,8 @@ class LearnerActor:
         return self.trainer.train_step(trajectories)
 
     def export_weights(self, version: int):
-        return self.trainer.export_weights(version)
+        update = self.trainer.export_weights(version)  # collective: every rank gathers
+        return update if self.rank == 0 else None  # only rank 0's copy travels
 
     def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self.trainer.logprobs(trajectories)
@@ -73,7 +100,9 @@ class LearnerActor:
     def save(self, step: int, extra: dict[str, Any]) -> str:
         path = self.run_dir / "checkpoints" / f"step-{step:06d}"
         self.trainer.data_state = dict(extra)
-        self.trainer.save_checkpoint(path)
+        self.trainer.save_checkpoint(path)  # collective under FSDP
+        if self.rank != 0:
+            return str(path)
         tmp = self.run_dir / "checkpoints" / "latest.tmp"
         tmp.write_text(path.name)
         tmp.replace(self.run_dir / "checkpoints" / "latest")  # atomic: never points at a half-written step
@@ -82,6 +111,30 @@ class LearnerActor:
     def load(self, path: str) -> dict[str, Any]:
         self.trainer.load_checkpoint(path)
         return {"step": self.trainer.step, **self.trainer.data_state}
+
+
+class LearnerGroup:
+    """The learner's ranks as one object: a call goes to every rank with the same arguments (the
+    trainer's data-parallel contract: each rank sees the full batch) and returns rank 0's answer."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path) -> None:
+        import ray
+
+        ranks = cfg.learner.world_size if cfg.learner.data_parallel == "fsdp" else 1
+        gpus = cfg.learner.gpus / ranks  # learner.gpus is the learner's total
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(LearnerActor)
+        self.actors = [actor.remote(cfg.to_dict(), str(run_dir), r, ranks) for r in range(ranks)]
+
+    async def start(self) -> None:
+        address = await self.actors[0].rendezvous_address.remote() if len(self.actors) > 1 else None
+        await asyncio.gather(*(a.setup.remote(address) for a in self.actors))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        refs = [ray.put(a) for a in args]  # one copy in the object store, shared by the ranks
+        answers = await asyncio.gather(*(getattr(a, method).remote(*refs) for a in self.actors))
+        return answers[0]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -255,12 +308,12 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
         meta_file.write_text(json.dumps(meta))
 
     cfg_dict = cfg.to_dict()
-    learner_gpus = cfg.learner.gpus
-    learner = ray.remote(num_cpus=1, num_gpus=learner_gpus)(LearnerActor).remote(cfg_dict, str(run_dir))
+    learner = LearnerGroup(cfg, run_dir)
+    await learner.start()
     start_step = 0
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
-        state = await learner.load.remote(str(ckpt))
+        state = await learner.call("load", str(ckpt))
         start_step = int(state.get("step", 0))
         console.log(f"resumed from {ckpt} at step {start_step}")
     elif resume:
@@ -300,13 +353,13 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
     # SFT warm start on oracle demonstrations (only for a fresh run).
     if cfg.learner.sft_steps > 0 and ckpt is None:
         demos = await asyncio.to_thread(collect_demonstrations, cfg, run_name)
-        sft_metrics = await learner.sft.remote(demos, cfg.learner.sft_steps)
+        sft_metrics = await learner.call("sft", demos, cfg.learner.sft_steps)
         for i, m in enumerate(sft_metrics):
             tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
         console.log(f"SFT warm start: {len(demos)} oracle episodes, {cfg.learner.sft_steps} steps, "
                     f"loss {sft_metrics[0].get('loss', float('nan')):.3f} -> {sft_metrics[-1].get('loss', float('nan')):.3f}")
 
-    weights = await learner.export_weights.remote(start_step + 1)
+    weights = await learner.call("export_weights", start_step + 1)
     await pool.update_weights.remote(weights)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -348,12 +401,12 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             t_wait = time.monotonic() - t0
             m = rollout_metrics(trajs, version + 1)
             t1 = time.monotonic()
-            train_m = await learner.train_step.remote(trajs)
+            train_m = await learner.call("train_step", trajs)
             t_train = time.monotonic() - t1
             m.update(train_m)
             version = step + 1
             t2 = time.monotonic()
-            weights = await learner.export_weights.remote(version + 1)
+            weights = await learner.call("export_weights", version + 1)
             await pool.update_weights.remote(weights)
             m["time/weight_sync_s"] = time.monotonic() - t2
             m["time/wait_for_rollouts_s"] = t_wait
@@ -378,13 +431,13 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
                 console.log(f"step {step}: reward {m['reward/mean']:.3f} success {m['episodes/success_rate']:.2f} "
                             f"loss {m.get('loss', float('nan')):.4f} staleness {m.get('staleness/mean', 0):.2f}")
             if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
-                await learner.save.remote(step, {"groups_issued": step * P})
+                await learner.call("save", step, {"groups_issued": step * P})
             if kill_worker_at_step is not None and step == kill_worker_at_step:
                 sup.kill(0)
         completed = step >= cfg.learner.steps
 
     # graceful end (normal or Ctrl-C): checkpoint, stop issuing, flush the store
-    await learner.save.remote(step, {"groups_issued": step * P})
+    await learner.call("save", step, {"groups_issued": step * P})
     for task in list(sup.tasks):
         task.cancel()
     await buffer.flush.remote()

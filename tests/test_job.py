@@ -131,3 +131,29 @@ def test_job_against_a_local_ray_start_head_cluster(tmp_path):
     finally:
         ray.shutdown()
         subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
+
+
+def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
+    """learner.world_size=2: two learner ranks (Ray actors, one gloo process group on loopback)
+    train one FSDP2 + expert-parallel model; the weights the engines get and the checkpoint are
+    the whole model, which loads into one process."""
+    import ray
+    import torch
+
+    from k3rl.job import run_job
+    from k3rl.learner.model import K3Config
+    from k3rl.learner.model.checkpoint import load_hf
+
+    ray.shutdown()
+    cfg = _cfg(tmp_path, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",
+               "learner.expert_parallel=2", "rollout.max_policy_lag=0", "name=ranks")
+    try:
+        summary = run_job(cfg, quiet=True)
+    finally:
+        ray.shutdown()
+    assert summary["completed"] and summary["steps"] == 2
+    model = load_hf(tmp_path / "runs" / "ranks" / "checkpoints" / "step-000002" / "model")
+    tiny = K3Config.preset("k3-tiny")
+    moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    assert moe.experts.w1.shape[0] == tiny.num_experts  # every expert, not one rank's half
+    assert all(torch.isfinite(p).all() for p in model.parameters())
