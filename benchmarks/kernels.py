@@ -204,6 +204,8 @@ SWEEP = [
     {"maxnreg_grads": None},
     {"stages_state": 1},
     {"warps_state": 4},
+    {"split_output": True},  # O by a parallel kernel after the serial pass (untimed so far)
+    {"split_output": True, "BV": 32},
 ]
 
 

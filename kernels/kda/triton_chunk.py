@@ -234,9 +234,10 @@ def intra_fwd_kernel(
 @triton.jit
 def _state_fwd_step(
     t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
-    H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr, SPLIT_O: tl.constexpr,
 ):  # fmt: skip
-    """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~."""
+    """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~.
+    With SPLIT_O the pass writes V~ into `o` and `output_fwd_kernel` forms O in parallel."""
     dt = KD.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
@@ -264,11 +265,14 @@ def _state_fwd_step(
     vn -= tl.dot(tl.load(W + off1, mask=m1, other=0.0), S1d)  # V~ = U - W S
     vn -= tl.dot(tl.load(W + off2, mask=m2, other=0.0), S2d)
     vnd = vn.to(dt)
-    a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
-    out = tl.dot(a, vnd)  # O = A_qk V~ + (Q Gamma) S
-    out += tl.dot(tl.load(QG + off1, mask=m1, other=0.0), S1d)
-    out += tl.dot(tl.load(QG + off2, mask=m2, other=0.0), S2d)
-    tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
+    if SPLIT_O:
+        tl.store(o + off_v, vnd.to(o.dtype.element_ty), mask=m_v)  # V~, for the parallel output kernel
+    else:
+        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
+        out = tl.dot(a, vnd)  # O = A_qk V~ + (Q Gamma) S
+        out += tl.dot(tl.load(QG + off1, mask=m1, other=0.0), S1d)
+        out += tl.dot(tl.load(QG + off2, mask=m2, other=0.0), S2d)
+        tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
     last = tl.minimum(bos + t * BT + BT, eos) - 1
     Gl1 = tl.load(G + last * (H * K) + i_h * K + ck1, mask=ck1 < K, other=0.0)
     Gl2 = tl.load(G + last * (H * K) + i_h * K + ck2, mask=ck2 < K, other=0.0)
@@ -284,6 +288,7 @@ def state_fwd_kernel(
     QG, KD, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, FOR_LOOP: tl.constexpr,
+    SPLIT_O: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -305,18 +310,47 @@ def state_fwd_kernel(
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for t in range(NT):
             S1, S2 = _state_fwd_step(
-                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H,
+                SPLIT_O,
             )
     else:  # the CPU interpreter cannot take a data-dependent range(): the same loop as a while
         t = 0
         while t < NT:
             S1, S2 = _state_fwd_step(
-                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H,
+                SPLIT_O,
             )
             t += 1
     if STORE_HT:
         tl.store(ht + i_nh * K * V + ck1[:, None] * V + cv[None, :], S1, mask=m_s1)
         tl.store(ht + i_nh * K * V + ck2[:, None] * V + cv[None, :], S2, mask=m_s2)
+
+
+@triton.jit
+def output_fwd_kernel(
+    QG, h, Aqk, VN, o, cu, chunk_idx, chunk_off,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """O = (Q Gamma) S_t + A_qk V~ per (chunk, head, V-block), from the states h and V~ of the serial pass."""
+    i_t, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    cid = tl.load(chunk_off + i_n) + i_c
+    jj = tl.arange(0, BT)
+    rows = bos + i_c * BT + jj
+    mr = rows < eos
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < K, cv < V
+    qg = tl.load(QG + rows[:, None] * (H * K) + i_h * K + ck[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+    base = h + (cid * H + i_h).to(tl.int64) * (K * V)
+    S = tl.load(base + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+    a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0)
+    off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+    m_v = mr[:, None] & mv[None, :]
+    vn = tl.load(VN + off_v, mask=m_v, other=0.0)
+    out = tl.dot(qg, S.to(qg.dtype)) + tl.dot(a.to(qg.dtype), vn.to(qg.dtype))
+    tl.store(o + off_v, out.to(o.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -636,6 +670,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 CONFIG = {
     "BV": 64, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 64,
     "maxnreg_intra": None, "maxnreg_grads": 128,
+    "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
 }  # fmt: skip
 
 
@@ -735,15 +770,23 @@ class ChunkKDATriton(torch.autograd.Function):
             **_maxnreg("maxnreg_intra"),
         )
         need_grad = any(ctx.needs_input_grad)
+        split = bool(CONFIG["split_output"])
         o = torch.empty_like(v)
-        h = torch.empty(NT, H, K, V, dtype=dt, device=dev) if need_grad else o
+        vn = torch.empty_like(v) if split else o  # what the serial pass writes per row: V~ or O
+        h = torch.empty(NT, H, K, V, dtype=dt, device=dev) if (need_grad or split) else o
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else o
         state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
-            QG, KD, G, W, U, Aqk, o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
-            H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state, STORE_H=need_grad,
-            FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
-            num_stages=CONFIG["stages_state"],
+            QG, KD, G, W, U, Aqk, vn, h, h0 if h0 is not None else o, ht, cu, chunk_off,
+            H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
+            STORE_H=need_grad or split, FOR_LOOP=not interpreter_on(), SPLIT_O=split,
+            num_warps=CONFIG["warps_state"], num_stages=CONFIG["stages_state"],
         )  # fmt: skip
+        if split:
+            BVO = max(16, min(CONFIG["BV_out"], triton.next_power_of_2(V)))
+            output_fwd_kernel[(NT, H, triton.cdiv(V, BVO))](
+                QG, h, Aqk, vn, o, cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BV=BVO,
+                num_warps=CONFIG["warps_out"],
+            )  # fmt: skip
         if need_grad:
             ctx.save_for_backward(q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, cu, chunk_idx, chunk_off)
             ctx.meta = (NT, h0 is not None)

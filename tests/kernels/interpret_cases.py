@@ -168,3 +168,16 @@ def test_l2norm_scale_triton_matches_torch():
     (ref * w).sum().backward()
     assert torch.allclose(l2norm_scale_triton(x, 0.3), ref, atol=1e-6)
     assert torch.allclose(x.grad, x2.grad, atol=1e-6)
+
+
+def test_chunk_kda_triton_split_output_matches_reference():
+    """The output formed by the parallel kernel after the serial pass (CONFIG split_output)."""
+    from k3rl.kernels.kda import triton_chunk
+
+    saved = dict(triton_chunk.CONFIG)
+    triton_chunk.CONFIG.update(split_output=True, BV_out=16)
+    try:
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
+    finally:
+        triton_chunk.CONFIG.clear()
+        triton_chunk.CONFIG.update(saved)

@@ -82,10 +82,17 @@ def main():
         "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
-            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True),
+            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False),
             cfg["warps_state"],
             cfg["stages_state"],
         ),
+        "state_fwd_split": compile_one(
+            tc.state_fwd_kernel,
+            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=True),
+            cfg["warps_state"],
+            cfg["stages_state"],
+        ),
+        "output_fwd": compile_one(tc.output_fwd_kernel, dict(K=128, V=128, BK=128, BV=cfg["BV_out"]), cfg["warps_out"]),
         "state_bwd": compile_one(
             tc.state_bwd_kernel,
             dict(C, HAS_DHT=True, STORE_DH0=True, FOR_LOOP=True),
