@@ -110,14 +110,14 @@ class LearnerSection(_Section):
     @model_validator(mode="after")
     def _expert_parallel(self):
         ep = self.expert_parallel
-        if self.world_size > 1 and self.data_parallel != "fsdp":
-            raise ValueError(
-                f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's ranks share one model)"
-            )
         if ep > 1 and self.data_parallel != "fsdp":
             raise ValueError(f"expert_parallel={ep} needs data_parallel='fsdp' (FSDP shards all but the experts)")
         if self.world_size % ep:
             raise ValueError(f"expert_parallel={ep} must divide world_size={self.world_size}")
+        if self.world_size > 1 and self.data_parallel != "fsdp":
+            raise ValueError(
+                f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's ranks share one model)"
+            )
         return self
 
 

@@ -40,6 +40,8 @@ def test_bad_value_names_field_and_expectation():
 def test_cross_field_validation():
     with pytest.raises(ConfigError, match="ratio_mask_low"):
         JobConfig.load(None, ["learner.ratio_mask_low=5", "learner.ratio_mask_high=2"])
+    with pytest.raises(ConfigError, match=r"learner: .*world_size=2 needs data_parallel='fsdp'"):
+        JobConfig.load(None, ["learner.world_size=2"])  # ranks of a learner must share one sharded model
 
 
 def test_bad_override_syntax_and_files(tmp_path):
