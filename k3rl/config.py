@@ -60,7 +60,11 @@ class RolloutSection(_Section):
     max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")
     gpus_per_inference_worker: float = Field(0.0, ge=0.0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
-    weight_transport: Literal["object_store", "nccl", "cuda_ipc"] = "object_store"
+    weight_transport: Literal["object_store", "nccl", "cuda_ipc"] = Field(
+        "object_store",
+        description="how each WeightUpdate reaches the engines: object_store (any cluster), nccl (a broadcast "
+                    "group of the learner's rank 0 and the engines, on their own GPUs; gloo when all run on CPUs), "
+                    "cuda_ipc (engines sharing the learner's GPU host)")
 
 
 class LearnerSection(_Section):
@@ -178,6 +182,25 @@ class JobConfig(_Section):
             n = self.model.k3_config().num_experts
             if n % ep:
                 raise ValueError(f"learner.expert_parallel={ep} must divide the model's num_experts={n}")
+        return self
+
+    @model_validator(mode="after")
+    def _weight_transport(self):
+        t, learner_gpus, engine_gpus = self.rollout.weight_transport, self.learner.gpus, self.rollout.gpus_per_inference_worker
+        if t == "nccl" and (learner_gpus > 0) != (engine_gpus > 0):
+            raise ValueError(
+                f"rollout.weight_transport='nccl' needs the learner and the engines on the same kind of device "
+                f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus}): NCCL between GPUs, "
+                f"gloo between CPU processes")
+        if t == "nccl" and engine_gpus > 0 and (engine_gpus < 1 or learner_gpus / self.learner.world_size < 1):
+            raise ValueError(
+                f"rollout.weight_transport='nccl' needs one whole GPU per process (learner.gpus={learner_gpus} over "
+                f"{self.learner.world_size} rank(s), rollout.gpus_per_inference_worker={engine_gpus}): NCCL cannot "
+                f"connect two processes on one GPU; use 'cuda_ipc' when the engines share the learner's GPU")
+        if t == "cuda_ipc" and not (learner_gpus > 0 and engine_gpus > 0):
+            raise ValueError(
+                f"rollout.weight_transport='cuda_ipc' needs the learner and the engines on GPUs of one host "
+                f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus})")
         return self
 
     # -- loading ---------------------------------------------------------------------

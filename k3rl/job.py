@@ -54,8 +54,9 @@ class LearnerActor:
         self.trainer = None
 
     def rendezvous_address(self) -> str:
-        """host:port for the process group's store, on this (rank 0's) node: loopback when the job
-        runs its own local Ray (every rank is on this machine), the node's address on a cluster."""
+        """A free host:port for a process group's store on this (rank 0's) node: loopback when the
+        job runs its own local Ray (every process is on this machine), the node's address on a
+        cluster. Used for the learner's ranks and for the weight-broadcast group."""
         import ray
 
         host = ray.util.get_node_ip_address() if self.cfg.ray.address else "127.0.0.1"
@@ -90,9 +91,54 @@ class LearnerActor:
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         return self.trainer.train_step(trajectories)
 
+    # ----- weights to the engines (rollout.weight_transport) ------------------------------
+    def _export(self, version: int, on_device: bool):
+        import torch
+
+        # ship in the engines' dtype (the fp32 allow-list stays fp32); collective: every rank gathers
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
+        return self.trainer.export_weights(version, dtype=dtype, to_cpu=not on_device)
+
     def export_weights(self, version: int):
-        update = self.trainer.export_weights(version)  # collective: every rank gathers
+        """object_store: the update goes back to the driver, which publishes it once."""
+        update = self._export(version, on_device=False)
         return update if self.rank == 0 else None  # only rank 0's copy travels
+
+    def join_weight_sync(self, address: str, world_size: int) -> None:
+        """nccl: rank 0 becomes rank 0 (the sender) of a broadcast group with the engines."""
+        from k3rl.rollout.weight_sync import CollectiveWeightSync
+
+        if self.rank != 0:
+            return
+        if getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()
+        host, port = address.rsplit(":", 1)
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        self.weight_sync = CollectiveWeightSync(0, world_size, host, int(port), backend, self.device)
+
+    def send_weights(self, version: int) -> dict[str, float]:
+        """nccl: broadcast the update (the engines receive it at the same time)."""
+        update = self._export(version, on_device=self.device == "cuda")
+        if self.rank != 0:
+            return {}
+        t0 = time.perf_counter()
+        self.weight_sync.send(update)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(t.numel() * t.element_size() for b in update.buckets for t in b.tensors.values())
+        return {"weight_sync/bytes": float(nbytes), "weight_sync/broadcast_s": seconds,
+                "weight_sync/broadcast_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+    def share_weights(self, version: int):
+        """cuda_ipc: handles to the update in this GPU's memory; kept alive until the next one."""
+        from k3rl.rollout.weight_sync import share_cuda_ipc
+
+        update = self._export(version, on_device=True)
+        if self.rank != 0:
+            return None
+        if getattr(self, "ipc_share", None) is not None:
+            self.ipc_share.release()  # the engines copied the previous one out before it was replaced
+        self.ipc_share = share_cuda_ipc(update, "cuda")
+        return self.ipc_share
 
     def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self.trainer.logprobs(trajectories)
@@ -135,6 +181,43 @@ class LearnerGroup:
         refs = [ray.put(a) for a in args]  # one copy in the object store, shared by the ranks
         answers = await asyncio.gather(*(getattr(a, method).remote(*refs) for a in self.actors))
         return answers[0]
+
+
+class WeightSync:
+    """Brings the engines to the learner's weights of a version, by `rollout.weight_transport`:
+
+    * object_store: rank 0's WeightUpdate comes to the driver, the pool publishes it once and
+      every engine reads it (restarted engines are replayed it);
+    * nccl: the learner's rank 0 and the engines form a broadcast group of their own (NCCL on
+      GPUs, gloo on CPUs) and the buckets go GPU to GPU; the group is formed again, on a new
+      port, after an engine restart (a restarted engine serves nothing until it has the weights);
+    * cuda_ipc: rank 0 packs the update in its GPU memory and the engines copy it out through
+      CUDA IPC handles (engines sharing the learner's GPU)."""
+
+    def __init__(self, cfg: JobConfig, learner: LearnerGroup, pool) -> None:
+        self.transport = cfg.rollout.weight_transport
+        self.world = cfg.rollout.num_inference_workers + 1
+        self.backend = "nccl" if cfg.learner.gpus > 0 else "gloo"
+        self.learner, self.pool = learner, pool
+
+    async def _form_group(self) -> None:
+        address = await self.learner.actors[0].rendezvous_address.remote()
+        host, port = address.rsplit(":", 1)
+        await asyncio.gather(self.learner.call("join_weight_sync", address, self.world),
+                             self.pool.join_collective.remote(host, int(port), self.backend))
+
+    async def __call__(self, version: int) -> dict[str, float]:
+        if self.transport == "nccl":
+            if not await self.pool.collective_intact.remote():
+                await self._form_group()
+            sent, _ = await asyncio.gather(self.learner.call("send_weights", version),
+                                           self.pool.receive_collective_update.remote())
+            return sent
+        if self.transport == "cuda_ipc":
+            await self.pool.update_weights.remote(await self.learner.call("share_weights", version))
+            return {}
+        await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
+        return {}
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -270,7 +353,14 @@ def init_ray(cfg: JobConfig) -> None:
         # address="local": always a fresh local Ray, never a cluster that happens to run here
         ray.init(address="local", num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1), namespace=cfg.ray.namespace,
                  include_dashboard=cfg.ray.include_dashboard, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}})
+                 runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", **_forwarded_env()}})
+
+
+def _forwarded_env() -> dict[str, str]:
+    """Communication settings the actors must share with the driver (NCCL_NVLS_ENABLE=0 and its
+    relatives keep NVLink multicast off on shared GPU hosts; a worker without them would not)."""
+    prefixes = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_")
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
 
 
 def run_job(cfg: JobConfig, resume: bool = False, *, kill_worker_at_step: int | None = None,
@@ -359,8 +449,8 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
         console.log(f"SFT warm start: {len(demos)} oracle episodes, {cfg.learner.sft_steps} steps, "
                     f"loss {sft_metrics[0].get('loss', float('nan')):.3f} -> {sft_metrics[-1].get('loss', float('nan')):.3f}")
 
-    weights = await learner.call("export_weights", start_step + 1)
-    await pool.update_weights.remote(weights)
+    sync = WeightSync(cfg, learner, pool)
+    await sync(start_step + 1)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
@@ -406,8 +496,7 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             m.update(train_m)
             version = step + 1
             t2 = time.monotonic()
-            weights = await learner.call("export_weights", version + 1)
-            await pool.update_weights.remote(weights)
+            m.update(await sync(version + 1))
             m["time/weight_sync_s"] = time.monotonic() - t2
             m["time/wait_for_rollouts_s"] = t_wait
             m["time/train_s"] = t_train

@@ -439,10 +439,12 @@ class Trainer:
             return full_state_dict(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
-    def export_weights(self, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20) -> WeightUpdate:
+    def export_weights(self, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
+                       to_cpu: bool = True) -> WeightUpdate:
         """Every weight under its official HF name, as a versioned WeightUpdate.
 
-        `dtype` casts floating tensors except the fp32 allow-list (K3_SPEC §1.5). Under FSDP
+        `dtype` casts floating tensors except the fp32 allow-list (K3_SPEC §1.5). `to_cpu=False`
+        keeps the tensors where the model is (for a GPU-to-GPU broadcast or CUDA IPC). Under FSDP
         this is collective: call it on every rank (each gets the same update)."""
         from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
         from k3rl.learner.model.state_dict_adapter import to_hf
@@ -456,7 +458,7 @@ class Trainer:
                 k: (v.to(dtype) if v.is_floating_point() and not k.endswith(FP32_PARAM_SUFFIXES) else v)
                 for k, v in hf.items()
             }
-        hf = {k: v.detach().cpu().contiguous() for k, v in hf.items()}
+        hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
         return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, directory) -> None:

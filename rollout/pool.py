@@ -326,6 +326,10 @@ class InferencePool:
                                for i, w in enumerate(self._workers)))
         self._collective_generation = list(self._generation)
 
+    def collective_intact(self) -> bool:
+        """Whether a weight-sync group exists and holds every current worker (no restart since)."""
+        return self._collective_generation is not None and self._collective_generation == self._generation
+
     async def receive_collective_update(self) -> int:
         """Every worker receives the update the learner broadcasts now (`CollectiveWeightSync.send`)
         and switches; returns the new version. A restarted worker is not in the group: after a
@@ -404,6 +408,9 @@ class PoolActor:
 
     async def receive_collective_update(self) -> int:
         return await self.pool.receive_collective_update()
+
+    def collective_intact(self) -> bool:
+        return self.pool.collective_intact()
 
     async def abort(self, request_id: str) -> bool:
         return await self.pool.abort(request_id)

@@ -44,6 +44,21 @@ def test_cross_field_validation():
         JobConfig.load(None, ["learner.world_size=2"])  # ranks of a learner must share one sharded model
 
 
+def test_weight_transport_must_fit_the_devices():
+    # a broadcast group is NCCL between GPUs or gloo between CPUs, never a mix
+    with pytest.raises(ConfigError, match=r"<root>: .*weight_transport='nccl' needs the learner and the engines on the same kind"):
+        JobConfig.load(None, ["rollout.weight_transport=nccl", "learner.gpus=1"])
+    # NCCL cannot connect two processes on one GPU: colocated engines use CUDA IPC
+    with pytest.raises(ConfigError, match=r"one whole GPU per process .* use 'cuda_ipc'"):
+        JobConfig.load(None, ["rollout.weight_transport=nccl", "learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5"])
+    with pytest.raises(ConfigError, match=r"'cuda_ipc' needs the learner and the engines on GPUs"):
+        JobConfig.load(None, ["rollout.weight_transport=cuda_ipc"])
+    for ok in (["rollout.weight_transport=nccl"],  # gloo on CPUs
+               ["rollout.weight_transport=nccl", "learner.gpus=1", "rollout.gpus_per_inference_worker=1"],
+               ["rollout.weight_transport=cuda_ipc", "learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5"]):
+        JobConfig.load(None, ok)
+
+
 def test_bad_override_syntax_and_files(tmp_path):
     with pytest.raises(ConfigError, match="must look like key.path=value"):
         apply_override({}, "learner.lr")

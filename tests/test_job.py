@@ -157,3 +157,28 @@ def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
     moe = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     assert moe.experts.w1.shape[0] == tiny.num_experts  # every expert, not one rank's half
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
+    """rollout.weight_transport=nccl: the learner's rank 0 and two engines form a broadcast group
+    (gloo between these CPU processes, NCCL between GPUs: the same code); in synchronous mode
+    every token is then sampled from exactly the weights the learner trains (ratios 1)."""
+    import ray
+
+    from k3rl.job import run_job
+
+    ray.shutdown()
+    cfg = _cfg(tmp_path, "learner.steps=2", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
+               "rollout.max_policy_lag=0", "name=bcast")
+    try:
+        summary = run_job(cfg, quiet=True)
+    finally:
+        ray.shutdown()
+    assert summary["completed"] and summary["steps"] == 2
+    from k3rl.learner.model import K3Config, K3ForCausalLM
+
+    model_bytes = sum(t.numel() * t.element_size() for t in K3ForCausalLM(K3Config.preset("k3-tiny")).state_dict().values())
+    for m in summary["history"]:
+        assert m["staleness/max"] == 0.0
+        assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
+        assert m["weight_sync/bytes"] == pytest.approx(model_bytes, rel=0.02)  # the whole model, every step

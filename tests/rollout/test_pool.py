@@ -111,8 +111,10 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
+            assert not pool.collective_intact()
             await pool.join_collective("127.0.0.1", port, backend="gloo")
             sender = await sender
+            assert pool.collective_intact()
             torch.manual_seed(6)
             newer = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
             sending = asyncio.create_task(asyncio.to_thread(sender.send, WeightUpdate.from_state_dict(2, to_hf(newer.state_dict()))))
@@ -132,12 +134,27 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             assert [h["version"] for h in await pool.check_health()] == [2, 1]
             r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
             assert r.versions == [2] * 5 and r.worker == (await pool.workers[0].ping.remote())["name"]
+            assert not pool.collective_intact()
             with pytest.raises(RuntimeError, match="join_collective again"):
                 await pool.receive_collective_update()
             with pytest.raises(ValueError, match="not newer"):
                 await pool.update_weights(WeightUpdate.from_state_dict(2, to_hf(new.state_dict())))
             assert await pool.update_weights(WeightUpdate.from_state_dict(3, to_hf(newer.state_dict()))) == 3
             assert {h["version"] for h in await pool.check_health()} == {3}
+
+            # the group formed again (new port, new sender) holds the replacement too
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            sender.close()
+            sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
+            await pool.join_collective("127.0.0.1", port, backend="gloo")
+            sender = await sender
+            assert pool.collective_intact()
+            sending = asyncio.create_task(asyncio.to_thread(sender.send, WeightUpdate.from_state_dict(4, to_hf(new.state_dict()))))
+            assert await pool.receive_collective_update() == 4
+            await sending
+            assert [h["version"] for h in await pool.check_health()] == [4, 4]
         finally:
             pool.shutdown()
 
