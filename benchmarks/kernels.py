@@ -63,6 +63,18 @@ def bench(fn, grad_to_none=None, rep=200):
     return do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+_T0 = None
+
+
+def stamp(what):
+    """Progress line with the seconds since the start (a stalled phase shows as the last stamp)."""
+    import time
+
+    global _T0
+    _T0 = _T0 or time.time()
+    print(f"[{time.time() - _T0:7.1f} s] {what}", flush=True)
+
+
 def row(*cells):
     print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
@@ -151,10 +163,16 @@ def kda(shapes=KDA_SHAPES):
     row(*["---"] * 7)
     for B, T, H in (tuple(int(n) for n in s.split("x")) for s in shapes.split(",")):
         x = kda_inputs(B, T, H)
+        # ours first, then fla-core (whose first call of a new head count autotunes), each phase stamped
+        stamp(f"{B}x{T}x{H} ours fwd")
         with torch.no_grad():
             ours_f = bench(lambda x=x: ours_kda(x))
-            fla_f = bench(lambda x=x: fla_kda(x)) if fla_chunk_kda else float("nan")
+        stamp(f"{B}x{T}x{H} ours fwd+bwd")
         ours_fb = time_fwd_bwd(ours_kda, x)
+        stamp(f"{B}x{T}x{H} fla fwd")
+        with torch.no_grad():
+            fla_f = bench(lambda x=x: fla_kda(x)) if fla_chunk_kda else float("nan")
+        stamp(f"{B}x{T}x{H} fla fwd+bwd")
         fla_fb = time_fwd_bwd(fla_kda, x) if fla_chunk_kda else float("nan")
         row(
             f"{B}, {T}, {H}",
@@ -198,38 +216,88 @@ def profile(B=1, T=4096, H=96, with_fla=True):
             row(ev.key[:70], f"{ev.device_time_total / 5 / 1000:.3f}", ev.count // 5)
 
 
+# The version of 15:27 (checked in bf16 against the fp32 reference on the GPU): the reference of the sweep.
+PREVIOUS = {
+    "grads_chunk": False, "BKS": 64, "BV_bwd": 64, "BKS_tiles": 64, "warps_tiles": 8, "maxnreg_tiles": 128,
+    "warps_state_bwd": 8, "stages_state_bwd": 2,
+}  # fmt: skip
+# (group, change against the defaults): "fwd" changes are judged by the forward time, "bwd" changes by
+# forward + backward; --adopt-best keeps the best of each group (if it agrees with PREVIOUS) for the sections after.
 SWEEP = [
-    {},
-    {"BV": 32},
-    {"maxnreg_grads": None},
-    {"stages_state": 1},
-    {"warps_state": 4},
-    {"split_output": True},  # O by a parallel kernel after the serial pass (untimed so far)
-    {"split_output": True, "BV": 32},
+    ("previous", PREVIOUS),
+    ("both", {}),
+    ("fwd", {"warps_state": 4, "stages_state": 1}),
+    ("fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
+    ("bwd", {"warps_state_bwd": 4, "stages_state_bwd": 1}),
+    ("bwd", {"BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1}),
+    ("bwd", {"BKS": 64}),
+    ("bwd", {"BKS_tiles": 64}),
 ]
 
 
-def sweep(B=1, T=4096, H=96):
-    """Our chunk KDA under several launch settings (one change each against the defaults)."""
+def sweep(B=1, T=4096, H=96, adopt=False):
+    """Our chunk KDA under several launch settings (one change each against the defaults); each
+    setting's output and gradients are compared with those of PREVIOUS on the same inputs."""
     from k3rl.kernels.kda import triton_chunk
 
     base = dict(triton_chunk.CONFIG)
     x = kda_inputs(B, T, H)
     print(f"\n## KDA chunk launch settings ({B}x{T}x{H}); defaults {base}\n")
-    row("change", "fwd ms", "fwd+bwd ms")
-    row(*["---"] * 3)
-    for change in SWEEP:
+    row("group", "change", "fwd ms", "fwd+bwd ms", "o vs previous", "grads vs previous (max rel)")
+    row(*["---"] * 6)
+    ref, results = None, []
+
+    def measure(group, change):
+        nonlocal ref
         triton_chunk.CONFIG.clear()
         triton_chunk.CONFIG.update(base, **change)
         try:
+            stamp(f"sweep {change}")
+            got = outputs_and_grads(x)  # the same numbers under every setting (bf16 rounding aside)
+            ref = ref or got
+            diffs = [rel(a, b) for a, b in zip(got, ref, strict=True)]
             with torch.no_grad():
                 f = bench(lambda: ours_kda(x))
             fb = time_fwd_bwd(ours_kda, x)
-            row(change or "defaults", f"{f:.3f}", f"{fb:.3f}")
+            row(
+                group,
+                change or "defaults",
+                f"{f:.3f}",
+                f"{fb:.3f}",
+                f"{diffs[0]:.1e}",
+                f"{max(diffs[1:]):.1e}",
+            )
+            ok = diffs[0] < 1e-3 and max(diffs[1:]) < 1e-2
+            results.append((group, change, f, fb, ok))
         except Exception as e:  # a setting that does not compile must not stop the sweep
-            row(change, "failed", str(e).splitlines()[0][:80])
+            row(group, change, "failed", str(e).splitlines()[0][:80], "", "")
+
+    for group, change in SWEEP:
+        measure(group, change)
+    chosen = dict(base)
+    if adopt:
+        best_f = min(
+            (r for r in results if r[4] and r[0] in ("both", "fwd")), key=lambda r: r[2], default=None
+        )
+        best_b = min(
+            (r for r in results if r[4] and r[0] in ("both", "bwd")), key=lambda r: r[3], default=None
+        )
+        if best_f is not None and best_b is not None:
+            chosen.update(best_f[1], **best_b[1])
+            measure("adopted", {k: v for k, v in chosen.items() if base.get(k) != v})
     triton_chunk.CONFIG.clear()
-    triton_chunk.CONFIG.update(base)
+    triton_chunk.CONFIG.update(chosen)
+    print(f"\nKDA chunk launch config from here on: {chosen}", flush=True)
+
+
+def outputs_and_grads(x, fn=None):
+    """o and the gradients of q, k, v, g, beta for a fixed dO (inputs left without grads)."""
+    leaves = ("q", "k", "v", "g", "beta")
+    xs = {n: (t.detach().clone().requires_grad_(True) if n in leaves else t) for n, t in x.items()}
+    o, _ = (fn or ours_kda)(xs)
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    o.backward(torch.randn(o.shape, generator=gen, device=DEV, dtype=o.dtype))
+    return [o.detach()] + [xs[n].grad for n in leaves]
 
 
 def rel(a, b):
@@ -412,8 +480,21 @@ def main():
         "--copy-gbs", type=float, default=4270.0, help="copy bandwidth (GB/s) when 'peak' is skipped"
     )
     p.add_argument("--kda-shapes", default=KDA_SHAPES, help="B x T x H list for the KDA section")
-    p.add_argument("--kda-config", default="", help="launch settings for our chunk kernels, e.g. BV=64,warps_state=4")
+    p.add_argument(
+        "--kda-config", default="", help="launch settings for our chunk kernels, e.g. BV=64,warps_state=4"
+    )
+    p.add_argument(
+        "--adopt-best", action="store_true", help="the sections after 'sweep' use its best settings"
+    )
+    p.add_argument(
+        "--watchdog", type=float, default=0, help="dump all Python stacks every N seconds (0: off)"
+    )
     args = p.parse_args()
+    if args.watchdog:
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True, file=sys.stdout)
     which = set(args.only.split(","))
     if args.kda_config:
         from k3rl.kernels.kda import triton_chunk
@@ -428,12 +509,19 @@ def main():
     tflops, bw = peak() if "peak" in which else (args.peak_tflops, args.copy_gbs)
     sections = dict(
         kda=lambda: kda(args.kda_shapes),
-        sweep=sweep,
+        sweep=lambda: sweep(adopt=args.adopt_best),
         profile=profile,
-        profile_ours=lambda: profile(with_fla=False), agree=agree, recurrent=lambda: recurrent(bw), situ=situ, moe=lambda: moe(tflops), ns=ns
+        profile_ours=lambda: profile(with_fla=False),
+        agree=agree,
+        recurrent=lambda: recurrent(bw),
+        situ=situ,
+        moe=lambda: moe(tflops),
+        ns=ns,
     )
-    for name, fn in sections.items():
-        if name in which:
+    for name in args.only.split(","):  # in the order given
+        fn = sections.get(name)
+        if fn is not None:
+            stamp(f"section {name}")
             try:  # one failing section must not hide the others' numbers
                 fn()
             except Exception:

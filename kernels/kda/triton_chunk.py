@@ -233,11 +233,12 @@ def intra_fwd_kernel(
 # serial chains of different (head, V-block) programs overlap.
 @triton.jit
 def _state_fwd_step(
-    t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
-    H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr, SPLIT_O: tl.constexpr,
+    t, S1, S2, QG, KD, G, W, U, Aqk, o, VNo, h, bos, eos, c0, i_h, ck1, ck2, cv, jj,
+    H, K: tl.constexpr, V: tl.constexpr, STORE_H: tl.constexpr, SPLIT_O: tl.constexpr, STORE_VN: tl.constexpr,
 ):  # fmt: skip
     """One chunk: V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Gamma_C S + Kd^T V~.
-    With SPLIT_O the pass writes V~ into `o` and `output_fwd_kernel` forms O in parallel."""
+    With STORE_VN the pass writes V~ into `VNo` (for the backward and for the split output); with
+    SPLIT_O it forms no O (`output_fwd_kernel` does, in parallel over chunks)."""
     dt = KD.dtype.element_ty
     rows = bos + t * BT + jj
     mr = rows < eos
@@ -265,10 +266,12 @@ def _state_fwd_step(
     vn -= tl.dot(tl.load(W + off1, mask=m1, other=0.0), S1d)  # V~ = U - W S
     vn -= tl.dot(tl.load(W + off2, mask=m2, other=0.0), S2d)
     vnd = vn.to(dt)
-    if SPLIT_O:
-        tl.store(o + off_v, vnd.to(o.dtype.element_ty), mask=m_v)  # V~, for the parallel output kernel
-    else:
-        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(dt)
+    if STORE_VN:
+        tl.store(VNo + off_v, vnd.to(VNo.dtype.element_ty), mask=m_v)
+    if not SPLIT_O:
+        a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0).to(
+            dt
+        )
         out = tl.dot(a, vnd)  # O = A_qk V~ + (Q Gamma) S
         out += tl.dot(tl.load(QG + off1, mask=m1, other=0.0), S1d)
         out += tl.dot(tl.load(QG + off2, mask=m2, other=0.0), S2d)
@@ -285,10 +288,10 @@ def _state_fwd_step(
 
 @triton.jit
 def state_fwd_kernel(
-    QG, KD, G, W, U, Aqk, o, h, h0, ht, cu, chunk_off,
+    QG, KD, G, W, U, Aqk, o, VNo, h, h0, ht, cu, chunk_off,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, FOR_LOOP: tl.constexpr,
-    SPLIT_O: tl.constexpr,
+    SPLIT_O: tl.constexpr, STORE_VN: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -310,16 +313,16 @@ def state_fwd_kernel(
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for t in range(NT):
             S1, S2 = _state_fwd_step(
-                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H,
-                SPLIT_O,
-            )
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, VNo, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V,
+                STORE_H, SPLIT_O, STORE_VN,
+            )  # fmt: skip
     else:  # the CPU interpreter cannot take a data-dependent range(): the same loop as a while
         t = 0
         while t < NT:
             S1, S2 = _state_fwd_step(
-                t, S1, S2, QG, KD, G, W, U, Aqk, o, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V, STORE_H,
-                SPLIT_O,
-            )
+                t, S1, S2, QG, KD, G, W, U, Aqk, o, VNo, h, bos, eos, c0, i_h, ck1, ck2, cv, jj, H, K, V,
+                STORE_H, SPLIT_O, STORE_VN,
+            )  # fmt: skip
             t += 1
     if STORE_HT:
         tl.store(ht + i_nh * K * V + ck1[:, None] * V + cv[None, :], S1, mask=m_s1)
@@ -342,7 +345,9 @@ def output_fwd_kernel(
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
-    qg = tl.load(QG + rows[:, None] * (H * K) + i_h * K + ck[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
+    qg = tl.load(
+        QG + rows[:, None] * (H * K) + i_h * K + ck[None, :], mask=mr[:, None] & mk[None, :], other=0.0
+    )
     base = h + (cid * H + i_h).to(tl.int64) * (K * V)
     S = tl.load(base + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
     a = tl.load(Aqk + rows[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mr[:, None], other=0.0)
@@ -560,6 +565,94 @@ def grads_state_kernel(
 
 
 @triton.jit
+def grads_chunk_kernel(
+    q, k, v, G, beta, W, U, VN, Ti, h, dh, do, dvn,
+    dq, dk, dv, dG, dbeta, dA, dAqk_s, cu, chunk_idx, chunk_off,
+    H, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """grads_state's job in one program per (chunk, head): the K-independent products once, then the
+    K slices in a loop (dL summed in registers, no atomics), V~ read back from the forward
+    pass instead of recomputed. dbeta is stored, not added: grads_tiles adds to it afterwards."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    cid = tl.load(chunk_off + i_n) + i_c
+    start = bos + i_c * BT
+    dt = k.dtype.element_ty
+    jj = tl.arange(0, BT)
+    rows = start + jj
+    mr = rows < eos
+    last = tl.minimum(start + BT, eos) - 1
+    off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
+    Tm = tl.load(Ti + off_a, mask=mr[:, None], other=0.0).to(dt)
+    b_beta = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+    base_s = (cid * H + i_h).to(tl.int64) * (K * V)
+    dl = tl.zeros([BT, BT], dtype=tl.float32)  # dL = -(dB_W W^T + dB_U U^T), over all K slices
+    daqk = tl.zeros([BT, BT], dtype=tl.float32)  # dA_qk = dO V~^T
+    db = tl.zeros([BT], dtype=tl.float32)
+    # 1) K-independent: A_qk and the U side of the WY factors
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mr[:, None] & (cv < V)[None, :]
+        b_dvn = tl.load(dvn + off_v, mask=m_v, other=0.0).to(dt)
+        daqk += tl.dot(
+            tl.load(do + off_v, mask=m_v, other=0.0).to(dt),
+            tl.trans(tl.load(VN + off_v, mask=m_v, other=0.0).to(dt)),
+        )  # dO V~^T
+        dbu = tl.dot(tl.trans(Tm), b_dvn)  # dB_U = T~^T dU, with dU = dV~
+        tl.store(dv + off_v, (dbu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_v)  # B_U = beta V
+        db += tl.sum(dbu * tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32), axis=1)
+        dl -= tl.dot(dbu.to(dt), tl.trans(tl.load(U + off_v, mask=m_v, other=0.0).to(dt)))
+    tl.store(dAqk_s + off_a, tl.where(jj[None, :] <= jj[:, None], daqk, 0.0), mask=mr[:, None])
+    # 2) per K slice: through O = (Q Gamma) S, the state update and the W side
+    for i_k in range((K + BKS - 1) // BKS):
+        ks = i_k * BKS + tl.arange(0, BKS)
+        mks = ks < K
+        off_ks = rows[:, None] * (H * K) + i_h * K + ks[None, :]
+        m_ks = mr[:, None] & mks[None, :]
+        dqg = tl.zeros([BT, BKS], dtype=tl.float32)  # d(Q Gamma)
+        dkd = tl.zeros([BT, BKS], dtype=tl.float32)  # d(Kd), Kd = K e^{G_C - G}
+        dw = tl.zeros([BT, BKS], dtype=tl.float32)
+        dgam = tl.zeros([BKS], dtype=tl.float32)  # d G_C through Diag(Gamma_C) S
+        for i_v in range(tl.cdiv(V, BV)):
+            cv = i_v * BV + tl.arange(0, BV)
+            mv = cv < V
+            m_s = mks[:, None] & mv[None, :]
+            S_k = tl.load(h + base_s + ks[:, None] * V + cv[None, :], mask=m_s, other=0.0).to(dt)
+            dS_k = tl.load(dh + base_s + ks[:, None] * V + cv[None, :], mask=m_s, other=0.0).to(dt)
+            off_v = rows[:, None] * (H * V) + i_h * V + cv[None, :]
+            m_v = mr[:, None] & mv[None, :]
+            b_do = tl.load(do + off_v, mask=m_v, other=0.0).to(dt)
+            b_dvn = tl.load(dvn + off_v, mask=m_v, other=0.0).to(dt)
+            b_vn = tl.load(VN + off_v, mask=m_v, other=0.0).to(dt)
+            dqg += tl.dot(b_do, tl.trans(S_k))  # dO S^T
+            dkd += tl.dot(b_vn, tl.trans(dS_k))  # V~ dS'^T
+            dw -= tl.dot(b_dvn, tl.trans(S_k))  # dW = -dV~ S^T  (V~ = U - W S)
+            dgam += tl.sum(dS_k.to(tl.float32) * S_k.to(tl.float32), axis=1)
+        dbw = tl.dot(tl.trans(Tm), dw.to(dt))  # dB_W = T~^T dW (this K slice)
+        dl -= tl.dot(dbw.to(dt), tl.trans(tl.load(W + off_ks, mask=m_ks, other=0.0)))
+        b_G = tl.load(G + off_ks, mask=m_ks, other=0.0)
+        gam = tl.exp(b_G)
+        b_dG = dqg * tl.load(q + off_ks, mask=m_ks, other=0.0).to(tl.float32) * gam  # O = (Q Gamma) S
+        tl.store(dq + off_ks, dqg * gam, mask=m_ks)
+        b_k = tl.load(k + off_ks, mask=m_ks, other=0.0).to(tl.float32)
+        t_w = dbw * gam  # B_W = beta Gamma K
+        db += tl.sum(t_w * b_k, axis=1)
+        b_dG += t_w * b_k * b_beta[:, None]
+        Gl = tl.load(G + last * (H * K) + i_h * K + ks, mask=mks, other=0.0)
+        ekd = tl.where(m_ks, tl.exp(Gl[None, :] - b_G), 0.0)
+        tl.store(dk + off_ks, t_w * b_beta[:, None] + dkd * ekd, mask=m_ks)
+        x = dkd * b_k * ekd
+        b_dG -= x
+        dgam = dgam * tl.exp(Gl) + tl.sum(x, axis=0)
+        b_dG += tl.where((rows == last)[:, None], dgam[None, :], 0.0)  # G_C is the chunk's last row
+        tl.store(dG + off_ks, b_dG, mask=m_ks)
+    tl.store(dA + off_a, tl.where(jj[None, :] < jj[:, None], dl, 0.0), mask=mr[:, None])  # strictly lower
+    tl.store(dbeta + rows * H + i_h, db, mask=mr)
+
+
+@triton.jit
 def grads_tiles_kernel(
     q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk_s, cu, chunk_idx,
     H, K: tl.constexpr, BKS: tl.constexpr,
@@ -668,9 +761,12 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200)
 # maxnreg_* caps registers per thread (None: the compiler's choice; 128 at 8 warps lets 2 programs share an SM)
 CONFIG = {
-    "BV": 64, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 64,
+    "BV": 64, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 32,
     "maxnreg_intra": None, "maxnreg_grads": 128,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
+    "grads_chunk": True,  # one gradient program per (chunk, head) over stored V~ (False: per K slice, atomics)
+    "BV_bwd": 32, "warps_state_bwd": 8, "stages_state_bwd": 2,  # state_bwd (BV_bwd also the gradient kernels')
+    "stages_grads": 2, "BKS_tiles": 32, "warps_tiles": 8, "maxnreg_tiles": 128,
 }  # fmt: skip
 
 
@@ -679,9 +775,9 @@ def _maxnreg(key):
     return {} if CONFIG[key] is None or interpreter_on() else {"maxnreg": CONFIG[key]}
 
 
-def _blocks(K, V):
+def _blocks(K, V, key="BV"):
     BK = max(32, triton.next_power_of_2(K))  # the state kernels split BK into two halves of >= 16
-    BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
+    BV = max(16, min(CONFIG[key], triton.next_power_of_2(V)))
     if BK > 256:
         raise ValueError(
             f"chunk_kda (triton): head dim K={K} is above the supported 256; use backend='torch'"
@@ -771,14 +867,16 @@ class ChunkKDATriton(torch.autograd.Function):
         )
         need_grad = any(ctx.needs_input_grad)
         split = bool(CONFIG["split_output"])
+        grads_chunk = need_grad and bool(CONFIG["grads_chunk"])
+        store_vn = split or grads_chunk  # V~ kept for the split output or for the gradient kernel
         o = torch.empty_like(v)
-        vn = torch.empty_like(v) if split else o  # what the serial pass writes per row: V~ or O
+        vn = torch.empty_like(v) if store_vn else None
         h = torch.empty(NT, H, K, V, dtype=dt, device=dev) if (need_grad or split) else o
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else o
         state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
-            QG, KD, G, W, U, Aqk, vn, h, h0 if h0 is not None else o, ht, cu, chunk_off,
+            QG, KD, G, W, U, Aqk, o, vn if store_vn else o, h, h0 if h0 is not None else o, ht, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STORE_HT=output_final_state,
-            STORE_H=need_grad or split, FOR_LOOP=not interpreter_on(), SPLIT_O=split,
+            STORE_H=need_grad or split, FOR_LOOP=not interpreter_on(), SPLIT_O=split, STORE_VN=store_vn,
             num_warps=CONFIG["warps_state"], num_stages=CONFIG["stages_state"],
         )  # fmt: skip
         if split:
@@ -788,18 +886,35 @@ class ChunkKDATriton(torch.autograd.Function):
                 num_warps=CONFIG["warps_out"],
             )  # fmt: skip
         if need_grad:
-            ctx.save_for_backward(q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, cu, chunk_idx, chunk_off)
+            ctx.save_for_backward(
+                q,
+                k,
+                v,
+                G,
+                beta,
+                W,
+                U,
+                QG,
+                KD,
+                Aqk,
+                Ti,
+                h,
+                vn if grads_chunk else None,
+                cu,
+                chunk_idx,
+                chunk_off,
+            )
             ctx.meta = (NT, h0 is not None)
         return o, (ht if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, cu, chunk_idx, chunk_off = ctx.saved_tensors
+        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off = ctx.saved_tensors
         NT, has_h0 = ctx.meta
         _, TT, H, K = q.shape
         V = v.shape[-1]
         N = cu.numel() - 1
-        BK, BV = _blocks(K, V)
+        BK, BV = _blocks(K, V, "BV_bwd")
         dev = q.device
         do = do.contiguous()
         dh = torch.empty_like(h)
@@ -808,25 +923,35 @@ class ChunkKDATriton(torch.autograd.Function):
         state_bwd_kernel[(triton.cdiv(V, BV), N * H)](
             QG, KD, G, W, Aqk, do, dh, dvn, dht.contiguous() if dht is not None else do, dh0, cu, chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=has_h0,
-            FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state"],
-            num_stages=CONFIG["stages_state"],
+            FOR_LOOP=not interpreter_on(), num_warps=CONFIG["warps_state_bwd"],
+            num_stages=CONFIG["stages_state_bwd"],
         )  # fmt: skip
         f32 = dict(dtype=torch.float32, device=dev)
         dq, dk, dG = (torch.empty(1, TT, H, K, **f32) for _ in range(3))
         dv = torch.empty_like(v)
-        dbeta = torch.zeros(1, TT, H, **f32)
-        dA = torch.zeros(1, TT, H, CHUNK, **f32)  # atomic sums over the K slices
         dAqk = torch.empty(1, TT, H, CHUNK, **f32)
         BKS = min(BK, CONFIG["BKS"])
         grid = (NT, H, triton.cdiv(K, BKS))
-        grads_state_kernel[grid](
-            q, k, v, G, beta, W, U, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
-            cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
-            **_maxnreg("maxnreg_grads"),
-        )  # fmt: skip
-        grads_tiles_kernel[grid](
-            q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKS,
-            num_warps=CONFIG["warps_grads"], **_maxnreg("maxnreg_grads"),
+        if vn is not None:  # one program per (chunk, head); dA and dbeta stored whole
+            dbeta = torch.empty(1, TT, H, **f32)
+            dA = torch.empty(1, TT, H, CHUNK, **f32)
+            grads_chunk_kernel[(NT, H)](
+                q, k, v, G, beta, W, U, vn, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
+                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+                num_stages=CONFIG["stages_grads"], **_maxnreg("maxnreg_grads"),
+            )  # fmt: skip
+        else:  # one program per (chunk, head, K slice)
+            dbeta = torch.zeros(1, TT, H, **f32)
+            dA = torch.zeros(1, TT, H, CHUNK, **f32)  # atomic sums over the K slices
+            grads_state_kernel[grid](
+                q, k, v, G, beta, W, U, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
+                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+                **_maxnreg("maxnreg_grads"),
+            )  # fmt: skip
+        BKT = min(BK, CONFIG["BKS_tiles"])
+        grads_tiles_kernel[(NT, H, triton.cdiv(K, BKT))](
+            q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,
+            num_warps=CONFIG["warps_tiles"], **_maxnreg("maxnreg_tiles"),
         )  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),

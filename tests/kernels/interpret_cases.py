@@ -181,3 +181,23 @@ def test_chunk_kda_triton_split_output_matches_reference():
     finally:
         triton_chunk.CONFIG.clear()
         triton_chunk.CONFIG.update(saved)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(grads_chunk=False, BKS=64),  # per-K-slice gradient programs with atomic sums
+        dict(BV_bwd=16, BKS=16, BKS_tiles=16),  # several V blocks and K slices in the gradient kernels
+    ],
+)
+def test_chunk_kda_triton_gradient_variants_match_reference(change):
+    from k3rl.kernels.kda import triton_chunk
+
+    saved = dict(triton_chunk.CONFIG)
+    triton_chunk.CONFIG.update(change)
+    try:
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(2, [70], 128, 16, False, False)
+    finally:
+        triton_chunk.CONFIG.clear()
+        triton_chunk.CONFIG.update(saved)

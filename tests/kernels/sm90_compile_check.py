@@ -82,25 +82,37 @@ def main():
         "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
-            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False),
+            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),
             cfg["warps_state"],
             cfg["stages_state"],
         ),
         "state_fwd_split": compile_one(
             tc.state_fwd_kernel,
-            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=True),
+            dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=True, STORE_VN=True),
             cfg["warps_state"],
             cfg["stages_state"],
         ),
-        "output_fwd": compile_one(tc.output_fwd_kernel, dict(K=128, V=128, BK=128, BV=cfg["BV_out"]), cfg["warps_out"]),
+        "output_fwd": compile_one(
+            tc.output_fwd_kernel, dict(K=128, V=128, BK=128, BV=cfg["BV_out"]), cfg["warps_out"]
+        ),
         "state_bwd": compile_one(
             tc.state_bwd_kernel,
-            dict(C, HAS_DHT=True, STORE_DH0=True, FOR_LOOP=True),
-            cfg["warps_state"],
-            cfg["stages_state"],
+            dict(C, BV=cfg["BV_bwd"], HAS_DHT=True, STORE_DH0=True, FOR_LOOP=True),
+            cfg["warps_state_bwd"],
+            cfg["stages_state_bwd"],
         ),
-        "grads_state": compile_one(tc.grads_state_kernel, dict(C, BKS=64), cfg["warps_grads"]),
-        "grads_tiles": compile_one(tc.grads_tiles_kernel, dict(K=128, BKS=64), cfg["warps_grads"]),
+        "grads_state": compile_one(
+            tc.grads_state_kernel, dict(C, BV=cfg["BV_bwd"], BKS=64), cfg["warps_grads"]
+        ),
+        "grads_chunk": compile_one(
+            tc.grads_chunk_kernel,
+            dict(K=128, V=128, BV=cfg["BV_bwd"], BKS=cfg["BKS"]),
+            cfg["warps_grads"],
+            cfg["stages_grads"],
+        ),
+        "grads_tiles": compile_one(
+            tc.grads_tiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_tiles"]
+        ),
         "recurrent": compile_one(
             tr.recurrent_fwd_kernel,
             dict(
