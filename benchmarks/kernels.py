@@ -218,20 +218,23 @@ def profile(B=1, T=4096, H=96, with_fla=True):
 
 # The version of 15:27 (checked in bf16 against the fp32 reference on the GPU): the reference of the sweep.
 PREVIOUS = {
-    "grads_chunk": False, "BKS": 64, "BV_bwd": 64, "BKS_tiles": 64, "warps_tiles": 8, "maxnreg_tiles": 128,
-    "warps_state_bwd": 8, "stages_state_bwd": 2,
+    "grads_chunk": False, "BKS": 64, "BV_bwd": 64, "BV_grads": 64, "BKS_tiles": 64, "subtiles": False,
+    "warps_tiles": 8, "maxnreg_tiles": 128, "warps_state_bwd": 8, "stages_state_bwd": 2,
 }  # fmt: skip
-# (group, change against the defaults): "fwd" changes are judged by the forward time, "bwd" changes by
-# forward + backward; --adopt-best keeps the best of each group (if it agrees with PREVIOUS) for the sections after.
+# (kernel, change against the defaults). With --adopt-best the sections after the sweep use, per kernel,
+# the fastest of its changes and the defaults (by the forward time for state_fwd, by forward + backward
+# for the others), among those whose output and gradients agree with PREVIOUS.
 SWEEP = [
     ("previous", PREVIOUS),
-    ("both", {}),
-    ("fwd", {"warps_state": 4, "stages_state": 1}),
-    ("fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
-    ("bwd", {"warps_state_bwd": 4, "stages_state_bwd": 1}),
-    ("bwd", {"BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1}),
-    ("bwd", {"BKS": 64}),
-    ("bwd", {"BKS_tiles": 64}),
+    ("defaults", {}),
+    ("state_fwd", {"warps_state": 4, "stages_state": 1}),
+    ("state_fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
+    ("state_bwd", {"warps_state_bwd": 4, "stages_state_bwd": 1}),
+    ("state_bwd", {"BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1}),
+    ("grads", {"BKS": 16}),
+    ("grads", {"warps_grads": 4, "maxnreg_grads": None, "BKS": 16, "BV_grads": 64}),
+    ("tiles", {"warps_subtiles": 4}),
+    ("tiles", {"subtiles": False}),
 ]
 
 
@@ -243,7 +246,7 @@ def sweep(B=1, T=4096, H=96, adopt=False):
     base = dict(triton_chunk.CONFIG)
     x = kda_inputs(B, T, H)
     print(f"\n## KDA chunk launch settings ({B}x{T}x{H}); defaults {base}\n")
-    row("group", "change", "fwd ms", "fwd+bwd ms", "o vs previous", "grads vs previous (max rel)")
+    row("kernel", "change", "fwd ms", "fwd+bwd ms", "o vs previous", "grads vs previous (max rel)")
     row(*["---"] * 6)
     ref, results = None, []
 
@@ -259,32 +262,22 @@ def sweep(B=1, T=4096, H=96, adopt=False):
             with torch.no_grad():
                 f = bench(lambda: ours_kda(x))
             fb = time_fwd_bwd(ours_kda, x)
-            row(
-                group,
-                change or "defaults",
-                f"{f:.3f}",
-                f"{fb:.3f}",
-                f"{diffs[0]:.1e}",
-                f"{max(diffs[1:]):.1e}",
-            )
-            ok = diffs[0] < 1e-3 and max(diffs[1:]) < 1e-2
-            results.append((group, change, f, fb, ok))
+            row(group, change, f"{f:.3f}", f"{fb:.3f}", f"{diffs[0]:.1e}", f"{max(diffs[1:]):.1e}")
+            if diffs[0] < 1e-3 and max(diffs[1:]) < 1e-2:
+                results.append((group, change, f, fb))
         except Exception as e:  # a setting that does not compile must not stop the sweep
             row(group, change, "failed", str(e).splitlines()[0][:80], "", "")
 
     for group, change in SWEEP:
         measure(group, change)
     chosen = dict(base)
-    if adopt:
-        best_f = min(
-            (r for r in results if r[4] and r[0] in ("both", "fwd")), key=lambda r: r[2], default=None
-        )
-        best_b = min(
-            (r for r in results if r[4] and r[0] in ("both", "bwd")), key=lambda r: r[3], default=None
-        )
-        if best_f is not None and best_b is not None:
-            chosen.update(best_f[1], **best_b[1])
-            measure("adopted", {k: v for k, v in chosen.items() if base.get(k) != v})
+    defaults = [r for r in results if r[0] == "defaults"]
+    if adopt and defaults:
+        for kernel in dict.fromkeys(g for g, _ in SWEEP if g not in ("previous", "defaults")):
+            by = 2 if kernel == "state_fwd" else 3
+            best = min(defaults + [r for r in results if r[0] == kernel], key=lambda r: r[by])
+            chosen.update(best[1])
+        measure("adopted", {k: v for k, v in chosen.items() if base.get(k) != v})
     triton_chunk.CONFIG.clear()
     triton_chunk.CONFIG.update(chosen)
     print(f"\nKDA chunk launch config from here on: {chosen}", flush=True)

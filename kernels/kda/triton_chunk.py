@@ -727,6 +727,87 @@ def grads_tiles_kernel(
         tl.debug_barrier()
 
 
+@triton.jit
+def grads_subtiles_kernel(
+    q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk_s, cu, chunk_idx,
+    H, K: tl.constexpr, BKS: tl.constexpr,
+):  # fmt: skip
+    """grads_tiles' job by 16-token sub-tiles: one program per (chunk and 16-row block r, head, K slice)
+    takes the 16x16 blocks that touch rows r: as rows (blocks (r, c), c <= r) and as columns
+    (blocks (c, r), c >= r). Each program owns the rows of block r (plain read-add-write of dq, dk, dG);
+    no 64-row exponent tiles, no work on the blocks above the diagonal."""
+    i_tr, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    if start + r * BS < eos:  # blocks past the end of a short last chunk have nothing to do
+        dt = k.dtype.element_ty
+        ks = i_k * BKS + tl.arange(0, BKS)
+        mks = ks < K
+        ii = tl.arange(0, BS)
+        rows = start + r * BS + ii
+        mr = rows < eos
+        off_r = rows[:, None] * (H * K) + i_h * K + ks[None, :]
+        m_r = mr[:, None] & mks[None, :]
+        G_r = tl.load(G + off_r, mask=m_r, other=0.0)
+        k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
+        b_r = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+        n = start + r * BS  # reference point of the row side: first row of block r
+        m = tl.minimum(start + r * BS + BS, eos) - 1  # of the column side: last row of block r
+        Gn = tl.load(G + n * (H * K) + i_h * K + ks, mask=mks, other=0.0)
+        Gm = tl.load(G + m * (H * K) + i_h * K + ks, mask=mks, other=0.0)
+        # row side: sum_j dA_ij K_j e^{G_i - G_j} = e^{G_i - G_n} sum_j dA_ij (K_j e^{G_n - G_j}), j in blocks c <= r
+        acc_k = tl.zeros([BS, BKS], dtype=tl.float32)
+        acc_q = tl.zeros([BS, BKS], dtype=tl.float32)
+        for c in tl.static_range(BT // BS):
+            if c <= r:
+                rc = start + c * BS + ii
+                mc = rc < eos
+                off_c = rc[:, None] * (H * K) + i_h * K + ks[None, :]
+                m_c = mc[:, None] & mks[None, :]
+                # e^{G_n - G_j} <= 1 before block r, < e^80 inside it (bounded gate); padded rows: k = 0
+                kinv = (
+                    tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+                    * tl.exp(Gn[None, :] - tl.load(G + off_c, mask=m_c, other=0.0))
+                ).to(dt)
+                off_a = rows[:, None] * (H * BT) + i_h * BT + c * BS + ii[None, :]
+                acc_k += tl.dot(tl.load(dA + off_a, mask=mr[:, None], other=0.0).to(dt), kinv)
+                acc_q += tl.dot(tl.load(dAqk_s + off_a, mask=mr[:, None], other=0.0).to(dt), kinv)
+        e_r = tl.exp(tl.where(m_r, G_r - Gn[None, :], float("-inf")))
+        t1 = acc_k * e_r  # d(raw A_kk row) K side, before beta
+        t2 = acc_q * e_r
+        tl.atomic_add(dbeta + rows * H + i_h, tl.sum(k_r * t1, axis=1), mask=mr)  # A_kk = beta_i (...)
+        # column side: sum_i dA_ij X_i e^{G_i - G_j} = e^{G_m - G_j} sum_i dA_ij (X_i e^{G_i - G_m}), i in blocks c >= r
+        acc_c = tl.zeros([BS, BKS], dtype=tl.float32)
+        for c in tl.static_range(BT // BS):
+            if c >= r:
+                rc = start + c * BS + ii
+                mc = rc < eos
+                off_c = rc[:, None] * (H * K) + i_h * K + ks[None, :]
+                m_c = mc[:, None] & mks[None, :]
+                # e^{G_i - G_m} <= 1 after block r, < e^80 inside it; padded rows: 0
+                em = tl.exp(
+                    tl.where(m_c, tl.load(G + off_c, mask=m_c, other=0.0) - Gm[None, :], float("-inf"))
+                )
+                km = (tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32) * em).to(dt)
+                qm = (tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32) * em).to(dt)
+                b_c = tl.load(beta + rc * H + i_h, mask=mc, other=0.0).to(tl.float32)
+                off_a = rc[:, None] * (H * BT) + i_h * BT + r * BS + ii[None, :]
+                dA_c = (tl.load(dA + off_a, mask=mc[:, None], other=0.0) * b_c[:, None]).to(dt)
+                dAq_c = tl.load(dAqk_s + off_a, mask=mc[:, None], other=0.0).to(dt)
+                acc_c += tl.dot(tl.trans(dA_c), km) + tl.dot(tl.trans(dAq_c), qm)
+        t3 = acc_c * tl.exp(tl.where(m_r, Gm[None, :] - G_r, float("-inf")))
+        q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
+        tl.store(dq + off_r, tl.load(dq + off_r, mask=m_r, other=0.0) + t2, mask=m_r)
+        tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t1 * b_r[:, None] + t3, mask=m_r)
+        tl.store(
+            dG + off_r,
+            tl.load(dG + off_r, mask=m_r, other=0.0) + k_r * (t1 * b_r[:, None] - t3) + q_r * t2,
+            mask=m_r,
+        )
+
+
 # ----------------------------------------------------------------------------- host side
 def _tables_from_lengths(lens, device):
     """(cu [N+1], chunk_idx [NT, 2] = (document, chunk in document), chunk_off [N+1], NT, longest in chunks)."""
@@ -765,8 +846,9 @@ CONFIG = {
     "maxnreg_intra": None, "maxnreg_grads": 128,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "grads_chunk": True,  # one gradient program per (chunk, head) over stored V~ (False: per K slice, atomics)
-    "BV_bwd": 32, "warps_state_bwd": 8, "stages_state_bwd": 2,  # state_bwd (BV_bwd also the gradient kernels')
-    "stages_grads": 2, "BKS_tiles": 32, "warps_tiles": 8, "maxnreg_tiles": 128,
+    "BV_bwd": 32, "warps_state_bwd": 8, "stages_state_bwd": 2,  # state_bwd
+    "BV_grads": 32, "stages_grads": 2, "BKS_tiles": 32, "warps_tiles": 8, "maxnreg_tiles": 128,
+    "subtiles": True, "warps_subtiles": 2,  # the A_kk / A_qk gradients by 16x16 blocks (False: 16-row tiles)
 }  # fmt: skip
 
 
@@ -915,6 +997,7 @@ class ChunkKDATriton(torch.autograd.Function):
         V = v.shape[-1]
         N = cu.numel() - 1
         BK, BV = _blocks(K, V, "BV_bwd")
+        BVG = _blocks(K, V, "BV_grads")[1]
         dev = q.device
         do = do.contiguous()
         dh = torch.empty_like(h)
@@ -937,7 +1020,7 @@ class ChunkKDATriton(torch.autograd.Function):
             dA = torch.empty(1, TT, H, CHUNK, **f32)
             grads_chunk_kernel[(NT, H)](
                 q, k, v, G, beta, W, U, vn, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
-                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BKS=BKS, BV=BVG, num_warps=CONFIG["warps_grads"],
                 num_stages=CONFIG["stages_grads"], **_maxnreg("maxnreg_grads"),
             )  # fmt: skip
         else:  # one program per (chunk, head, K slice)
@@ -945,14 +1028,20 @@ class ChunkKDATriton(torch.autograd.Function):
             dA = torch.zeros(1, TT, H, CHUNK, **f32)  # atomic sums over the K slices
             grads_state_kernel[grid](
                 q, k, v, G, beta, W, U, Ti, h, dh, do, dvn, dq, dk, dv, dG, dbeta, dA, dAqk,
-                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BV, num_warps=CONFIG["warps_grads"],
+                cu, chunk_idx, chunk_off, H=H, K=K, V=V, BK=BK, BKS=BKS, BV=BVG, num_warps=CONFIG["warps_grads"],
                 **_maxnreg("maxnreg_grads"),
             )  # fmt: skip
         BKT = min(BK, CONFIG["BKS_tiles"])
-        grads_tiles_kernel[(NT, H, triton.cdiv(K, BKT))](
-            q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,
-            num_warps=CONFIG["warps_tiles"], **_maxnreg("maxnreg_tiles"),
-        )  # fmt: skip
+        if CONFIG["subtiles"]:
+            grads_subtiles_kernel[(NT * (CHUNK // 16), H, triton.cdiv(K, BKT))](
+                q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,
+                num_warps=CONFIG["warps_subtiles"],
+            )  # fmt: skip
+        else:
+            grads_tiles_kernel[(NT, H, triton.cdiv(K, BKT))](
+                q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,
+                num_warps=CONFIG["warps_tiles"], **_maxnreg("maxnreg_tiles"),
+            )  # fmt: skip
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv, dG, dbeta.to(beta.dtype),
             dh0 if has_h0 else None, None, None, None,

@@ -102,16 +102,19 @@ def main():
             cfg["stages_state_bwd"],
         ),
         "grads_state": compile_one(
-            tc.grads_state_kernel, dict(C, BV=cfg["BV_bwd"], BKS=64), cfg["warps_grads"]
+            tc.grads_state_kernel, dict(C, BV=cfg["BV_grads"], BKS=64), cfg["warps_grads"]
         ),
         "grads_chunk": compile_one(
             tc.grads_chunk_kernel,
-            dict(K=128, V=128, BV=cfg["BV_bwd"], BKS=cfg["BKS"]),
+            dict(K=128, V=128, BV=cfg["BV_grads"], BKS=cfg["BKS"]),
             cfg["warps_grads"],
             cfg["stages_grads"],
         ),
         "grads_tiles": compile_one(
             tc.grads_tiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_tiles"]
+        ),
+        "grads_subtiles": compile_one(
+            tc.grads_subtiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_subtiles"]
         ),
         "recurrent": compile_one(
             tr.recurrent_fwd_kernel,
