@@ -193,6 +193,8 @@ class CollectiveWeightSync:
             raise RuntimeError("the NCCL weight transport needs CUDA GPUs; use the object store (default) on CPUs")
         self.rank, self.world_size, self.src, self.backend = rank, world_size, src, backend
         self.device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": this process's current GPU
+            self.device = torch.device("cuda", torch.cuda.current_device())
         store = dist.TCPStore(host, port, world_size, is_master=(rank == src), timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(self.device)  # the communicator binds to the current device
