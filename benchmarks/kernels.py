@@ -218,24 +218,24 @@ def profile(B=1, T=4096, H=96, with_fla=True):
 
 # The version of 15:27 (checked in bf16 against the fp32 reference on the GPU): the reference of the sweep.
 PREVIOUS = {
-    "grads_chunk": False, "BKS": 64, "BV_bwd": 64, "BV_grads": 64, "BKS_tiles": 64, "subtiles": False,
-    "warps_tiles": 8, "maxnreg_tiles": 128, "warps_state_bwd": 8, "stages_state_bwd": 2,
+    "intra_blocks": False, "grads_chunk": False, "BKS": 64, "BV_bwd": 64, "BV_grads": 64, "BKS_tiles": 64,
+    "subtiles": False, "warps_tiles": 8, "maxnreg_tiles": 128, "warps_state_bwd": 8, "stages_state_bwd": 2,
 }  # fmt: skip
 # (kernel, change against the defaults). With --adopt-best the sections after the sweep use, per kernel,
-# the fastest of its changes and the defaults (by the forward time for state_fwd, by forward + backward
-# for the others), among those whose output and gradients agree with PREVIOUS.
+# the fastest of its changes and the defaults (by the forward time for intra and state_fwd, by forward
+# + backward for the others), among those whose output and gradients agree with PREVIOUS.
 SWEEP = [
     ("previous", PREVIOUS),
     ("defaults", {}),
+    ("intra", {"warps_intra": 4}),
     ("state_fwd", {"warps_state": 4, "stages_state": 1}),
-    ("state_fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
     ("state_bwd", {"warps_state_bwd": 4, "stages_state_bwd": 1}),
     ("state_bwd", {"BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1}),
     ("grads", {"BKS": 16}),
     ("grads", {"warps_grads": 4, "maxnreg_grads": None, "BKS": 16, "BV_grads": 64}),
     ("tiles", {"warps_subtiles": 4}),
-    ("tiles", {"subtiles": False}),
 ]
+FWD_KERNELS = ("intra", "state_fwd")
 
 
 def sweep(B=1, T=4096, H=96, adopt=False):
@@ -274,7 +274,7 @@ def sweep(B=1, T=4096, H=96, adopt=False):
     defaults = [r for r in results if r[0] == "defaults"]
     if adopt and defaults:
         for kernel in dict.fromkeys(g for g, _ in SWEEP if g not in ("previous", "defaults")):
-            by = 2 if kernel == "state_fwd" else 3
+            by = 2 if kernel in FWD_KERNELS else 3
             best = min(defaults + [r for r in results if r[0] == kernel], key=lambda r: r[by])
             chosen.update(best[1])
         measure("adopted", {k: v for k, v in chosen.items() if base.get(k) != v})

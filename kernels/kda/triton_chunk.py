@@ -63,9 +63,11 @@ def gate_cumsum_fwd_kernel(
 
 @triton.jit
 def gate_cumsum_bwd_kernel(
-    dG, z, A_log, dt_bias, dz, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr,
+    dG, z, A_log, dt_bias, dz, dA_log, ddt, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr, PARAM_GRADS: tl.constexpr,
 ):  # fmt: skip
+    """dz (in z's dtype); with PARAM_GRADS also dA_log [H] and d dt_bias [H, K] summed by atomic adds
+    into fp32 buffers (zero-initialised)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
@@ -81,7 +83,11 @@ def gate_cumsum_bwd_kernel(
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         s = tl.sigmoid(a * x)
         dg = dg * (LB * a * s * (1.0 - s))  # dg/dz = g_min e^A sigma (1 - sigma)
-    tl.store(dz + off, dg, mask=m)
+        if PARAM_GRADS:
+            tl.atomic_add(dA_log + i_h, tl.sum(tl.sum(dg * x, axis=1), axis=0))  # dg/dA = dg/dz (z + b)
+            if HAS_BIAS:
+                tl.atomic_add(ddt + i_h * K + cols, tl.sum(dg, axis=0), mask=cols < K)  # dg/db = dg/dz
+    tl.store(dz + off, dg.to(dz.dtype.element_ty), mask=m)
 
 
 # ----------------------------------------------------------------------------- intra-chunk forward
@@ -125,26 +131,17 @@ def _mm(a, b):
 
 
 @triton.jit
-def intra_fwd_kernel(
-    q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    start = bos + i_c * BT
+def _intra_a_tiles(q, k, G, beta, Aqk, Ti, start, eos, i_h, H, K: tl.constexpr, BK: tl.constexpr):
+    """A_qk (into Aqk) and beta-scaled A_kk (into Ti) of one chunk by 16-row tiles against all 64 columns."""
     dt = k.dtype.element_ty
     ck = tl.arange(0, BK)
     mk = ck < K
-    jj = tl.arange(0, BT)  # column (key) index inside the chunk
+    jj = tl.arange(0, BT)
     cols = start + jj
     mc = cols < eos
     off_c = cols[:, None] * (H * K) + i_h * K + ck[None, :]
     k_c = tl.load(k + off_c, mask=mc[:, None] & mk[None, :], other=0.0).to(tl.float32)
     G_c = tl.load(G + off_c, mask=mc[:, None] & mk[None, :], other=0.0)
-    # 1) A_kk and A_qk, one 16-row tile at a time, reference point n = first row of the tile:
-    #    A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}); row factors <= 1, column factors
-    #    <= 1 before the tile and < e^80 inside it (bounded gate).
     for r in tl.static_range(BT // BS):
         ii = r * BS + tl.arange(0, BS)
         rows = start + ii
@@ -168,6 +165,70 @@ def intra_fwd_kernel(
         off_a = rows[:, None] * (H * BT) + i_h * BT + jj[None, :]
         tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
         tl.store(Ti + off_a, akk, mask=mr[:, None])  # scratch: A_kk, replaced by T~ below
+
+
+@triton.jit
+def _intra_a_blocks(q, k, G, beta, Aqk, Ti, start, eos, i_h, H, K: tl.constexpr, BK: tl.constexpr):
+    """The same by 16x16 blocks: block (r, c) for c <= r (A_qk's blocks above the diagonal stored as 0)."""
+    dt = k.dtype.element_ty
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    ii = tl.arange(0, BS)
+    for r in tl.static_range(BT // BS):
+        rows = start + r * BS + ii
+        mr = rows < eos
+        n = tl.minimum(start + r * BS, eos - 1)
+        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        off_r = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_r = mr[:, None] & mk[None, :]
+        e_r = tl.exp(tl.where(m_r, tl.load(G + off_r, mask=m_r, other=0.0) - Gn[None, :], float("-inf")))
+        kr = (tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32) * e_r).to(dt)  # K_i e^{G_i - G_n} (<= 1)
+        qr = (tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32) * e_r).to(dt)
+        b_r = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+        for c in tl.static_range(BT // BS):
+            off_a = rows[:, None] * (H * BT) + i_h * BT + c * BS + ii[None, :]
+            if c <= r:
+                cols = start + c * BS + ii
+                m_c = (cols < eos)[:, None] & mk[None, :]
+                off_k = cols[:, None] * (H * K) + i_h * K + ck[None, :]
+                # K_j e^{G_n - G_j}: <= 1 before block r, < e^80 inside it; padded rows: K = 0
+                kinv = (
+                    tl.load(k + off_k, mask=m_c, other=0.0).to(tl.float32)
+                    * tl.exp(Gn[None, :] - tl.load(G + off_k, mask=m_c, other=0.0))
+                ).to(dt)
+                akk = tl.dot(kr, tl.trans(kinv)) * b_r[:, None]  # [16, 16], row-scaled by beta
+                aqk = tl.dot(qr, tl.trans(kinv))
+                if c == r:
+                    akk = tl.where(ii[None, :] < ii[:, None], akk, 0.0)  # strictly lower
+                    aqk = tl.where(ii[None, :] <= ii[:, None], aqk, 0.0)  # diagonal included
+                tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
+                tl.store(Ti + off_a, akk, mask=mr[:, None])  # scratch: A_kk, replaced by T~ later
+            else:
+                tl.store(Aqk + off_a, tl.zeros([BS, BS], dtype=Aqk.dtype.element_ty), mask=mr[:, None])
+
+
+@triton.jit
+def intra_fwd_kernel(
+    q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    """BLOCKS: A_kk and A_qk by 16x16 blocks on and below the diagonal (else by 16-row tiles against
+    the whole chunk)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    dt = k.dtype.element_ty
+    jj = tl.arange(0, BT)  # column (key) index inside the chunk
+    cols = start + jj
+    mc = cols < eos
+    # 1) A_kk and A_qk, one 16-row tile at a time, reference point n = first row of the tile:
+    #    A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}); row factors <= 1, column factors
+    #    <= 1 before the tile and < e^80 inside it (bounded gate).
+    if BLOCKS:
+        _intra_a_blocks(q, k, G, beta, Aqk, Ti, start, eos, i_h, H, K, BK)
+    else:
+        _intra_a_tiles(q, k, G, beta, Aqk, Ti, start, eos, i_h, H, K, BK)
     tl.debug_barrier()
     # 2) (I + A_kk)^-1 by 16x16 blocks: diagonal blocks by forward substitution, then
     #    X_rc = -X_rr sum_{c <= m < r} L_rm X_mc
@@ -206,25 +267,32 @@ def intra_fwd_kernel(
     _store_blk(Ti, X32, start, eos, 48, 32, H, i_h)
     _store_blk(Ti, X33, start, eos, 48, 48, H, i_h)
     tl.debug_barrier()
-    # 3) W = T~ (beta Gamma K), U = T~ (beta V)
+    # 3) U = T~ (beta V); W = T~ (beta Gamma K) and 4) the gated operands of the serial passes, so that
+    #    they run no exponentials: QG = Q Gamma, KD = K e^{G_C - G} (G_C = the chunk's last row);
+    #    3) and 4) by K slices of at most 64 (fewer live registers)
     off_t = cols[:, None] * (H * BT) + i_h * BT + jj[None, :]
     Tm = tl.load(Ti + off_t, mask=mc[:, None], other=0.0).to(dt)
     b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
-    kb = (k_c * tl.exp(G_c) * b_c[:, None]).to(dt)
-    tl.store(W + off_c, tl.dot(Tm, kb).to(W.dtype.element_ty), mask=mc[:, None] & mk[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
         off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
         m_v = mc[:, None] & (cv < V)[None, :]
         vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
         tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
-    # 4) the gated operands of the serial passes, so that they run no exponentials:
-    #    QG = Q Gamma, KD = K e^{G_C - G} (G_C = the chunk's last row)
-    m_c = mc[:, None] & mk[None, :]
-    q_c = tl.load(q + off_c, mask=m_c, other=0.0).to(tl.float32)
-    tl.store(QG + off_c, (q_c * tl.exp(G_c)).to(dt), mask=m_c)
-    Gl = tl.load(G + (tl.minimum(start + BT, eos) - 1) * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-    tl.store(KD + off_c, (k_c * tl.exp(Gl[None, :] - G_c)).to(dt), mask=m_c)
+    BKW: tl.constexpr = min(BK, 64)
+    last = tl.minimum(start + BT, eos) - 1
+    for i_k in tl.static_range(BK // BKW):
+        cs = i_k * BKW + tl.arange(0, BKW)
+        off_s = cols[:, None] * (H * K) + i_h * K + cs[None, :]
+        m_s = mc[:, None] & (cs < K)[None, :]
+        k_s = tl.load(k + off_s, mask=m_s, other=0.0).to(tl.float32)
+        G_s = tl.load(G + off_s, mask=m_s, other=0.0)
+        kb = (k_s * tl.exp(G_s) * b_c[:, None]).to(dt)
+        tl.store(W + off_s, tl.dot(Tm, kb).to(W.dtype.element_ty), mask=m_s)
+        q_s = tl.load(q + off_s, mask=m_s, other=0.0).to(tl.float32)
+        tl.store(QG + off_s, (q_s * tl.exp(G_s)).to(dt), mask=m_s)
+        Gl = tl.load(G + last * (H * K) + i_h * K + cs, mask=cs < K, other=0.0)
+        tl.store(KD + off_s, (k_s * tl.exp(Gl[None, :] - G_s)).to(dt), mask=m_s)
 
 
 # ----------------------------------------------------------------------------- serial state pass
@@ -729,12 +797,13 @@ def grads_tiles_kernel(
 
 @triton.jit
 def grads_subtiles_kernel(
-    q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk_s, cu, chunk_idx,
+    q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk_s, dq_out, dk_out, cu, chunk_idx,
     H, K: tl.constexpr, BKS: tl.constexpr,
 ):  # fmt: skip
     """grads_tiles' job by 16-token sub-tiles: one program per (chunk and 16-row block r, head, K slice)
     takes the 16x16 blocks that touch rows r: as rows (blocks (r, c), c <= r) and as columns
-    (blocks (c, r), c >= r). Each program owns the rows of block r (plain read-add-write of dq, dk, dG);
+    (blocks (c, r), c >= r). Each program owns the rows of block r: it reads dq, dk, dG (fp32, from
+    grads_chunk) and writes the final dq, dk into dq_out, dk_out (the inputs' dtype) and dG in place;
     no 64-row exponent tiles, no work on the blocks above the diagonal."""
     i_tr, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
@@ -799,8 +868,10 @@ def grads_subtiles_kernel(
                 acc_c += tl.dot(tl.trans(dA_c), km) + tl.dot(tl.trans(dAq_c), qm)
         t3 = acc_c * tl.exp(tl.where(m_r, Gm[None, :] - G_r, float("-inf")))
         q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
-        tl.store(dq + off_r, tl.load(dq + off_r, mask=m_r, other=0.0) + t2, mask=m_r)
-        tl.store(dk + off_r, tl.load(dk + off_r, mask=m_r, other=0.0) + t1 * b_r[:, None] + t3, mask=m_r)
+        dq_r = tl.load(dq + off_r, mask=m_r, other=0.0) + t2
+        dk_r = tl.load(dk + off_r, mask=m_r, other=0.0) + t1 * b_r[:, None] + t3
+        tl.store(dq_out + off_r, dq_r.to(dq_out.dtype.element_ty), mask=m_r)
+        tl.store(dk_out + off_r, dk_r.to(dk_out.dtype.element_ty), mask=m_r)
         tl.store(
             dG + off_r,
             tl.load(dG + off_r, mask=m_r, other=0.0) + k_r * (t1 * b_r[:, None] - t3) + q_r * t2,
@@ -842,7 +913,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200)
 # maxnreg_* caps registers per thread (None: the compiler's choice; 128 at 8 warps lets 2 programs share an SM)
 CONFIG = {
-    "BV": 64, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 32,
+    "BV": 64, "intra_blocks": True, "warps_intra": 8, "warps_state": 8, "stages_state": 2, "warps_grads": 8, "BKS": 32,
     "maxnreg_intra": None, "maxnreg_grads": 128,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "grads_chunk": True,  # one gradient program per (chunk, head) over stored V~ (False: per K slice, atomics)
@@ -892,21 +963,21 @@ class GateCumsum(torch.autograd.Function):
         NT, use_gate, has_bias, lb = ctx.meta
         _, TT, H, K = z.shape
         BK = max(16, triton.next_power_of_2(K))
-        dz = torch.empty(z.shape, dtype=torch.float32, device=z.device)
+        dz = torch.empty_like(z)
+        param_grads = use_gate and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        dA = torch.zeros(H, dtype=torch.float32, device=z.device) if param_grads else dz
+        ddt = torch.zeros(H, K, dtype=torch.float32, device=z.device) if param_grads and has_bias else dz
         gate_cumsum_bwd_kernel[(NT, H)](
-            dG.contiguous(), z, A_log if use_gate else z, dt_bias if has_bias else z, dz, cu, chunk_idx,
-            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=lb, num_warps=4,
+            dG.contiguous(), z, A_log if use_gate else z, dt_bias if has_bias else z, dz, dA, ddt, cu, chunk_idx,
+            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=lb, PARAM_GRADS=param_grads, num_warps=4,
         )  # fmt: skip
-        dA_log = ddt = None
-        if use_gate:
-            x = z.float() + (dt_bias.float().reshape(H, K) if has_bias else 0.0)
-            if ctx.needs_input_grad[1]:
-                dA_log = (
-                    (dz * x).sum((0, 1, 3)).reshape(A_log.shape).to(A_log.dtype)
-                )  # dg/dA = dg/dz * (z + b)
-            if has_bias and ctx.needs_input_grad[2]:
-                ddt = dz.sum((0, 1)).reshape(dt_bias.shape).to(dt_bias.dtype)
-        return dz.to(z.dtype), dA_log, ddt, None, None, None, None
+        dA_log = dA.reshape(A_log.shape).to(A_log.dtype) if param_grads and ctx.needs_input_grad[1] else None
+        ddt = (
+            ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
+            if param_grads and has_bias and ctx.needs_input_grad[2]
+            else None
+        )
+        return dz, dA_log, ddt, None, None, None, None
 
 
 class ChunkKDATriton(torch.autograd.Function):
@@ -944,6 +1015,7 @@ class ChunkKDATriton(torch.autograd.Function):
             V=V,
             BK=BK,
             BV=BV,
+            BLOCKS=bool(CONFIG["intra_blocks"]),
             num_warps=CONFIG["warps_intra"],
             **_maxnreg("maxnreg_intra"),
         )
@@ -1033,10 +1105,12 @@ class ChunkKDATriton(torch.autograd.Function):
             )  # fmt: skip
         BKT = min(BK, CONFIG["BKS_tiles"])
         if CONFIG["subtiles"]:
+            dq_out, dk_out = torch.empty_like(q), torch.empty_like(k)
             grads_subtiles_kernel[(NT * (CHUNK // 16), H, triton.cdiv(K, BKT))](
-                q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,
+                q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, dq_out, dk_out, cu, chunk_idx, H=H, K=K, BKS=BKT,
                 num_warps=CONFIG["warps_subtiles"],
             )  # fmt: skip
+            dq, dk = dq_out, dk_out
         else:
             grads_tiles_kernel[(NT, H, triton.cdiv(K, BKT))](
                 q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, cu, chunk_idx, H=H, K=K, BKS=BKT,

@@ -189,6 +189,7 @@ def test_chunk_kda_triton_split_output_matches_reference():
         dict(grads_chunk=False, BKS=64),  # per-K-slice gradient programs with atomic sums
         dict(BV_bwd=16, BV_grads=16, BKS=16, BKS_tiles=16),  # several V blocks and K slices
         dict(subtiles=False, BKS_tiles=64),  # the A_kk / A_qk gradients by 16-row tiles
+        dict(intra_blocks=False),  # A_kk / A_qk by 16-row tiles in the forward
     ],
 )
 def test_chunk_kda_triton_gradient_variants_match_reference(change):

@@ -38,6 +38,8 @@ FP32_ARGS = {
     "dz",
     "dt_bias",
     "A_log",
+    "dA_log",
+    "ddt",
 }
 INT_ARGS = {"H", "m", "n", "n_rows"}
 FLOAT_ARGS = {"lo", "inv_width", "scale"}
@@ -77,9 +79,13 @@ def main():
             tc.gate_cumsum_fwd_kernel, dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0), 4
         ),
         "gate_cumsum_bwd": compile_one(
-            tc.gate_cumsum_bwd_kernel, dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0), 4
+            tc.gate_cumsum_bwd_kernel,
+            dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0, PARAM_GRADS=True),
+            4,
         ),
-        "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
+        "intra_fwd": compile_one(
+            tc.intra_fwd_kernel, dict(C, BLOCKS=cfg["intra_blocks"]), cfg["warps_intra"]
+        ),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
             dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),
