@@ -502,6 +502,7 @@ def main():
     tflops, bw = peak() if "peak" in which else (args.peak_tflops, args.copy_gbs)
     sections = dict(
         kda=lambda: kda(args.kda_shapes),
+        kda_long=lambda: kda("1x16384x96,1x65536x96"),
         sweep=lambda: sweep(adopt=args.adopt_best),
         profile=profile,
         profile_ours=lambda: profile(with_fla=False),
