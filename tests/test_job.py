@@ -111,7 +111,12 @@ def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path):
 
 
 def test_job_against_a_local_ray_start_head_cluster(tmp_path):
-    """`ray.address` joins an existing cluster (here: `ray start --head` on loopback)."""
+    """`ray.address` joins an existing cluster (here: `ray start --head --block` on loopback; the
+    cluster is stopped through its own `ray start` process, so other Ray processes are untouched)."""
+    import signal
+    import socket
+    import time
+
     import ray
 
     from k3rl.job import run_job
@@ -119,18 +124,30 @@ def test_job_against_a_local_ray_start_head_cluster(tmp_path):
     ray.shutdown()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = "26379"  # outside Ray's default worker-port range (10002-19999)
-    subprocess.run([ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4",
-                    "--include-dashboard=false", "--disable-usage-stats"], check=True, env=env, timeout=180,
-                   capture_output=True)
+    port = 26379  # outside Ray's default worker-port range (10002-19999)
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+                             "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        deadline = time.monotonic() + 180
+        while True:  # the GCS answers on the loopback port once the head is up
+            assert head.poll() is None, "ray start --head exited early"
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "ray start --head did not come up within 180 s"
+            time.sleep(0.5)
         cfg = _cfg(tmp_path, f"ray.address=127.0.0.1:{port}", "learner.steps=1", "name=cluster")
         summary = run_job(cfg, quiet=True)
         assert summary["completed"] and summary["steps"] == 1
         assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
     finally:
         ray.shutdown()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, timeout=120, capture_output=True)
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
 
 
 def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
