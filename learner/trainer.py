@@ -41,7 +41,7 @@ from .expert_parallel import (
     local_expert_params,
     reduce_expert_grads,
 )
-from .losses import LossConfig, group_advantages, policy_loss, sft_loss, token_entropy, token_logprobs
+from .losses import LossConfig, group_advantages, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
 from .qk_clip import MaxLogitTracker, QKClip
 
@@ -198,10 +198,13 @@ class Trainer:
 
         return self.model.as_media([from_png(b) for b in mb.images])
 
-    def _forward_logits(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None, media=None) -> torch.Tensor:
+    def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None,
+                          media=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(target) [T], entropy [T]) in fp32; the [T, V] logits are never materialised."""
         with self._autocast():
-            logits = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes)
-        return logits[0]  # [T, V]
+            logp, entropy = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
+                                  targets=mb.targets[None])
+        return logp[0], entropy[0]
 
     def _recording_logits(self):
         return self.max_logits.recording() if self.max_logits is not None else nullcontext()
@@ -285,17 +288,13 @@ class Trainer:
         media = self._media(mb)
         routes = self._replay_routes(mb, media)
         with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
-            logits = self._forward_logits(self.model, mb, routes, media)
-        logp = token_logprobs(logits, mb.targets)
-        if self.loss_cfg.entropy_coef != 0:
-            entropy = token_entropy(logits)
-        else:  # logged only
-            with torch.no_grad():
-                entropy = token_entropy(logits.detach())
+            logp, entropy = self._forward_logprobs(self.model, mb, routes, media)
+        if self.loss_cfg.entropy_coef == 0:
+            entropy = entropy.detach()  # logged only
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logp = token_logprobs(self._forward_logits(self.reference, mb, routes, media), mb.targets)
+                ref_logp = self._forward_logprobs(self.reference, mb, routes, media)[0]
         loss, stats = policy_loss(
             logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
             ref_logp=ref_logp, entropy=entropy,
@@ -385,8 +384,8 @@ class Trainer:
                 media = self._media(mb)
                 routes = self._replay_routes(mb, media)
                 with self._qb_paused(not mb.traj_indices):
-                    logits = self._forward_logits(self.model, mb, routes, media)
-                loss, stats = sft_loss(token_logprobs(logits, mb.targets), mb.mask, mb.agg_weights)
+                    logp, _ = self._forward_logprobs(self.model, mb, routes, media)
+                loss, stats = sft_loss(logp, mb.mask, mb.agg_weights)
                 (loss * self.world_size).backward()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.double().cpu()
@@ -422,7 +421,7 @@ class Trainer:
         out: list[list[float] | None] = [None] * len(trajectories)
         for mb in mbs:
             mb = mb.to(self.device)
-            logp = token_logprobs(self._forward_logits(self.model, mb, None, self._media(mb)), mb.targets) * mb.mask
+            logp = self._forward_logprobs(self.model, mb, None, self._media(mb))[0] * mb.mask
             bounds = mb.cu_seqlens.tolist()
             for i, s in enumerate(mb.traj_indices):
                 P = len(trajectories[s].prompt_ids)

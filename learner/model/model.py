@@ -22,6 +22,7 @@ from .cache import K3Cache
 from .common import RMSNorm, SiTUGLUMLP
 from .config import K3Config
 from .kda import KDA_FP32_PARAMS, KimiDeltaAttention
+from .logprobs import chunked_token_logprobs
 from .mla import GatedMLA, MLACacheEntry
 from .moe import Routing, StableLatentMoE
 from .vision import MoonViT, PatchMergerV2, check_grid, merge_media_embeddings, merge_sd2_tpool
@@ -210,8 +211,14 @@ class K3ForCausalLM(nn.Module):
         routed_experts: torch.Tensor | None = None,
         return_routing: bool = False,
         token_mask: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        logprob_chunk_tokens: int | None = None,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
+
+        - `targets` [B, T]: instead of the logits, (log p(target) [B, T], entropy [B, T]) in fp32,
+          formed chunk by chunk from the last hidden states (`logprobs.py`): the [B, T, V]
+          logits never exist, in the forward or the backward.
 
         - `images`: a MediaBatch (or raw images / videos) whose rows replace the
           `media_placeholder_token_id` tokens in order; the counts must match exactly.
@@ -272,13 +279,21 @@ class K3ForCausalLM(nn.Module):
         self.final_source_count = len(out_sources)
         out_query = query_vector(self.model.output_attn_res_proj, self.model.output_attn_res_norm)
         hidden = aggregate(out_sources, out_query, self.config.rms_norm_eps)
-        logits = self.lm_head(self.model.norm(hidden))
+        hidden = self.model.norm(hidden)
+        if targets is not None:
+            if tuple(targets.shape) != (B, T):
+                raise ValueError(f"targets must be [B, T] = {(B, T)}, got {tuple(targets.shape)}")
+            logp, entropy = chunked_token_logprobs(hidden.reshape(B * T, -1), self.lm_head.weight,
+                                                   targets.reshape(-1), logprob_chunk_tokens)
+            out = (logp.view(B, T), entropy.view(B, T))
+        else:
+            out = self.lm_head(hidden)
         if cache is not None:
             cache.advance(T)
         if return_routing:
             routing_ids = torch.stack(routes, dim=1).reshape(B, T, len(routes), k) if routes else None
-            return logits, routing_ids
-        return logits
+            return out, routing_ids
+        return out
 
 
 __all__ = ["K3ForCausalLM", "K3DecoderLayer", "K3Model", "FP32_PARAM_SUFFIXES", "Routing"]
