@@ -131,7 +131,7 @@ def object_store_gbps(update: WeightUpdate) -> float:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
     @ray.remote(num_cpus=0)
     class Receiver:

@@ -100,9 +100,12 @@ class LearnerActor:
         return self.trainer.export_weights(version, dtype=dtype, to_cpu=not on_device)
 
     def export_weights(self, version: int):
-        """object_store: the update goes back to the driver, which publishes it once."""
-        update = self._export(version, on_device=False)
-        return update if self.rank == 0 else None  # only rank 0's copy travels
+        """object_store: rank 0 puts the update into the object store itself and returns only
+        the reference (the weights never pass through the driver or the pool actor)."""
+        from k3rl.rollout.weight_sync import publish_here
+
+        update = self._export(version, on_device=True)  # packed on the GPU, one copy to host
+        return publish_here(update) if self.rank == 0 else None
 
     def join_weight_sync(self, address: str, world_size: int) -> None:
         """nccl: rank 0 becomes rank 0 (the sender) of a broadcast group with the engines."""
@@ -186,8 +189,8 @@ class LearnerGroup:
 class WeightSync:
     """Brings the engines to the learner's weights of a version, by `rollout.weight_transport`:
 
-    * object_store: rank 0's WeightUpdate comes to the driver, the pool publishes it once and
-      every engine reads it (restarted engines are replayed it);
+    * object_store: rank 0 puts the packed update into Ray's object store once and the
+      reference goes to the pool; every engine reads it (restarted engines are replayed it);
     * nccl: the learner's rank 0 and the engines form a broadcast group of their own (NCCL on
       GPUs, gloo on CPUs) and the buckets go GPU to GPU; the group is formed again, on a new
       port, after an engine restart (a restarted engine serves nothing until it has the weights);

@@ -44,7 +44,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
-from .weight_sync import CollectiveWeightSync, IpcShare, publish, receive
+from .weight_sync import CollectiveWeightSync, IpcShare, PublishedUpdate, publish, receive
 
 
 @dataclass
@@ -282,22 +282,27 @@ class InferencePool:
             return False
 
     # ----- weights -------------------------------------------------------------------------------------
-    async def update_weights(self, update: WeightUpdate | IpcShare) -> int:
+    async def update_weights(self, update: WeightUpdate | PublishedUpdate | IpcShare) -> int:
         """Apply `update` on every worker; returns the version all of them now run.
 
         A WeightUpdate goes through the object store (published once, replayed to restarted
-        workers). An IpcShare (`weight_sync.share_cuda_ipc`, workers on the learner's GPU host)
-        is passed by handle; a worker restarted after it stays behind, and out of routing, until
-        the next object-store update."""
+        workers); a PublishedUpdate is one already there (put by the learner itself, so the
+        weights never pass through the driver or this actor). An IpcShare
+        (`weight_sync.share_cuda_ipc`, workers on the learner's GPU host) is passed by handle; a
+        worker restarted after it stays behind, and out of routing, until the next object-store
+        update."""
+        if not isinstance(update, (WeightUpdate, PublishedUpdate, IpcShare)):
+            raise TypeError(f"update_weights takes a WeightUpdate, PublishedUpdate or IpcShare, got {type(update).__name__}")
         if update.version <= self._version:
             raise ValueError(f"weight update v{update.version} is not newer than the pool's v{self._version}")
         if isinstance(update, WeightUpdate):
             ref = publish(update)
             self._weights = [ref] if update.full else [*self._weights, ref]
-        elif isinstance(update, IpcShare):
+        elif isinstance(update, PublishedUpdate):
+            ref = update.ref
+            self._weights = [ref] if update.full else [*self._weights, ref]
+        else:  # IpcShare: handles, passed as they are
             ref = update
-        else:
-            raise TypeError(f"update_weights takes a WeightUpdate or an IpcShare, got {type(update).__name__}")
         self._version = update.version
         for task in list(self._restarting.values()):  # a restart in progress replays the new list too
             await asyncio.wait([task])

@@ -105,11 +105,13 @@ class PackedUpdate:
 
     @classmethod
     def pack(cls, update: WeightUpdate) -> PackedUpdate:
+        """Each bucket packed where its tensors are (one GPU gather, then one copy to host)."""
         manifests, buffers = [], []
         for b in update.buckets:
-            buf, man = pack_bucket(b, "cpu")
+            device = next(iter(b.tensors.values())).device if b.tensors else torch.device("cpu")
+            buf, man = pack_bucket(b, device)
             manifests.append(man)
-            buffers.append(buf.numpy())
+            buffers.append(buf.cpu().numpy())
         return cls(update.version, update.full, manifests, buffers, update.transport)
 
     def to_update(self, copy: bool = False) -> WeightUpdate:
@@ -154,6 +156,21 @@ def publish(update: WeightUpdate):
     import ray
 
     return ray.put(PackedUpdate.pack(update))
+
+
+@dataclass
+class PublishedUpdate:
+    """An update its maker already put into the object store (`publish_here`): what travels
+    between actors is this handle, not the weights (the learner publishes, the driver and the
+    pool only pass the reference on, and the engines read the buffers once)."""
+
+    version: int
+    full: bool
+    ref: Any  # ray.ObjectRef of a PackedUpdate
+
+
+def publish_here(update: WeightUpdate) -> PublishedUpdate:
+    return PublishedUpdate(update.version, update.full, publish(update))
 
 
 def receive(obj: PackedUpdate | WeightUpdate | IpcShare) -> WeightUpdate:

@@ -148,6 +148,10 @@ def test_job_against_a_local_ray_start_head_cluster(tmp_path):
             head.wait(timeout=120)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        # what `ray stop` would tidy: the pointer a later bare ray.init() would follow to a dead cluster
+        current = "/tmp/ray/ray_current_cluster"
+        if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
+            os.unlink(current)
 
 
 def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):

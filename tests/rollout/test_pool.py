@@ -26,7 +26,7 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     if started:
         ray.shutdown()
@@ -155,6 +155,23 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             assert await pool.receive_collective_update() == 4
             await sending
             assert [h["version"] for h in await pool.check_health()] == [4, 4]
+
+            # an update its maker already put into the object store: only the handle travels,
+            # and a worker restarted later is replayed it from there
+            from k3rl.rollout.weight_sync import PublishedUpdate, publish_here
+
+            published = publish_here(WeightUpdate.from_state_dict(5, to_hf(newer.state_dict())))
+            assert isinstance(published, PublishedUpdate)
+            assert await pool.update_weights(published) == 5
+            ray.kill(pool.workers[0], no_restart=True)
+            await asyncio.sleep(0.5)
+            await pool.check_health(timeout_s=20)
+            assert [h["version"] for h in await pool.check_health()] == [5, 5]
+            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            ref = EmbeddedEngine(newer, background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            assert r.versions == [5] * 5 and r.token_ids == ref.token_ids
+            with pytest.raises(TypeError, match="takes a WeightUpdate, PublishedUpdate or IpcShare"):
+                await pool.update_weights({"version": 6})
         finally:
             pool.shutdown()
 
