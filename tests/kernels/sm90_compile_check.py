@@ -83,9 +83,7 @@ def main():
             dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0, PARAM_GRADS=True),
             4,
         ),
-        "intra_fwd": compile_one(
-            tc.intra_fwd_kernel, dict(C, BLOCKS=cfg["intra_blocks"]), cfg["warps_intra"]
-        ),
+        "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
             dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),
@@ -107,17 +105,11 @@ def main():
             cfg["warps_state_bwd"],
             cfg["stages_state_bwd"],
         ),
-        "grads_state": compile_one(
-            tc.grads_state_kernel, dict(C, BV=cfg["BV_grads"], BKS=64), cfg["warps_grads"]
-        ),
         "grads_chunk": compile_one(
             tc.grads_chunk_kernel,
             dict(K=128, V=128, BV=cfg["BV_grads"], BKS=cfg["BKS"]),
             cfg["warps_grads"],
             cfg["stages_grads"],
-        ),
-        "grads_tiles": compile_one(
-            tc.grads_tiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_tiles"]
         ),
         "grads_subtiles": compile_one(
             tc.grads_subtiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_subtiles"]
