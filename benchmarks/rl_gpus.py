@@ -87,6 +87,7 @@ def run(layout: str, args, root: Path) -> dict:
     if "weight_sync/broadcast_gbps" in h[-1]:
         out["broadcast_gbps"] = statistics.median(m["weight_sync/broadcast_gbps"] for m in h)
         out["update_mb"] = h[-1]["weight_sync/bytes"] / 1e6
+        out["wait_for_engines_s"] = statistics.median(m["weight_sync/wait_for_engines_s"] for m in h)
     return out
 
 
@@ -127,7 +128,8 @@ def main() -> None:
         if base is not None and r is not base:
             print(f"{r['layout']} / 1gpu episodes/s: {r['episodes_per_s'] / base['episodes_per_s']:.2f}x")
         if "broadcast_gbps" in r:
-            print(f"{r['layout']}: NCCL broadcast of {r['update_mb']:.0f} MB per step at {r['broadcast_gbps']:.1f} GB/s")
+            print(f"{r['layout']}: NCCL broadcast of {r['update_mb']:.0f} MB per step at {r['broadcast_gbps']:.1f} GB/s, "
+                  f"after {r['wait_for_engines_s'] * 1e3:.1f} ms waiting for the engines to join")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

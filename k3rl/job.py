@@ -124,12 +124,10 @@ class LearnerActor:
         update = self._export(version, on_device=self.device == "cuda")
         if self.rank != 0:
             return {}
-        t0 = time.perf_counter()
-        self.weight_sync.send(update)
-        seconds = time.perf_counter() - t0
-        nbytes = sum(t.numel() * t.element_size() for b in update.buckets for t in b.tensors.values())
-        return {"weight_sync/bytes": float(nbytes), "weight_sync/broadcast_s": seconds,
-                "weight_sync/broadcast_gbps": nbytes / max(seconds, 1e-9) / 1e9}
+        t = self.weight_sync.send(update)
+        return {"weight_sync/bytes": t["bytes"], "weight_sync/wait_for_engines_s": t["wait_s"],
+                "weight_sync/broadcast_s": t["transfer_s"],
+                "weight_sync/broadcast_gbps": t["bytes"] / max(t["transfer_s"], 1e-9) / 1e9}
 
     def share_weights(self, version: int):
         """cuda_ipc: handles to the update in this GPU's memory; kept alive until the next one."""

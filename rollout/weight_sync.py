@@ -237,15 +237,31 @@ class CollectiveWeightSync:
         data = self._bcast(torch.empty(int(n.item()), dtype=torch.uint8, device=self.device))
         return pickle.load(io.BytesIO(data.cpu().numpy().tobytes()))
 
-    def send(self, update: WeightUpdate) -> None:
+    def send(self, update: WeightUpdate) -> dict[str, float]:
+        """Broadcast `update`; returns seconds spent packing, waiting for every receiver to reach
+        the broadcast (the manifest's round), and moving the buckets, and the bytes moved."""
+        import time
+
         if self.rank != self.src:
             raise RuntimeError(f"rank {self.rank} is a receiver; only rank {self.src} sends")
+
+        def sync():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        t0 = time.perf_counter()
         packed = [pack_bucket(b, self.device) for b in update.buckets]
+        sync()
+        t1 = time.perf_counter()
         self._bcast_object((update.version, update.full, [m for _, m in packed]))
+        sync()
+        t2 = time.perf_counter()
         for buf, _ in packed:
             self._bcast(buf)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync()
+        t3 = time.perf_counter()
+        return {"pack_s": t1 - t0, "wait_s": t2 - t1, "transfer_s": t3 - t2,
+                "bytes": float(sum(buf.numel() for buf, _ in packed))}
 
     def recv(self) -> WeightUpdate:
         if self.rank == self.src:

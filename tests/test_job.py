@@ -203,3 +203,4 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
         assert m["staleness/max"] == 0.0
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
         assert m["weight_sync/bytes"] == pytest.approx(model_bytes, rel=0.02)  # the whole model, every step
+        assert m["weight_sync/broadcast_s"] > 0 and m["weight_sync/wait_for_engines_s"] >= 0

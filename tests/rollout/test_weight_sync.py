@@ -172,7 +172,7 @@ def _collective_round_trip(backend: str) -> None:
     try:
         sync = CollectiveWeightSync(0, 2, port=port, backend=backend, device="cuda:0" if backend == "nccl" else "cpu",
                                     timeout_s=120)
-        sync.send(WeightUpdate.from_state_dict(2, state, bucket_bytes=4096, full=False))
+        times = sync.send(WeightUpdate.from_state_dict(2, state, bucket_bytes=4096, full=False))
         version, full, got = queue.get(timeout=120)
     finally:
         proc.join(timeout=60)
@@ -180,6 +180,10 @@ def _collective_round_trip(backend: str) -> None:
             proc.kill()
     assert version == 2 and full is False
     assert all(torch.equal(got[k], t) for k, t in state.items())
+    # every byte of every tensor moved (plus at most 15 bytes of alignment after each)
+    raw = sum(t.numel() * t.element_size() for t in state.values())
+    assert raw <= times["bytes"] <= raw + 15 * len(state)
+    assert min(times["pack_s"], times["wait_s"], times["transfer_s"]) >= 0
 
 
 def test_collective_broadcast_on_gloo():
