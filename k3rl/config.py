@@ -122,6 +122,12 @@ class LearnerSection(_Section):
             raise ValueError(
                 f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's ranks share one model)"
             )
+        per_rank = self.gpus / self.world_size
+        if self.world_size > 1 and self.gpus > 0 and (per_rank < 1 or per_rank != int(per_rank)):
+            raise ValueError(
+                f"gpus={self.gpus} over world_size={self.world_size} ranks is {per_rank:g} GPU per rank; the ranks' "
+                f"NCCL group needs whole GPUs, one or more per rank (e.g. gpus={self.world_size})"
+            )
         return self
 
 

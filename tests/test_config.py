@@ -44,6 +44,13 @@ def test_cross_field_validation():
         JobConfig.load(None, ["learner.world_size=2"])  # ranks of a learner must share one sharded model
 
 
+def test_learner_ranks_need_whole_gpus():
+    with pytest.raises(ConfigError, match=r"learner: .*0.5 GPU per rank; .*whole GPUs"):
+        JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2", "learner.gpus=1"])
+    JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2", "learner.gpus=2"])
+    JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2"])  # CPU ranks (gloo)
+
+
 def test_weight_transport_must_fit_the_devices():
     # a broadcast group is NCCL between GPUs or gloo between CPUs, never a mix
     with pytest.raises(ConfigError, match=r"<root>: .*weight_transport='nccl' needs the learner and the engines on the same kind"):
