@@ -222,6 +222,9 @@ def profile(B=1, T=4096, H=96, with_fla=True):
 SWEEP = [
     ("defaults", {}),
     ("intra", {"warps_intra": 4}),
+    ("intra", {"split_intra": True}),  # intra_blocks_fwd (4 warps) + intra_solve_fwd (8 warps)
+    ("intra", {"split_intra": True, "warps_blocks": 8}),
+    ("intra", {"split_intra": True, "warps_solve": 4}),
     ("state_fwd", {"warps_state": 8, "stages_state": 2}),
     ("state_fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
     ("state_bwd", {"BV_bwd": 32}),

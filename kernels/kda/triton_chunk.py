@@ -3,8 +3,10 @@
 Kernels (one program per (chunk, head) unless said otherwise):
   gate_cumsum_fwd   g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)) (optional), G = chunk-local cumsum
   intra_fwd         A_qk, A_kk by 16-row tiles (dense dot products thanks to the bounded gate),
-                    T~ = (I + A_kk)^-1 by 16x16 forward substitution + block products, W = T~ (beta Gamma K),
-                    U = T~ (beta V)
+                    T~ = (I + A_kk)^-1 by 16x16 diagonal inverses + block products, W = T~ (beta Gamma K),
+                    U = T~ (beta V), QG = Q Gamma, KD = K e^{G_C - G}
+                    (or, with CONFIG["split_intra"], the same by two kernels: intra_blocks_fwd per
+                    (chunk and 16-row block, head), then intra_solve_fwd)
   state_fwd         one program per (document, head, V-block), serial over chunks:
                     V~ = U - W S; O = (Q Gamma) S + A_qk V~; S <- Diag(Gamma_C) S + ((Gamma_C/Gamma) K)^T V~
   state_bwd         serial in reverse: dV~ = A_qk^T dO + Kd dS';  dS = (Q Gamma)^T dO + Gamma_C dS' - W^T dV~
@@ -250,6 +252,160 @@ def intra_fwd_kernel(
         tl.store(QG + off_s, (q_s * tl.exp(G_s)).to(dt), mask=m_s)
         Gl = tl.load(G + last * (H * K) + i_h * K + cs, mask=cs < K, other=0.0)
         tl.store(KD + off_s, (k_s * tl.exp(Gl[None, :] - G_s)).to(dt), mask=m_s)
+
+
+# Split intra path (CONFIG["split_intra"]): the same numbers as intra_fwd in two kernels with fewer live
+# tiles each, so that several programs share an SM (intra_fwd holds 255 registers, one program per SM):
+#   intra_blocks_fwd  per (chunk and 16-row block r, head): blocks (r, c <= r) of A_qk and A_kk, the
+#                     inverse X_rr of the diagonal block of I + A_kk, and the rows' QG and KD;
+#   intra_solve_fwd   per (chunk, head): T~ from those blocks (block forward substitution), W and U.
+@triton.jit
+def intra_blocks_fwd_kernel(
+    q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """Rows of block r: A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}), n = first row of
+    block r (the same reference point as intra_fwd's 16-row tiles, so the same numbers); row factors <= 1,
+    column factors <= 1 left of block r and < e^80 inside it (bounded gate): dense 16x16 products.
+    Writes A_qk's row blocks (zeros right of the diagonal), into Ti the beta-scaled A_kk blocks left
+    of the diagonal and X_rr = (I + A_kk,rr)^-1 on it (intra_solve_fwd replaces them by T~), QG, KD, and
+    B_W = beta Gamma K into W."""
+    i_tr, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    n = start + r * BS  # reference point: first row of block r
+    if n < eos:  # blocks past the end of a short last chunk have nothing to do
+        dt = k.dtype.element_ty
+        ck = tl.arange(0, BK)
+        mk = ck < K
+        ii = tl.arange(0, BS)
+        rows = n + ii
+        mr = rows < eos
+        off_r = rows[:, None] * (H * K) + i_h * K + ck[None, :]
+        m_r = mr[:, None] & mk[None, :]
+        G_r = tl.load(G + off_r, mask=m_r, other=0.0)
+        k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
+        q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
+        # the gated operands of the serial passes: QG = Q Gamma, KD = K e^{G_C - G} (G_C: chunk's last row)
+        last = tl.minimum(start + BT, eos) - 1
+        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        gam = tl.exp(G_r)
+        tl.store(QG + off_r, (q_r * gam).to(dt), mask=m_r)
+        tl.store(KD + off_r, (k_r * tl.exp(Gl[None, :] - G_r)).to(dt), mask=m_r)
+        b_r = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
+        # B_W = beta Gamma K into W (intra_solve_fwd reads it and writes W = T~ B_W over it)
+        tl.store(W + off_r, (k_r * gam * b_r[:, None]).to(dt), mask=m_r)
+        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        e_r = tl.exp(tl.where(m_r, G_r - Gn[None, :], float("-inf")))  # e^{G_i - G_n} <= 1; padded rows 0
+        kr = (k_r * e_r).to(dt)
+        qr = (q_r * e_r).to(dt)
+        # diagonal block (r, r): its columns are the rows of block r; e^{G_n - G_j} < e^80 (bounded gate)
+        kinv = (k_r * tl.exp(tl.where(m_r, Gn[None, :] - G_r, float("-inf")))).to(dt)
+        akk = tl.dot(kr, tl.trans(kinv)) * b_r[:, None]
+        akk = tl.where(ii[None, :] < ii[:, None], akk, 0.0)  # strictly lower, row-scaled by beta
+        aqk = tl.where(ii[None, :] <= ii[:, None], tl.dot(qr, tl.trans(kinv)), 0.0)  # diagonal included
+        off_a = rows[:, None] * (H * BT) + i_h * BT + r * BS + ii[None, :]
+        tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
+        tl.store(Ti + off_a, _tri_inverse16(akk, BS), mask=mr[:, None])  # X_rr = (I + A_kk,rr)^-1
+        for c in tl.static_range(BT // BS):
+            off_a = rows[:, None] * (H * BT) + i_h * BT + c * BS + ii[None, :]
+            if c < r:  # left of the diagonal: every column before row n, e^{G_n - G_j} <= 1
+                rc = start + c * BS + ii
+                off_c = rc[:, None] * (H * K) + i_h * K + ck[None, :]
+                m_c = (rc < eos)[:, None] & mk[None, :]
+                kinv = (
+                    tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+                    * tl.exp(Gn[None, :] - tl.load(G + off_c, mask=m_c, other=0.0))
+                ).to(dt)
+                akk = tl.dot(kr, tl.trans(kinv)) * b_r[:, None]  # beta_i A_kk[i, j]
+                aqk = tl.dot(qr, tl.trans(kinv))
+                tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
+                tl.store(Ti + off_a, akk, mask=mr[:, None])
+            elif c > r:  # right of the diagonal: A_qk is stored as full 64-wide rows
+                tl.store(Aqk + off_a, tl.zeros([BS, BS], dtype=Aqk.dtype.element_ty), mask=mr[:, None])
+
+
+@triton.jit
+def _solve_rows(Ti, start, eos, i_h, H):
+    """T~ = (I + A_kk)^-1 of one chunk from the 16x16 blocks in Ti (beta-scaled A_kk blocks L_rc below the
+    diagonal, the inverses X_rr on it), by block forward substitution, row block by row block:
+        X_rc = -X_rr sum_{c <= m < r} L_rm X_mc
+    (intra_fwd's formulas and order of products, so the same fp32 numbers); writes the whole 64 x 64 T~
+    (zeros above the diagonal) back into Ti. A barrier after each row block keeps the compiler from
+    overlapping the rows' small fp32 products (fewer live registers: 126 instead of 162 at 8 warps)."""
+    X00 = _load_blk(Ti, start, eos, 0, 0, H, i_h)
+    X11 = _load_blk(Ti, start, eos, 16, 16, H, i_h)
+    X22 = _load_blk(Ti, start, eos, 32, 32, H, i_h)
+    X33 = _load_blk(Ti, start, eos, 48, 48, H, i_h)
+    L10 = _load_blk(Ti, start, eos, 16, 0, H, i_h)
+    X10 = -_mm(X11, _mm(L10, X00))
+    tl.debug_barrier()
+    L20 = _load_blk(Ti, start, eos, 32, 0, H, i_h)
+    L21 = _load_blk(Ti, start, eos, 32, 16, H, i_h)
+    X21 = -_mm(X22, _mm(L21, X11))
+    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    tl.debug_barrier()
+    L30 = _load_blk(Ti, start, eos, 48, 0, H, i_h)
+    L31 = _load_blk(Ti, start, eos, 48, 16, H, i_h)
+    L32 = _load_blk(Ti, start, eos, 48, 32, H, i_h)
+    X32 = -_mm(X33, _mm(L32, X22))
+    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
+    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
+    tl.debug_barrier()  # every block is read before any is overwritten
+    Z = tl.zeros([BS, BS], dtype=tl.float32)
+    _store_blk(Ti, X00, start, eos, 0, 0, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 16, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 0, 48, H, i_h)
+    _store_blk(Ti, X10, start, eos, 16, 0, H, i_h)
+    _store_blk(Ti, X11, start, eos, 16, 16, H, i_h)
+    _store_blk(Ti, Z, start, eos, 16, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 16, 48, H, i_h)
+    _store_blk(Ti, X20, start, eos, 32, 0, H, i_h)
+    _store_blk(Ti, X21, start, eos, 32, 16, H, i_h)
+    _store_blk(Ti, X22, start, eos, 32, 32, H, i_h)
+    _store_blk(Ti, Z, start, eos, 32, 48, H, i_h)
+    _store_blk(Ti, X30, start, eos, 48, 0, H, i_h)
+    _store_blk(Ti, X31, start, eos, 48, 16, H, i_h)
+    _store_blk(Ti, X32, start, eos, 48, 32, H, i_h)
+    _store_blk(Ti, X33, start, eos, 48, 48, H, i_h)
+
+
+@triton.jit
+def intra_solve_fwd_kernel(
+    v, beta, Ti, W, U, cu, chunk_idx,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """T~ = (I + A_kk)^-1 from intra_blocks_fwd's blocks, then (as intra_fwd's step 3)
+    U = T~ (beta V) by V blocks of BV and W = T~ B_W by K slices of at most 64, B_W = beta Gamma K
+    as intra_blocks_fwd left it in W."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
+    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    start = bos + i_c * BT
+    _solve_rows(Ti, start, eos, i_h, H)
+    tl.debug_barrier()
+    dt = W.dtype.element_ty
+    jj = tl.arange(0, BT)
+    cols = start + jj
+    mc = cols < eos
+    Tm = tl.load(Ti + cols[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mc[:, None], other=0.0).to(dt)
+    b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mc[:, None] & (cv < V)[None, :]
+        vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
+        tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+    BKW: tl.constexpr = min(BK, 64)
+    for i_k in tl.static_range(BK // BKW):
+        cs = i_k * BKW + tl.arange(0, BKW)
+        off_s = cols[:, None] * (H * K) + i_h * K + cs[None, :]
+        m_s = mc[:, None] & (cs < K)[None, :]
+        kb = tl.load(W + off_s, mask=m_s, other=0.0)
+        tl.debug_barrier()  # the slice is read by every thread before any overwrites it
+        tl.store(W + off_s, tl.dot(Tm, kb).to(W.dtype.element_ty), mask=m_s)
 
 
 # ----------------------------------------------------------------------------- serial state pass
@@ -708,6 +864,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # Chosen by the launch sweep of 2026-11-29 17:18 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
     "BV": 64, "warps_intra": 8, "maxnreg_intra": None, "warps_state": 4, "stages_state": 1,
+    "split_intra": False, "warps_blocks": 4, "warps_solve": 8,  # split: intra_blocks_fwd + intra_solve_fwd
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1,  # state_bwd
     "BKS": 16, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
@@ -788,28 +945,20 @@ class ChunkKDATriton(torch.autograd.Function):
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         QG, KD = torch.empty_like(W), torch.empty_like(W)
-        intra_fwd_kernel[(NT, H)](
-            q,
-            k,
-            v,
-            G,
-            beta,
-            Aqk,
-            Ti,
-            W,
-            U,
-            QG,
-            KD,
-            cu,
-            chunk_idx,
-            H=H,
-            K=K,
-            V=V,
-            BK=BK,
-            BV=BV,
-            num_warps=CONFIG["warps_intra"],
-            **_maxnreg("maxnreg_intra"),
-        )
+        if CONFIG["split_intra"]:  # the same numbers by two kernels with fewer registers each
+            intra_blocks_fwd_kernel[(NT * (CHUNK // 16), H)](
+                q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=BK,
+                num_warps=CONFIG["warps_blocks"],
+            )  # fmt: skip
+            intra_solve_fwd_kernel[(NT, H)](
+                v, beta, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
+                num_warps=CONFIG["warps_solve"],
+            )  # fmt: skip
+        else:
+            intra_fwd_kernel[(NT, H)](
+                q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
+                num_warps=CONFIG["warps_intra"], **_maxnreg("maxnreg_intra"),
+            )  # fmt: skip
         need_grad = any(ctx.needs_input_grad)
         split = bool(CONFIG["split_output"])
         store_vn = split or need_grad  # V~ kept for the split output or for the gradient kernel

@@ -195,3 +195,53 @@ def test_chunk_kda_triton_several_blocks_and_slices_match_reference():
     finally:
         triton_chunk.CONFIG.clear()
         triton_chunk.CONFIG.update(saved)
+
+
+def test_chunk_kda_triton_split_intra_matches_reference():
+    """The forward intra path by two kernels (CONFIG split_intra: intra_blocks_fwd per 16-row block,
+    intra_solve_fwd), forward and backward (the backward reads A_qk, T~, W, U, QG, KD it stores),
+    alone and with several V blocks in intra_solve_fwd's U loop (BV 16); its stored tensors equal
+    intra_fwd's."""
+    from k3rl.kernels.kda import triton_chunk
+
+    saved = dict(triton_chunk.CONFIG)
+    try:
+        triton_chunk.CONFIG.update(split_intra=True)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(2, [70], 128, 16, False, False)
+        triton_chunk.CONFIG.update(BV=16)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [64, 17, 130], 32, 48, True, True)
+    finally:
+        triton_chunk.CONFIG.clear()
+        triton_chunk.CONFIG.update(saved)
+
+
+def test_split_intra_stores_what_intra_fwd_stores():
+    """intra_blocks_fwd + intra_solve_fwd write the same A_qk, T~, W, U, QG, KD as intra_fwd (fp32: equal
+    to rounding), on ragged documents with a short last chunk and a one-token document."""
+    from k3rl.kernels.kda import triton_chunk as tc
+
+    lens, H, K, V = [70, 1, 133], 2, 32, 48
+    T = sum(lens)
+    x = inputs(1, T, H, K, V, 1, seed=5)
+    cu, chunk_idx, _, NT, _ = tc._tables_from_lengths(lens, "cpu")
+    k = torch.nn.functional.normalize(x["k"], dim=-1)
+    q = torch.nn.functional.normalize(x["q"], dim=-1) * K**-0.5
+    G = torch.empty(1, T, H, K)
+    tc.gate_cumsum_fwd_kernel[(NT, H)](
+        x["z"], x["A_log"], x["dt_bias"], G, cu, chunk_idx, H=H, K=K, BK=K, USE_GATE=True, HAS_BIAS=True, LB=-5.0
+    )  # fmt: skip
+    beta, v = x["beta"], x["v"]
+
+    def buffers():  # NaN-filled: every element the kernels should write is checked
+        return [torch.full((1, T, H, n), float("nan")) for n in (64, 64, K, V, K, K)]  # Aqk, Ti, W, U, QG, KD
+
+    one = buffers()
+    tc.intra_fwd_kernel[(NT, H)](q, k, v, G, beta, *one, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
+    two = buffers()
+    Aqk, Ti, W, U, QG, KD = two
+    tc.intra_blocks_fwd_kernel[(NT * 4, H)](q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=K)
+    tc.intra_solve_fwd_kernel[(NT, H)](v, beta, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
+    for name, a, b in zip(("A_qk", "T~", "W", "U", "QG", "KD"), one, two, strict=True):
+        assert not b.isnan().any(), f"{name}: elements left unwritten"
+        assert_close(b, a, 1e-6, name)

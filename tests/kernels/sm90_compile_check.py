@@ -3,11 +3,16 @@
 Run as a script (a GPU is not needed: Triton's bundled ptxas builds the cubin). Used by
 test_triton_compile.py in a subprocess, so that TRITON_INTERPRET=1 elsewhere does not matter.
 Launch settings mirror the host code (CONFIG dicts, pointers 16-byte aligned as at a real launch).
+``--regs`` prints each kernel's registers per thread and stack (spill) bytes instead, read from
+the cubin with the bundled cuobjdump (what ``ptxas -v`` reports).
 """
 
 import inspect
 import json
 import os
+import subprocess
+import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"
 
@@ -46,6 +51,23 @@ FLOAT_ARGS = {"lo", "inv_width", "scale"}
 
 
 def compile_one(kernel, constexprs, num_warps, num_stages=3):
+    """The compiled kernel's shared memory in bytes (with --regs: its resource line)."""
+    k = compile_kernel(kernel, constexprs, num_warps, num_stages)
+    return resource_usage(k) if "--regs" in sys.argv else k.metadata.shared
+
+
+def resource_usage(k):
+    """'REG:n STACK:n ...' of a compiled kernel, from its cubin (cuobjdump -res-usage)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if "REG:" in x).strip()
+    return " ".join(line.split()[:3]) + f" (shared {k.metadata.shared} B)"
+
+
+def compile_kernel(kernel, constexprs, num_warps, num_stages=3):
     names = list(inspect.signature(kernel.fn).parameters)
     sig = {}
     for n in names:
@@ -65,10 +87,9 @@ def compile_one(kernel, constexprs, num_warps, num_stages=3):
     src = ASTSource(
         kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
     )
-    k = triton.compile(
+    return triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
-    return k.metadata.shared
 
 
 def main():
@@ -84,6 +105,8 @@ def main():
             4,
         ),
         "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
+        "intra_blocks_fwd": compile_one(tc.intra_blocks_fwd_kernel, dict(K=128, BK=128), cfg["warps_blocks"]),
+        "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
             dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),
@@ -138,7 +161,11 @@ def main():
         "l2norm_bwd": compile_one(tn.l2norm_bwd_kernel, dict(K=128, BK=128, BR=32), 4),
         "qb_hist": compile_one(tq.qb_hist_kernel, dict(BINS=1000, HAS_MASK=True, BM=64, BN=32), 4),
     }
-    print(json.dumps(out))
+    if "--regs" in sys.argv:
+        for name, usage in out.items():
+            print(f"{name:18s} {usage}")
+    else:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -77,3 +77,23 @@ def test_situ_glu_triton_bf16():
     situ_glu(g2, u2, backend="torch").square().sum().backward()
     assert rel(situ_glu(g, u, backend="triton"), situ_glu(g2, u2, backend="torch")) < 1e-2
     assert rel(g.grad, g2.grad) < 2e-2 and rel(u.grad, u2.grad) < 2e-2
+
+
+def test_chunk_kda_triton_split_intra_equals_intra_fwd_bf16():
+    """CONFIG split_intra (intra_blocks_fwd + intra_solve_fwd) gives intra_fwd's numbers in bf16 (the
+    same products; only fp32 summation order may differ), forward and backward, ragged documents."""
+    from k3rl.kernels.kda import triton_chunk
+
+    x, gate, cu, S0 = kda_case(1, [70, 1, 500, 64])
+    saved = dict(triton_chunk.CONFIG)
+    try:
+        triton_chunk.CONFIG.update(split_intra=False)
+        o1, s1, g1 = run(chunk_kda, x, gate, cu, S0, torch.bfloat16, backend="triton")
+        triton_chunk.CONFIG.update(split_intra=True)
+        o2, s2, g2 = run(chunk_kda, x, gate, cu, S0, torch.bfloat16, backend="triton")
+    finally:
+        triton_chunk.CONFIG.clear()
+        triton_chunk.CONFIG.update(saved)
+    assert rel(o2, o1) < 1e-3 and rel(s2, s1) < 1e-3
+    for name in g1:
+        assert rel(g2[name], g1[name]) < 1e-3, name
