@@ -327,13 +327,14 @@ def intra_blocks_fwd_kernel(
 
 
 @triton.jit
-def _solve_rows(Ti, start, eos, i_h, H):
+def _solve_rows(Ti, Tb, start, eos, i_h, H):
     """T~ = (I + A_kk)^-1 of one chunk from the 16x16 blocks in Ti (beta-scaled A_kk blocks L_rc below the
     diagonal, the inverses X_rr on it), by block forward substitution, row block by row block:
         X_rc = -X_rr sum_{c <= m < r} L_rm X_mc
     (intra_fwd's formulas and order of products, so the same fp32 numbers); writes the whole 64 x 64 T~
-    (zeros above the diagonal) back into Ti. A barrier after each row block keeps the compiler from
-    overlapping the rows' small fp32 products (fewer live registers: 126 instead of 162 at 8 warps)."""
+    (zeros above the diagonal) into Tb, in Tb's dtype (the inputs'; every reader of T~ rounds it to that).
+    A barrier after each row block keeps the compiler from overlapping the rows' small fp32 products
+    (fewer live registers: 126 instead of 162 at 8 warps)."""
     X00 = _load_blk(Ti, start, eos, 0, 0, H, i_h)
     X11 = _load_blk(Ti, start, eos, 16, 16, H, i_h)
     X22 = _load_blk(Ti, start, eos, 32, 32, H, i_h)
@@ -352,45 +353,44 @@ def _solve_rows(Ti, start, eos, i_h, H):
     X32 = -_mm(X33, _mm(L32, X22))
     X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
     X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
-    tl.debug_barrier()  # every block is read before any is overwritten
-    Z = tl.zeros([BS, BS], dtype=tl.float32)
-    _store_blk(Ti, X00, start, eos, 0, 0, H, i_h)
-    _store_blk(Ti, Z, start, eos, 0, 16, H, i_h)
-    _store_blk(Ti, Z, start, eos, 0, 32, H, i_h)
-    _store_blk(Ti, Z, start, eos, 0, 48, H, i_h)
-    _store_blk(Ti, X10, start, eos, 16, 0, H, i_h)
-    _store_blk(Ti, X11, start, eos, 16, 16, H, i_h)
-    _store_blk(Ti, Z, start, eos, 16, 32, H, i_h)
-    _store_blk(Ti, Z, start, eos, 16, 48, H, i_h)
-    _store_blk(Ti, X20, start, eos, 32, 0, H, i_h)
-    _store_blk(Ti, X21, start, eos, 32, 16, H, i_h)
-    _store_blk(Ti, X22, start, eos, 32, 32, H, i_h)
-    _store_blk(Ti, Z, start, eos, 32, 48, H, i_h)
-    _store_blk(Ti, X30, start, eos, 48, 0, H, i_h)
-    _store_blk(Ti, X31, start, eos, 48, 16, H, i_h)
-    _store_blk(Ti, X32, start, eos, 48, 32, H, i_h)
-    _store_blk(Ti, X33, start, eos, 48, 48, H, i_h)
+    Z = tl.zeros([BS, BS], dtype=Tb.dtype.element_ty)
+    _store_blk(Tb, X00.to(Z.dtype), start, eos, 0, 0, H, i_h)
+    _store_blk(Tb, Z, start, eos, 0, 16, H, i_h)
+    _store_blk(Tb, Z, start, eos, 0, 32, H, i_h)
+    _store_blk(Tb, Z, start, eos, 0, 48, H, i_h)
+    _store_blk(Tb, X10.to(Z.dtype), start, eos, 16, 0, H, i_h)
+    _store_blk(Tb, X11.to(Z.dtype), start, eos, 16, 16, H, i_h)
+    _store_blk(Tb, Z, start, eos, 16, 32, H, i_h)
+    _store_blk(Tb, Z, start, eos, 16, 48, H, i_h)
+    _store_blk(Tb, X20.to(Z.dtype), start, eos, 32, 0, H, i_h)
+    _store_blk(Tb, X21.to(Z.dtype), start, eos, 32, 16, H, i_h)
+    _store_blk(Tb, X22.to(Z.dtype), start, eos, 32, 32, H, i_h)
+    _store_blk(Tb, Z, start, eos, 32, 48, H, i_h)
+    _store_blk(Tb, X30.to(Z.dtype), start, eos, 48, 0, H, i_h)
+    _store_blk(Tb, X31.to(Z.dtype), start, eos, 48, 16, H, i_h)
+    _store_blk(Tb, X32.to(Z.dtype), start, eos, 48, 32, H, i_h)
+    _store_blk(Tb, X33.to(Z.dtype), start, eos, 48, 48, H, i_h)
 
 
 @triton.jit
 def intra_solve_fwd_kernel(
-    v, beta, Ti, W, U, cu, chunk_idx,
+    v, beta, Ti, Tb, W, U, cu, chunk_idx,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    """T~ = (I + A_kk)^-1 from intra_blocks_fwd's blocks, then (as intra_fwd's step 3)
-    U = T~ (beta V) by V blocks of BV and W = T~ B_W by K slices of at most 64, B_W = beta Gamma K
-    as intra_blocks_fwd left it in W."""
+    """T~ = (I + A_kk)^-1 into Tb (the inputs' dtype) from intra_blocks_fwd's blocks in Ti, then, as
+    intra_fwd's step 3, U = T~ (beta V) by V blocks of BV and W = T~ B_W by K slices of at most 64
+    (B_W = beta Gamma K, as intra_blocks_fwd left it in W)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
     bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
     start = bos + i_c * BT
-    _solve_rows(Ti, start, eos, i_h, H)
+    _solve_rows(Ti, Tb, start, eos, i_h, H)
     tl.debug_barrier()
     dt = W.dtype.element_ty
     jj = tl.arange(0, BT)
     cols = start + jj
     mc = cols < eos
-    Tm = tl.load(Ti + cols[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mc[:, None], other=0.0).to(dt)
+    Tm = tl.load(Tb + cols[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mc[:, None], other=0.0).to(dt)
     b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         cv = i_v * BV + tl.arange(0, BV)
@@ -864,7 +864,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # Chosen by the launch sweep of 2026-11-29 17:18 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
     "BV": 64, "warps_intra": 8, "maxnreg_intra": None, "warps_state": 4, "stages_state": 1,
-    "split_intra": False, "warps_blocks": 4, "warps_solve": 8,  # split: intra_blocks_fwd + intra_solve_fwd
+    "split_intra": False, "warps_blocks": 4, "warps_solve": 8,  # intra_blocks_fwd + intra_solve_fwd (untimed)
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1,  # state_bwd
     "BKS": 16, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
@@ -946,14 +946,16 @@ class ChunkKDATriton(torch.autograd.Function):
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         QG, KD = torch.empty_like(W), torch.empty_like(W)
         if CONFIG["split_intra"]:  # the same numbers by two kernels with fewer registers each
+            Tb = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)  # T~ in the inputs' dtype (Ti: scratch)
             intra_blocks_fwd_kernel[(NT * (CHUNK // 16), H)](
                 q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=BK,
                 num_warps=CONFIG["warps_blocks"],
             )  # fmt: skip
             intra_solve_fwd_kernel[(NT, H)](
-                v, beta, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
+                v, beta, Ti, Tb, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
                 num_warps=CONFIG["warps_solve"],
             )  # fmt: skip
+            Ti = Tb  # what the backward reads (it rounds T~ to the inputs' dtype in any case)
         else:
             intra_fwd_kernel[(NT, H)](
                 q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,

@@ -239,9 +239,10 @@ def test_split_intra_stores_what_intra_fwd_stores():
     one = buffers()
     tc.intra_fwd_kernel[(NT, H)](q, k, v, G, beta, *one, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
     two = buffers()
-    Aqk, Ti, W, U, QG, KD = two
+    Aqk, Tb, W, U, QG, KD = two
+    Ti = torch.full((1, T, H, 64), float("nan"))  # scratch: the blocks intra_blocks_fwd passes on
     tc.intra_blocks_fwd_kernel[(NT * 4, H)](q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=K)
-    tc.intra_solve_fwd_kernel[(NT, H)](v, beta, Ti, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
+    tc.intra_solve_fwd_kernel[(NT, H)](v, beta, Ti, Tb, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
     for name, a, b in zip(("A_qk", "T~", "W", "U", "QG", "KD"), one, two, strict=True):
         assert not b.isnan().any(), f"{name}: elements left unwritten"
         assert_close(b, a, 1e-6, name)
