@@ -259,7 +259,7 @@ def intra_fwd_kernel(
 #   intra_blocks_fwd  per (chunk and 16-row block r, head): blocks (r, c <= r) of A_qk and A_kk, the
 #                     inverse X_rr of the diagonal block of I + A_kk, and the rows' QG, KD, beta Gamma K;
 #   intra_solve_fwd   per (chunk, head): T~ from those blocks (block forward substitution), W and U.
-# Registers (sm_90a, K = V = 128): 128 at 4 warps and 125 at 8 warps, no spills (intra_fwd: 255 + 48 B).
+# Registers (sm_90a, K = V = 128): 128 at 4 warps and 128 at 8 warps, no spills (intra_fwd: 255 + 48 B).
 @triton.jit
 def intra_blocks_fwd_kernel(
     q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
@@ -333,21 +333,17 @@ def _solve_rows(Ti, Tb, start, eos, i_h, H):
     diagonal, the inverses X_rr on it), by block forward substitution, row block by row block:
         X_rc = -X_rr sum_{c <= m < r} L_rm X_mc
     (intra_fwd's formulas and order of products, so the same fp32 numbers); writes the whole 64 x 64 T~
-    (zeros above the diagonal) into Tb, in Tb's dtype (the inputs'; every reader of T~ rounds it to that).
-    A barrier after each row block keeps the compiler from overlapping the rows' small fp32 products
-    (fewer live registers: 126 instead of 162 at 8 warps)."""
+    (zeros above the diagonal) into Tb, in Tb's dtype (the inputs'; every reader of T~ rounds it to that)."""
     X00 = _load_blk(Ti, start, eos, 0, 0, H, i_h)
     X11 = _load_blk(Ti, start, eos, 16, 16, H, i_h)
     X22 = _load_blk(Ti, start, eos, 32, 32, H, i_h)
     X33 = _load_blk(Ti, start, eos, 48, 48, H, i_h)
     L10 = _load_blk(Ti, start, eos, 16, 0, H, i_h)
     X10 = -_mm(X11, _mm(L10, X00))
-    tl.debug_barrier()
     L20 = _load_blk(Ti, start, eos, 32, 0, H, i_h)
     L21 = _load_blk(Ti, start, eos, 32, 16, H, i_h)
     X21 = -_mm(X22, _mm(L21, X11))
     X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
-    tl.debug_barrier()
     L30 = _load_blk(Ti, start, eos, 48, 0, H, i_h)
     L31 = _load_blk(Ti, start, eos, 48, 16, H, i_h)
     L32 = _load_blk(Ti, start, eos, 48, 32, H, i_h)
