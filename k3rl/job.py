@@ -191,7 +191,8 @@ class WeightSync:
       reference goes to the pool; every engine reads it (restarted engines are replayed it);
     * nccl: the learner's rank 0 and the engines form a broadcast group of their own (NCCL on
       GPUs, gloo on CPUs) and the buckets go GPU to GPU; the group is formed again, on a new
-      port, after an engine restart (a restarted engine serves nothing until it has the weights);
+      port, at the first sync after an engine restart (until then the restarted engine, behind,
+      is routed to only when no up-to-date engine is alive);
     * cuda_ipc: rank 0 packs the update in its GPU memory and the engines copy it out through
       CUDA IPC handles (engines sharing the learner's GPU)."""
 
