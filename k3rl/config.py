@@ -60,6 +60,8 @@ class RolloutSection(_Section):
     max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")
     gpus_per_inference_worker: float = Field(0.0, ge=0.0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
+    weight_sync_timeout_s: float = Field(
+        300.0, gt=0, description="a broadcast (nccl) not finished by then fails; that update then goes through the object store")
     weight_transport: Literal["object_store", "nccl", "cuda_ipc"] = Field(
         "object_store",
         description="how each WeightUpdate reaches the engines: object_store (any cluster), nccl (a broadcast "

@@ -117,7 +117,8 @@ class LearnerActor:
             self.weight_sync.close()
         host, port = address.rsplit(":", 1)
         backend = "nccl" if self.device == "cuda" else "gloo"
-        self.weight_sync = CollectiveWeightSync(0, world_size, host, int(port), backend, self.device)
+        self.weight_sync = CollectiveWeightSync(0, world_size, host, int(port), backend, self.device,
+                                                timeout_s=self.cfg.rollout.weight_sync_timeout_s)
 
     def send_weights(self, version: int) -> dict[str, float]:
         """nccl: broadcast the update (the engines receive it at the same time)."""
@@ -210,16 +211,29 @@ class WeightSync:
 
     async def __call__(self, version: int) -> dict[str, float]:
         if self.transport == "nccl":
-            if not await self.pool.collective_intact.remote():
-                await self._form_group()
-            sent, _ = await asyncio.gather(self.learner.call("send_weights", version),
-                                           self.pool.receive_collective_update.remote())
-            return sent
+            return await self._broadcast(version)
         if self.transport == "cuda_ipc":
             await self.pool.update_weights.remote(await self.learner.call("share_weights", version))
             return {}
         await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
         return {}
+
+    async def _broadcast(self, version: int) -> dict[str, float]:
+        """One broadcast; if it fails (an engine died, the group timed out), the same version goes
+        through the object store, which also restarts and replays dead engines, and the group is
+        formed again at the next sync. Nothing is lost and the job goes on."""
+        if not await self.pool.collective_intact.remote():
+            await self._form_group()
+        sent, received = await asyncio.gather(self.learner.call("send_weights", version),
+                                              self.pool.receive_collective_update.remote(), return_exceptions=True)
+        failure = next((r for r in (sent, received) if isinstance(r, BaseException)), None)
+        if failure is None:
+            return sent
+        console.log(f"[yellow]weight broadcast of v{version} failed ({type(failure).__name__}: "
+                    f"{str(failure).splitlines()[0][:200]}); sending it through the object store instead")
+        await self.pool.drop_collective.remote()
+        await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
+        return {"weight_sync/fallbacks": 1.0}
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -366,11 +380,15 @@ def _forwarded_env() -> dict[str, str]:
 
 
 def run_job(cfg: JobConfig, resume: bool = False, *, kill_worker_at_step: int | None = None,
-            quiet: bool = False) -> dict[str, Any]:
-    return asyncio.run(_run_job(cfg, resume=resume, kill_worker_at_step=kill_worker_at_step, quiet=quiet))
+            kill_engine_at_step: int | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Run (or with `resume`, continue) the job. `kill_worker_at_step` / `kill_engine_at_step` kill
+    rollout worker 0 / inference engine 0 after that step's training (the failure tests)."""
+    return asyncio.run(_run_job(cfg, resume=resume, kill_worker_at_step=kill_worker_at_step,
+                                kill_engine_at_step=kill_engine_at_step, quiet=quiet))
 
 
-async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None, quiet: bool) -> dict[str, Any]:
+async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None, quiet: bool,
+                   kill_engine_at_step: int | None = None) -> dict[str, Any]:
     import ray
 
     from k3rl.rollout.buffer import TrajectoryBuffer
@@ -497,6 +515,8 @@ async def _run_job(cfg: JobConfig, resume: bool, kill_worker_at_step: int | None
             t_train = time.monotonic() - t1
             m.update(train_m)
             version = step + 1
+            if kill_engine_at_step is not None and step + 1 == kill_engine_at_step:
+                ray.kill((await pool.worker_handles.remote())[0], no_restart=True)
             t2 = time.monotonic()
             m.update(await sync(version + 1))
             m["time/weight_sync_s"] = time.monotonic() - t2

@@ -335,6 +335,10 @@ class InferencePool:
         """Whether a weight-sync group exists and holds every current worker (no restart since)."""
         return self._collective_generation is not None and self._collective_generation == self._generation
 
+    def drop_collective(self) -> None:
+        """Forget the weight-sync group (after a failed broadcast): the next one needs a new group."""
+        self._collective_generation = None
+
     async def receive_collective_update(self) -> int:
         """Every worker receives the update the learner broadcasts now (`CollectiveWeightSync.send`)
         and switches; returns the new version. A restarted worker is not in the group: after a
@@ -416,6 +420,12 @@ class PoolActor:
 
     def collective_intact(self) -> bool:
         return self.pool.collective_intact()
+
+    def drop_collective(self) -> None:
+        self.pool.drop_collective()
+
+    def worker_handles(self) -> list:
+        return self.pool.workers
 
     async def abort(self, request_id: str) -> bool:
         return await self.pool.abort(request_id)

@@ -215,7 +215,9 @@ class CollectiveWeightSync:
         store = dist.TCPStore(host, port, world_size, is_master=(rank == src), timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(self.device)  # the communicator binds to the current device
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)  # a dead member fails the broadcast instead of hanging it
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 

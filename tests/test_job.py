@@ -204,3 +204,27 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
         assert m["weight_sync/bytes"] == pytest.approx(model_bytes, rel=0.02)  # the whole model, every step
         assert m["weight_sync/broadcast_s"] > 0 and m["weight_sync/wait_for_engines_s"] >= 0
+
+
+def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path):
+    """rollout.weight_transport=nccl with engine 0 killed after step 1's training: that step's
+    broadcast fails, the same weights go through the object store (the dead engine is restarted
+    and replayed them), the group is formed again for step 2, and every step stays on-policy."""
+    import ray
+
+    from k3rl.job import run_job
+
+    ray.shutdown()
+    cfg = _cfg(tmp_path, "learner.steps=3", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
+               "rollout.max_policy_lag=0", "rollout.weight_sync_timeout_s=30", "name=engine-dies")
+    try:
+        summary = run_job(cfg, kill_engine_at_step=1, quiet=True)
+    finally:
+        ray.shutdown()
+    assert summary["completed"] and summary["steps"] == 3
+    h = summary["history"]
+    assert h[0].get("weight_sync/fallbacks") == 1.0 and "weight_sync/bytes" not in h[0]
+    assert all("weight_sync/fallbacks" not in m and m["weight_sync/bytes"] > 0 for m in h[1:])  # group re-formed
+    for m in h:
+        assert m["staleness/max"] == 0.0
+        assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
