@@ -129,6 +129,17 @@ def _store_blk(ptr, X, start, eos, r0, c0, H, i_h):
 
 
 @triton.jit
+def _store_u(Tm, v, U, b_c, cols, mc, i_h, H, V: tl.constexpr, BV: tl.constexpr):
+    """U = T~ (beta V) for one chunk's rows, by V slices of BV (Tm: T~ in the inputs' dtype)."""
+    for i_v in range(tl.cdiv(V, BV)):
+        cv = i_v * BV + tl.arange(0, BV)
+        off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
+        m_v = mc[:, None] & (cv < V)[None, :]
+        vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(Tm.dtype)
+        tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
@@ -232,12 +243,7 @@ def intra_fwd_kernel(
     off_t = cols[:, None] * (H * BT) + i_h * BT + jj[None, :]
     Tm = tl.load(Ti + off_t, mask=mc[:, None], other=0.0).to(dt)
     b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
-        m_v = mc[:, None] & (cv < V)[None, :]
-        vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
-        tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+    _store_u(Tm, v, U, b_c, cols, mc, i_h, H, V, BV)
     BKW: tl.constexpr = min(BK, 64)
     last = tl.minimum(start + BT, eos) - 1
     for i_k in tl.static_range(BK // BKW):
@@ -389,12 +395,7 @@ def intra_solve_fwd_kernel(
     mc = cols < eos
     Tm = tl.load(Tb + cols[:, None] * (H * BT) + i_h * BT + jj[None, :], mask=mc[:, None], other=0.0).to(dt)
     b_c = tl.load(beta + cols * H + i_h, mask=mc, other=0.0).to(tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        cv = i_v * BV + tl.arange(0, BV)
-        off_v = cols[:, None] * (H * V) + i_h * V + cv[None, :]
-        m_v = mc[:, None] & (cv < V)[None, :]
-        vb = (tl.load(v + off_v, mask=m_v, other=0.0).to(tl.float32) * b_c[:, None]).to(dt)
-        tl.store(U + off_v, tl.dot(Tm, vb).to(U.dtype.element_ty), mask=m_v)
+    _store_u(Tm, v, U, b_c, cols, mc, i_h, H, V, BV)
     BKW: tl.constexpr = min(BK, 64)
     for i_k in tl.static_range(BK // BKW):
         cs = i_k * BKW + tl.arange(0, BKW)
