@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3rl.learner.distributed import free_port  # noqa: E402
 from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
 from k3rl.learner.model.state_dict_adapter import to_hf  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
@@ -153,12 +153,6 @@ def object_store_gbps(update: WeightUpdate) -> float:
     return update.nbytes / min(times) / 1e9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _collective_receiver(port: int, backend: str, device: str, rounds: int) -> None:
     from k3rl.rollout.weight_sync import CollectiveWeightSync
 
@@ -172,7 +166,7 @@ def collective_gbps(update: WeightUpdate, backend: str, devices: tuple[str, str]
 
     from k3rl.rollout.weight_sync import CollectiveWeightSync
 
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_collective_receiver, args=(port, backend, devices[1], rounds + 1))
     proc.start()

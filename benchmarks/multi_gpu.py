@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from k3rl.learner.distributed import free_port  # noqa: E402
 
 
 def trajectories(step: int, n: int, length: int, vocab: int):
@@ -47,12 +48,6 @@ def trajectories(step: int, n: int, length: int, vocab: int):
                               completion_ids=comp, logprobs=[-5.5] * len(comp), loss_mask=[1] * len(comp),
                               versions=[0] * len(comp), reward=float(rng.random() < 0.5)))
     return out
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync(cpu: bool) -> None:
@@ -178,7 +173,7 @@ def main() -> None:
             raise SystemExit(f"needs {args.gpus} GPUs, found {n}")
         print(f"# multi-GPU: {args.gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     if not (args.cpu or args.skip_broadcast):
-        mp.spawn(_broadcast, args=(args.gpus, _port(), args, str(tmp / "bcast.json")), nprocs=args.gpus)
+        mp.spawn(_broadcast, args=(args.gpus, free_port(), args, str(tmp / "bcast.json")), nprocs=args.gpus)
         b = json.loads((tmp / "bcast.json").read_text())
         print(f"NCCL broadcast, one 1 GiB buffer: {b['raw_gbps']:.1f} GB/s")
         print(f"k3-small WeightUpdate ({b['update_bytes'] / 1e6:.0f} MB bf16, {b['buckets']} buckets): "
@@ -189,10 +184,10 @@ def main() -> None:
     _train(0, 1, 0, args, str(tmp / "one.json"))
     one_name = "1 process" if args.cpu else "1 GPU"
     runs = {one_name: json.loads((tmp / "one.json").read_text())}
-    mp.spawn(_train, args=(args.gpus, _port(), args, str(tmp / "dp.json")), nprocs=args.gpus)
+    mp.spawn(_train, args=(args.gpus, free_port(), args, str(tmp / "dp.json")), nprocs=args.gpus)
     runs[f"FSDP2 x{args.gpus}"] = json.loads((tmp / "dp.json").read_text())
     if args.ep > 1:
-        mp.spawn(_train, args=(args.gpus, _port(), args, str(tmp / "ep.json"), args.ep), nprocs=args.gpus)
+        mp.spawn(_train, args=(args.gpus, free_port(), args, str(tmp / "ep.json"), args.ep), nprocs=args.gpus)
         runs[f"FSDP2+EP{args.ep} x{args.gpus}"] = json.loads((tmp / "ep.json").read_text())
     print(f"objective: {args.objective}, {args.preset}, {args.seqs} x {args.seq_len} tokens per step, "
           f"{'fp32' if args.cpu else 'bf16'}, Per-Head Muon")

@@ -20,7 +20,6 @@ import math
 import os
 import random
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,8 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         self.device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
         self.trainer = None
+        self.weight_sync = None  # nccl: rank 0's end of the broadcast group
+        self.ipc_share = None  # cuda_ipc: the last update shared, alive until the next one
 
     def rendezvous_address(self) -> str:
         """A free host:port for a process group's store on this (rank 0's) node: loopback when the
@@ -59,10 +60,10 @@ class LearnerActor:
         cluster. Used for the learner's ranks and for the weight-broadcast group."""
         import ray
 
+        from k3rl.learner.distributed import free_port
+
         host = ray.util.get_node_ip_address() if self.cfg.ray.address else "127.0.0.1"
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            return f"{host}:{sock.getsockname()[1]}"
+        return f"{host}:{free_port(host)}"
 
     def setup(self, rendezvous: str | None) -> None:
         import torch
@@ -113,7 +114,7 @@ class LearnerActor:
 
         if self.rank != 0:
             return
-        if getattr(self, "weight_sync", None) is not None:
+        if self.weight_sync is not None:
             self.weight_sync.close()
         host, port = address.rsplit(":", 1)
         backend = "nccl" if self.device == "cuda" else "gloo"
@@ -137,7 +138,7 @@ class LearnerActor:
         update = self._export(version, on_device=True)
         if self.rank != 0:
             return None
-        if getattr(self, "ipc_share", None) is not None:
+        if self.ipc_share is not None:
             self.ipc_share.release()  # the engines copied the previous one out before it was replaced
         self.ipc_share = share_cuda_ipc(update, "cuda")
         return self.ipc_share
@@ -215,8 +216,11 @@ class WeightSync:
         if self.transport == "cuda_ipc":
             await self.pool.update_weights.remote(await self.learner.call("share_weights", version))
             return {}
-        await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
+        await self._through_object_store(version)
         return {}
+
+    async def _through_object_store(self, version: int) -> None:
+        await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
 
     async def _broadcast(self, version: int) -> dict[str, float]:
         """One broadcast; if it fails (an engine died, the group timed out), the same version goes
@@ -232,7 +236,7 @@ class WeightSync:
         console.log(f"[yellow]weight broadcast of v{version} failed ({type(failure).__name__}: "
                     f"{str(failure).splitlines()[0][:200]}); sending it through the object store instead")
         await self.pool.drop_collective.remote()
-        await self.pool.update_weights.remote(await self.learner.call("export_weights", version))
+        await self._through_object_store(version)
         return {"weight_sync/fallbacks": 1.0}
 
 

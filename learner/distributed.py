@@ -30,6 +30,15 @@ __all__ = [
 ]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now: where a process group's store can listen."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

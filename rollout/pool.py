@@ -44,7 +44,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
-from .weight_sync import CollectiveWeightSync, IpcShare, PublishedUpdate, publish, receive
+from .weight_sync import CollectiveWeightSync, IpcShare, PublishedUpdate, publish_here, receive
 
 
 @dataclass
@@ -296,9 +296,8 @@ class InferencePool:
         if update.version <= self._version:
             raise ValueError(f"weight update v{update.version} is not newer than the pool's v{self._version}")
         if isinstance(update, WeightUpdate):
-            ref = publish(update)
-            self._weights = [ref] if update.full else [*self._weights, ref]
-        elif isinstance(update, PublishedUpdate):
+            update = publish_here(update)
+        if isinstance(update, PublishedUpdate):
             ref = update.ref
             self._weights = [ref] if update.full else [*self._weights, ref]
         else:  # IpcShare: handles, passed as they are

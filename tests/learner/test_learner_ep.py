@@ -15,7 +15,6 @@ One spawn runs every distributed check (the process start dominates the cost):
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import pytest
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from learner_helpers import make_trajectories
 
 from k3rl.config import ConfigError, JobConfig, LearnerSection
+from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
@@ -147,16 +147,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    mp.spawn(_worker, args=(EP, _free_port(), str(out)), nprocs=EP, join=True)
+    mp.spawn(_worker, args=(EP, free_port(), str(out)), nprocs=EP, join=True)
     torch.set_num_threads(1)
     return [torch.load(out / f"ep{r}.pt", weights_only=False) for r in range(EP)], out
 

@@ -9,7 +9,6 @@ two ranks must resume to the same next step.
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 
 import torch
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 from learner_helpers import make_trajectories
 
 from k3rl.config import LearnerSection
+from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
 
@@ -64,14 +64,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp_two_processes_equal_one_process(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     two = torch.load(tmp_path / "fsdp.pt", weights_only=False)
 
     torch.set_num_threads(1)

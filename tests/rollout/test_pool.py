@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import pytest
 import ray
 import torch
 
+from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
@@ -107,9 +107,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             # the collective transport (gloo here, NCCL on GPUs): the driver is rank 0 of the group
             from k3rl.rollout.weight_sync import CollectiveWeightSync
 
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            port = free_port()
             sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
             assert not pool.collective_intact()
             await pool.join_collective("127.0.0.1", port, backend="gloo")
@@ -143,9 +141,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             assert {h["version"] for h in await pool.check_health()} == {3}
 
             # the group formed again (new port, new sender) holds the replacement too
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            port = free_port()
             sender.close()
             sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
             await pool.join_collective("127.0.0.1", port, backend="gloo")

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
 
+from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
@@ -147,12 +147,6 @@ def test_pack_unpack_round_trip_keeps_dtypes_shapes_and_bits():
         unpack_bucket(buf[:-1], man)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _receiver(port: int, backend: str, queue) -> None:
     sync = CollectiveWeightSync(1, 2, port=port, backend=backend, device="cuda:1" if backend == "nccl" else "cpu")
     upd = sync.recv()
@@ -164,7 +158,7 @@ def _collective_round_trip(backend: str) -> None:
 
     torch.manual_seed(1)
     state = {"w": torch.randn(64, 33), "v": torch.randn(100).to(torch.bfloat16), "i": torch.arange(9)}
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(port, backend, queue))
