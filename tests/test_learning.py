@@ -23,7 +23,9 @@ def test_short_job_learns_keylookup(tmp_path, seed):
     from k3rl.job import run_job
 
     cfg = JobConfig.load(DEMO, [
-        f"model.seed={seed}", f"learner.seed={seed}", "learner.sft_steps=20", "learner.sft_episodes=128",
+        # the demo's own warm start (30 SFT steps on 256 oracle episodes): with 20 on 128 the
+        # policy was weak enough that RL drifted to reward 0 on one CI run of seed 0
+        f"model.seed={seed}", f"learner.seed={seed}",
         "learner.steps=4", "learner.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "tracking.sample_episodes=0", f"tracking.runs_dir={tmp_path}/runs",
         f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=learn{seed}", "tracking.run_name=null",
