@@ -235,7 +235,7 @@ SWEEP = [
 FWD_KERNELS = ("intra", "state_fwd")
 
 
-def sweep(B=1, T=4096, H=96, adopt=False):
+def sweep(B=1, T=4096, H=96, adopt=False, groups=None):
     """Our chunk KDA under several launch settings (one change each against the defaults); each
     setting's output and gradients are compared with the defaults' on the same inputs."""
     from k3rl.kernels.kda import triton_chunk
@@ -265,12 +265,13 @@ def sweep(B=1, T=4096, H=96, adopt=False):
         except Exception as e:  # a setting that does not compile must not stop the sweep
             row(group, change, "failed", str(e).splitlines()[0][:80], "", "")
 
-    for group, change in SWEEP:
+    rows = [(g, c) for g, c in SWEEP if g == "defaults" or not groups or g in groups]
+    for group, change in rows:
         measure(group, change)
     chosen = dict(base)
     defaults = [r for r in results if r[0] == "defaults"]
     if adopt and defaults:
-        for kernel in dict.fromkeys(g for g, _ in SWEEP if g != "defaults"):
+        for kernel in dict.fromkeys(g for g, _ in rows if g != "defaults"):
             by = 2 if kernel in FWD_KERNELS else 3
             best = min(defaults + [r for r in results if r[0] == kernel], key=lambda r: r[by])
             chosen.update(best[1])
@@ -344,14 +345,24 @@ def recurrent(bw):
         A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE,
     )  # fmt: skip
     with torch.no_grad():
+        # the same state bytes through a plain device copy: the ceiling for a kernel that reads the
+        # state once and writes it once (the 2 GiB copy of `peak` amortises its launch and tail better)
+        ht_copy = torch.empty_like(h0)
+        copy_ms = bench(lambda: ht_copy.copy_(h0))
         sweep = {}
-        for bv in (16, 32, 64):
-            for nw in (1, 2, 4, 8):
-                triton_recurrent.CONFIG.update(BV=bv, num_warps=nw)
-                sweep[(bv, nw)] = bench(call)
+        for bv, nw, stream in [(bv, nw, False) for bv in (8, 16, 32, 64) for nw in (1, 2, 4)] + [
+            (8, 1, True), (16, 1, True), (32, 1, True), (32, 2, True)
+        ]:  # fmt: skip
+            triton_recurrent.CONFIG.update(BV=bv, num_warps=nw, stream=stream)
+            sweep[(bv, nw, stream)] = bench(call)
         best = min(sweep, key=sweep.get)
-        print("config sweep (BV, warps) -> ms:", {k: round(v, 4) for k, v in sweep.items()}, "best", best)
-        triton_recurrent.CONFIG.update(BV=best[0], num_warps=best[1])
+        print(
+            "config sweep (BV, warps, stream) -> ms:",
+            {k: round(v, 4) for k, v in sweep.items()},
+            "best",
+            best,
+        )
+        triton_recurrent.CONFIG.update(BV=best[0], num_warps=best[1], stream=best[2])
         ours = bench(call)
         fla = float("nan")
         if fla_fused_recurrent_kda:
@@ -384,11 +395,11 @@ def recurrent(bw):
                 **GATE,
             )
             print(f"agreement ours vs fla: o rel {rel(o1, o2):.2e}, state rel {rel(s1, s2):.2e}\n")
-    row("kernel", "ms", "state TB/s", "of measured copy bandwidth")
-    row(*["---"] * 4)
-    for name, ms in (("ours", ours), ("fla-core", fla)):
+    row("kernel", "ms", "state TB/s", "of the 2 GiB copy's bandwidth", "of the same-size state copy")
+    row(*["---"] * 5)
+    for name, ms in (("ours", ours), ("fla-core", fla), ("state copy (torch)", copy_ms)):
         tbs = state_bytes / ms / 1e9  # TB/s
-        row(name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs * 1000 / bw:.0f}%")
+        row(name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs * 1000 / bw:.0f}%", f"{100 * copy_ms / ms:.0f}%")
 
 
 def situ():
@@ -476,6 +487,7 @@ def main():
     p.add_argument(
         "--adopt-best", action="store_true", help="the sections after 'sweep' use its best settings"
     )
+    p.add_argument("--sweep-groups", default="", help="sweep only these kernels' rows, e.g. intra,state_fwd")
     p.add_argument(
         "--watchdog", type=float, default=0, help="dump all Python stacks every N seconds (0: off)"
     )
@@ -500,7 +512,9 @@ def main():
     sections = dict(
         kda=lambda: kda(args.kda_shapes),
         kda_long=lambda: kda("1x16384x96,1x65536x96"),
-        sweep=lambda: sweep(adopt=args.adopt_best),
+        sweep=lambda: sweep(
+            adopt=args.adopt_best, groups=args.sweep_groups.split(",") if args.sweep_groups else None
+        ),
         profile=profile,
         profile_ours=lambda: profile(with_fla=False),
         agree=agree,

@@ -16,20 +16,26 @@ import triton.language as tl
 from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
 
-# launch configuration (value-block width, warps); benchmarks/kernels.py sweeps these on the GPU
-CONFIG = {"BV": 16, "num_warps": 1}  # best of a 12-point sweep on an H200 (benchmarks/results/kernels.md)
+# launch configuration (value-block width, warps, streaming cache hints on the state); benchmarks/kernels.py
+# sweeps these on the GPU. BV 16 / 1 warp: best of a 12-point sweep on an H200 (benchmarks/results/kernels.md)
+CONFIG = {"BV": 16, "num_warps": 1, "stream": False}
 
 
 @triton.jit
 def recurrent_fwd_kernel(
-    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, scale,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, T, scale,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BOUNDED: tl.constexpr, LB: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, EPS: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, EPS: tl.constexpr, VARLEN: tl.constexpr,
+    STREAM: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    if VARLEN:
+        bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
+    else:  # B sequences of T tokens: no offsets table (and no extra launch to build one)
+        bos = i_n * T
+        eos = bos + T
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < K, cv < V
@@ -37,7 +43,10 @@ def recurrent_fwd_kernel(
     m_s = mk[:, None] & mv[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        S = tl.load(h0 + i_nh * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+        # STREAM: the state is read once and written once, so it need not stay in L2
+        S = tl.load(
+            h0 + i_nh * K * V + off_s, mask=m_s, other=0.0, eviction_policy="evict_first" if STREAM else ""
+        ).to(tl.float32)
     if USE_GATE:
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         bias = tl.zeros([BK], dtype=tl.float32)
@@ -69,7 +78,7 @@ def recurrent_fwd_kernel(
         tl.store(o + (t * H + i_h) * V + cv, b_o.to(o.dtype.element_ty), mask=mv)
         t += 1
     if STORE_HT:
-        tl.store(ht + i_nh * K * V + off_s, S, mask=m_s)
+        tl.store(ht + i_nh * K * V + off_s, S, mask=m_s, cache_modifier=".cs" if STREAM else "")
 
 
 def fused_recurrent_kda_triton(
@@ -91,11 +100,9 @@ def fused_recurrent_kda_triton(
         raise ValueError(f"fused_recurrent_kda: lower_bound must be negative or None, got {lower_bound}")
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    N = cu.numel() - 1
+    varlen = cu_seqlens is not None
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32) if varlen else None
+    N = cu.numel() - 1 if varlen else B
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
     c = lambda x: x.contiguous()
@@ -104,11 +111,11 @@ def fused_recurrent_kda_triton(
     h0 = c(initial_state.float()) if initial_state is not None else o
     recurrent_fwd_kernel[(triton.cdiv(V, BV), N * H)](
         c(q), c(k), c(v), c(g), c(beta), c(A_log.float()) if use_gate_in_kernel else o,
-        c(dt_bias.float()) if (use_gate_in_kernel and dt_bias is not None) else o, o, h0, ht, cu,
+        c(dt_bias.float()) if (use_gate_in_kernel and dt_bias is not None) else o, o, h0, ht, cu if varlen else o, T,
         float(K**-0.5 if scale is None else scale),
         H=H, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel), USE_GATE=bool(use_gate_in_kernel),
         HAS_BIAS=dt_bias is not None, BOUNDED=lower_bound is not None, LB=float(lower_bound or 0.0),
         HAS_H0=initial_state is not None, STORE_HT=bool(output_final_state), EPS=L2NORM_EPS,
-        num_warps=CONFIG["num_warps"],
+        VARLEN=varlen, STREAM=bool(CONFIG["stream"]), num_warps=CONFIG["num_warps"],
     )  # fmt: skip
     return o, (ht if output_final_state else None)

@@ -102,6 +102,27 @@ def test_fused_recurrent_triton_matches_naive_both_gates():
         assert_close(s1, s2, 1e-5, "state")
 
 
+def test_fused_recurrent_triton_fixed_length_batch():
+    """B sequences of T tokens (no cu_seqlens: the kernel computes the offsets), with and without the
+    streaming cache hints on the state."""
+    x = inputs(3, 5, 2, 16, 48, 3, seed=7)
+    S0 = torch.randn(3, 2, 16, 48)
+    kw = dict(
+        initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0,
+    )  # fmt: skip
+    o2, s2 = naive_recurrent_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], **kw)
+    saved = dict(triton_recurrent.CONFIG)
+    for stream in (False, True):
+        triton_recurrent.CONFIG.update(stream=stream)
+        try:
+            o1, s1 = fused_recurrent_kda(x["q"], x["k"], x["v"], x["z"], x["beta"], backend="triton", **kw)
+        finally:
+            triton_recurrent.CONFIG.update(saved)
+        assert_close(o1, o2, 1e-5, f"o (stream={stream})")
+        assert_close(s1, s2, 1e-5, f"state (stream={stream})")
+
+
 def test_prefill_then_decode_equals_longer_prefill():
     x = inputs(2, 67, 2, 16, 16, 2, seed=4)
     g = -5.0 * torch.sigmoid(x["z"])

@@ -46,7 +46,7 @@ FP32_ARGS = {
     "dA_log",
     "ddt",
 }
-INT_ARGS = {"H", "m", "n", "n_rows"}
+INT_ARGS = {"H", "T", "m", "n", "n_rows"}
 FLOAT_ARGS = {"lo", "inv_width", "scale"}
 
 
@@ -137,24 +137,29 @@ def main():
         "grads_subtiles": compile_one(
             tc.grads_subtiles_kernel, dict(K=128, BKS=cfg["BKS_tiles"]), cfg["warps_subtiles"]
         ),
-        "recurrent": compile_one(
-            tr.recurrent_fwd_kernel,
-            dict(
-                K=128,
-                V=128,
-                BK=128,
-                BV=tr.CONFIG["BV"],
-                L2NORM=True,
-                USE_GATE=True,
-                HAS_BIAS=True,
-                BOUNDED=True,
-                LB=-5.0,
-                HAS_H0=True,
-                STORE_HT=True,
-                EPS=1e-6,
-            ),
-            tr.CONFIG["num_warps"],
-        ),  # fmt: skip
+        **{
+            name: compile_one(
+                tr.recurrent_fwd_kernel,
+                dict(
+                    K=128,
+                    V=128,
+                    BK=128,
+                    BV=tr.CONFIG["BV"],
+                    L2NORM=True,
+                    USE_GATE=True,
+                    HAS_BIAS=True,
+                    BOUNDED=True,
+                    LB=-5.0,
+                    HAS_H0=True,
+                    STORE_HT=True,
+                    EPS=1e-6,
+                    VARLEN=varlen,
+                    STREAM=stream,
+                ),
+                tr.CONFIG["num_warps"],
+            )
+            for name, varlen, stream in (("recurrent", True, False), ("recurrent_stream", False, True))
+        },  # fmt: skip
         "situ_fwd": compile_one(ts.situ_fwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
         "situ_bwd": compile_one(ts.situ_bwd_kernel, dict(B1=4.0, B2=25.0, BLOCK=ts.BLOCK), 8),
         "l2norm_fwd": compile_one(tn.l2norm_fwd_kernel, dict(K=128, BK=128, BR=32, EPS=1e-6), 4),
