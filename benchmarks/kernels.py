@@ -221,12 +221,14 @@ def profile(B=1, T=4096, H=96, with_fla=True):
 # + backward for the others), among those whose output and gradients agree with the defaults'.
 SWEEP = [
     ("defaults", {}),
-    ("intra", {"warps_intra": 4}),
-    ("intra", {"split_intra": True}),  # intra_blocks_fwd (4 warps) + intra_solve_fwd (8 warps)
-    ("intra", {"split_intra": True, "warps_blocks": 8}),
-    ("intra", {"split_intra": True, "warps_solve": 4}),
+    ("intra", {"split_intra": False}),  # the single intra_fwd kernel (8 warps)
+    ("intra", {"warps_blocks": 8}),
+    ("intra", {"warps_blocks": 2}),
+    ("intra", {"warps_solve": 8}),
     ("state_fwd", {"warps_state": 8, "stages_state": 2}),
-    ("state_fwd", {"BV": 32, "warps_state": 4, "stages_state": 1}),
+    ("state_fwd", {"stages_state": 2}),
+    ("state_fwd", {"BV": 32}),
+    ("state_fwd", {"BV": 32, "stages_state": 2}),
     ("state_bwd", {"BV_bwd": 32}),
     ("grads", {"BKS": 32}),
     ("grads", {"stages_grads": 1}),

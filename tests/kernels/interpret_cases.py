@@ -218,16 +218,15 @@ def test_chunk_kda_triton_several_blocks_and_slices_match_reference():
         triton_chunk.CONFIG.update(saved)
 
 
-def test_chunk_kda_triton_split_intra_matches_reference():
-    """The forward intra path by two kernels (CONFIG split_intra: intra_blocks_fwd per 16-row block,
-    intra_solve_fwd), forward and backward (the backward reads A_qk, T~, W, U, QG, KD it stores),
-    alone and with several V blocks in intra_solve_fwd's U loop (BV 16); its stored tensors equal
-    intra_fwd's."""
+def test_chunk_kda_triton_single_intra_kernel_matches_reference():
+    """The forward intra path by the one intra_fwd kernel (CONFIG split_intra = False; the default is
+    intra_blocks_fwd + intra_solve_fwd), forward and backward (the backward reads the A_qk, T~, W, U, QG,
+    KD it stores), alone and with several V blocks in the U loop (BV 16)."""
     from k3rl.kernels.kda import triton_chunk
 
     saved = dict(triton_chunk.CONFIG)
     try:
-        triton_chunk.CONFIG.update(split_intra=True)
+        triton_chunk.CONFIG.update(split_intra=False)
         test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
         test_chunk_kda_triton_matches_reference_fwd_bwd(2, [70], 128, 16, False, False)
         triton_chunk.CONFIG.update(BV=16)
