@@ -266,3 +266,40 @@ def test_split_intra_stores_what_intra_fwd_stores():
     for name, a, b in zip(("A_qk", "T~", "W", "U", "QG", "KD"), one, two, strict=True):
         assert not b.isnan().any(), f"{name}: elements left unwritten"
         assert_close(b, a, 1e-6, name)
+
+
+def test_fused_intra_stores_what_intra_fwd_stores_and_matches_reference():
+    """intra_rows_fwd (CONFIG fused_intra: one program per 16-row block writes A_qk, T~, W, U, QG, KD of
+    its rows) stores intra_fwd's tensors (fp32: equal to rounding, T~ in the inputs' dtype), and the
+    whole forward and backward with it match the reference (ragged documents, short last chunks,
+    several row blocks past a document's end)."""
+    from k3rl.kernels.kda import triton_chunk as tc
+
+    lens, H, K, V = [70, 1, 133], 2, 32, 48
+    T = sum(lens)
+    x = inputs(1, T, H, K, V, 1, seed=5)
+    cu, chunk_idx, _, NT, _ = tc._tables_from_lengths(lens, "cpu")
+    k = torch.nn.functional.normalize(x["k"], dim=-1)
+    q = torch.nn.functional.normalize(x["q"], dim=-1) * K**-0.5
+    G = torch.empty(1, T, H, K)
+    tc.gate_cumsum_fwd_kernel[(NT, H)](
+        x["z"], x["A_log"], x["dt_bias"], G, cu, chunk_idx, H=H, K=K, BK=K, USE_GATE=True, HAS_BIAS=True, LB=-5.0
+    )  # fmt: skip
+    beta, v = x["beta"], x["v"]
+    bufs = lambda: [
+        torch.full((1, T, H, n), float("nan")) for n in (64, 64, K, V, K, K)
+    ]  # Aqk, T~, W, U, QG, KD
+    one, two = bufs(), bufs()
+    tc.intra_fwd_kernel[(NT, H)](q, k, v, G, beta, *one, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
+    tc.intra_rows_fwd_kernel[(NT * 4, H)](q, k, v, G, beta, *two, cu, chunk_idx, H=H, K=K, V=V, BK=K, BVV=64)
+    for name, a, b in zip(("A_qk", "T~", "W", "U", "QG", "KD"), one, two, strict=True):
+        assert not b.isnan().any(), f"{name}: elements left unwritten"
+        assert_close(b, a, 1e-6, name)
+    saved = dict(tc.CONFIG)
+    try:
+        tc.CONFIG.update(fused_intra=True)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
+        test_chunk_kda_triton_matches_reference_fwd_bwd(2, [70], 128, 16, False, False)
+    finally:
+        tc.CONFIG.clear()
+        tc.CONFIG.update(saved)
