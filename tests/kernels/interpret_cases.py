@@ -291,7 +291,9 @@ def test_fused_intra_stores_what_intra_fwd_stores_and_matches_reference():
     ]  # Aqk, T~, W, U, QG, KD
     one, two = bufs(), bufs()
     tc.intra_fwd_kernel[(NT, H)](q, k, v, G, beta, *one, cu, chunk_idx, H=H, K=K, V=V, BK=K, BV=16)
-    tc.intra_rows_fwd_kernel[(NT * 4, H)](q, k, v, G, beta, *two, cu, chunk_idx, H=H, K=K, V=V, BK=K, BVV=64)
+    tc.intra_rows_fwd_kernel[(NT * 4, H)](
+        q, k, v, G, beta, *two, cu, chunk_idx, H=H, K=K, V=V, BK=K, BVV=64, TF32=False
+    )
     for name, a, b in zip(("A_qk", "T~", "W", "U", "QG", "KD"), one, two, strict=True):
         assert not b.isnan().any(), f"{name}: elements left unwritten"
         assert_close(b, a, 1e-6, name)
@@ -300,6 +302,8 @@ def test_fused_intra_stores_what_intra_fwd_stores_and_matches_reference():
         tc.CONFIG.update(fused_intra=True)
         test_chunk_kda_triton_matches_reference_fwd_bwd(1, [40, 1, 109], 16, 32, True, True)
         test_chunk_kda_triton_matches_reference_fwd_bwd(2, [70], 128, 16, False, False)
+        tc.CONFIG.update(tf32_rows=True)  # the interpreter computes TF32 products in fp32: the code path only
+        test_chunk_kda_triton_matches_reference_fwd_bwd(1, [64, 17, 130], 32, 48, True, True)
     finally:
         tc.CONFIG.clear()
         tc.CONFIG.update(saved)

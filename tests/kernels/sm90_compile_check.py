@@ -108,7 +108,9 @@ def main():
         "intra_blocks_fwd": compile_one(tc.intra_blocks_fwd_kernel, dict(K=128, BK=128), cfg["warps_blocks"]),
         "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
         "intra_rows_fwd": compile_one(
-            tc.intra_rows_fwd_kernel, dict(K=128, V=128, BK=128, BVV=128, TF32=cfg["tf32_rows"]), cfg["warps_rows"]
+            tc.intra_rows_fwd_kernel,
+            dict(K=128, V=128, BK=128, BVV=128, TF32=cfg["tf32_rows"]),
+            cfg["warps_rows"],
         ),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
