@@ -225,19 +225,19 @@ SWEEP = [
     ("intra", {"warps_blocks": 8}),
     ("intra", {"warps_blocks": 2}),
     ("intra", {"warps_solve": 8}),
-    ("intra", {"fused_intra": True}),  # intra_rows_fwd, one kernel per 16-row block (4 warps)
-    ("intra", {"fused_intra": True, "warps_rows": 8}),
-    ("intra", {"fused_intra": True, "warps_rows": 2}),
-    ("intra", {"fused_intra": True, "maxnreg_rows": 168}),
     ("state_fwd", {"warps_state": 8, "stages_state": 2}),
     ("state_fwd", {"stages_state": 1}),
     ("state_fwd", {"BV": 32}),
+    ("state_fwd", {"split_output": True}),  # the state pass without O, then O by a parallel kernel
+    ("state_fwd", {"split_output": True, "BV_out": 128, "warps_out": 8}),
+    ("gate", {"warps_gate": 8}),
+    ("gate", {"warps_gate": 2}),
     ("state_bwd", {"BV_bwd": 32}),
     ("grads", {"BKS": 32}),
     ("grads", {"stages_grads": 1}),
     ("tiles", {"BKS_tiles": 64, "warps_subtiles": 4}),
 ]
-FWD_KERNELS = ("intra", "state_fwd")
+FWD_KERNELS = ("intra", "state_fwd", "gate")
 
 
 def sweep(B=1, T=4096, H=96, adopt=False, groups=None):

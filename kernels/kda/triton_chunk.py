@@ -96,19 +96,19 @@ def gate_cumsum_bwd_kernel(
 
 # ----------------------------------------------------------------------------- intra-chunk forward
 @triton.jit
-def _tri_inverse16(Ablk, BLK: tl.constexpr, TF32: tl.constexpr = False):
+def _tri_inverse16(Ablk, BLK: tl.constexpr):
     """(I + A)^-1 of a 16x16 strictly-lower A: A is nilpotent (A^16 = 0), so the Neumann series is
     finite and factors as  sum_{i<16} (-A)^i = (I - A)(I + A^2)(I + A^4)(I + A^8)  (6 small products
     instead of 15 serial substitution steps)."""
     r = tl.arange(0, BLK)
     eye = (r[:, None] == r[None, :]).to(tl.float32)
     X = eye - Ablk
-    P = _mm(Ablk, Ablk, TF32)  # A^2
-    X += _mm(X, P, TF32)
-    P = _mm(P, P, TF32)  # A^4
-    X += _mm(X, P, TF32)
-    P = _mm(P, P, TF32)  # A^8
-    X += _mm(X, P, TF32)
+    P = _mm(Ablk, Ablk)  # A^2
+    X += _mm(X, P)
+    P = _mm(P, P)  # A^4
+    X += _mm(X, P)
+    P = _mm(P, P)  # A^8
+    X += _mm(X, P)
     return X
 
 
@@ -141,9 +141,8 @@ def _store_u(Tm, v, U, b_c, cols, mc, i_h, H, V: tl.constexpr, BV: tl.constexpr)
 
 
 @triton.jit
-def _mm(a, b, TF32: tl.constexpr = False):
-    """fp32 product of small blocks: exact fp32 FMAs, or (TF32) tensor cores with 10-bit mantissas."""
-    return tl.dot(a, b, input_precision="tf32" if TF32 else "ieee")
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -407,160 +406,6 @@ def intra_solve_fwd_kernel(
         kb = tl.load(W + off_s, mask=m_s, other=0.0)
         tl.debug_barrier()  # the slice is read by every thread before any overwrites it
         tl.store(W + off_s, tl.dot(Tm, kb).to(W.dtype.element_ty), mask=m_s)
-
-
-# Fused intra path (CONFIG["fused_intra"]): one program per (chunk and 16-row block r, head) writes all
-# of rows r: A_qk, T~ (block forward substitution over the blocks of rows 0..r, recomputed by each
-# program: the solve needs the whole leading triangle), W = T~ (beta Gamma K), U = T~ (beta V), QG, KD.
-# Nothing passes through memory between kernels (split_intra writes and rereads the A_kk blocks and
-# beta Gamma K); the price is the A_kk blocks and inverses of rows < r computed again by program r.
-@triton.jit
-def _rows_blk(k, G, beta, start, eos, m, i_h, H, K: tl.constexpr, BK: tl.constexpr):
-    """Block row m's operands with reference point n = its first row: (K_i e^{G_i - G_n}) in the inputs'
-    dtype (row factors <= 1, padded rows 0), e^{G_n} per channel, beta of its rows."""
-    ck = tl.arange(0, BK)
-    rows = start + m * BS + tl.arange(0, BS)
-    mr = rows < eos
-    m2 = mr[:, None] & (ck < K)[None, :]
-    off = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-    n = tl.minimum(start + m * BS, eos - 1)
-    Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=ck < K, other=0.0)
-    e = tl.exp(tl.where(m2, tl.load(G + off, mask=m2, other=0.0) - Gn[None, :], float("-inf")))
-    kr = (tl.load(k + off, mask=m2, other=0.0).to(tl.float32) * e).to(k.dtype.element_ty)
-    return kr, Gn, tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _cols_blk(x, G, Gn, start, eos, c, i_h, H, K: tl.constexpr, BK: tl.constexpr, DIAG: tl.constexpr):
-    """Block column c's operand X_j e^{G_n - G_j} against a row block's reference point n (<= 1 left of
-    that block; < e^80 on its diagonal, bounded gate), in x's dtype; padded rows 0."""
-    ck = tl.arange(0, BK)
-    rows = start + c * BS + tl.arange(0, BS)
-    m2 = (rows < eos)[:, None] & (ck < K)[None, :]
-    off = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-    d = Gn[None, :] - tl.load(G + off, mask=m2, other=0.0)
-    if DIAG:
-        d = tl.where(m2, d, float("-inf"))
-    return (tl.load(x + off, mask=m2, other=0.0).to(tl.float32) * tl.exp(d)).to(x.dtype.element_ty)
-
-
-@triton.jit
-def _L(k, G, kr, Gn, b, start, eos, c, i_h, H, K: tl.constexpr, BK: tl.constexpr):
-    """L_mc = beta_m-scaled A_kk block (m, c < m) from row block m's kr, Gn, b."""
-    return tl.dot(kr, tl.trans(_cols_blk(k, G, Gn, start, eos, c, i_h, H, K, BK, False))) * b[:, None]
-
-
-@triton.jit
-def _Xdiag(k, G, kr, Gn, b, start, eos, m, i_h, H, K: tl.constexpr, BK: tl.constexpr, TF32: tl.constexpr):
-    """X_mm = (I + L_mm)^-1, L_mm = the strictly lower, beta-scaled diagonal A_kk block of row block m."""
-    ii = tl.arange(0, BS)
-    akk = tl.dot(kr, tl.trans(_cols_blk(k, G, Gn, start, eos, m, i_h, H, K, BK, True))) * b[:, None]
-    return _tri_inverse16(tl.where(ii[None, :] < ii[:, None], akk, 0.0), BS, TF32)
-
-
-@triton.jit
-def intra_rows_fwd_kernel(
-    q, k, v, G, beta, Aqk, Tb, W, U, QG, KD, cu, chunk_idx,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVV: tl.constexpr, TF32: tl.constexpr,
-):  # fmt: skip
-    i_tr, i_h = tl.program_id(0), tl.program_id(1)
-    i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
-    i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
-    bos, eos = tl.load(cu + i_n), tl.load(cu + i_n + 1)
-    start = bos + i_c * BT
-    n = start + r * BS
-    if n < eos:  # blocks past the end of a short last chunk have nothing to do
-        dt = k.dtype.element_ty
-        ck = tl.arange(0, BK)
-        mk = ck < K
-        ii = tl.arange(0, BS)
-        rows = n + ii
-        mr = rows < eos
-        off_r = rows[:, None] * (H * K) + i_h * K + ck[None, :]
-        m_r = mr[:, None] & mk[None, :]
-        # 1) QG = Q Gamma, KD = K e^{G_C - G} of rows r (G_C: the chunk's last row)
-        G_r = tl.load(G + off_r, mask=m_r, other=0.0)
-        q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
-        last = tl.minimum(start + BT, eos) - 1
-        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-        tl.store(QG + off_r, (q_r * tl.exp(G_r)).to(dt), mask=m_r)
-        k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
-        tl.store(KD + off_r, (k_r * tl.exp(Gl[None, :] - G_r)).to(dt), mask=m_r)
-        # 2) A_qk of rows r: A[i, j] = sum_c (Q_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}), n = row r*16
-        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
-        qr = (q_r * tl.exp(tl.where(m_r, G_r - Gn[None, :], float("-inf")))).to(dt)
-        for c in tl.static_range(BT // BS):
-            off_a = rows[:, None] * (H * BT) + i_h * BT + c * BS + ii[None, :]
-            if c < r:  # left of the diagonal: e^{G_n - G_j} <= 1
-                aqk = tl.dot(qr, tl.trans(_cols_blk(k, G, Gn, start, eos, c, i_h, H, K, BK, False)))
-                tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
-            elif c == r:  # the diagonal block, diagonal included
-                aqk = tl.dot(qr, tl.trans(_cols_blk(k, G, Gn, start, eos, c, i_h, H, K, BK, True)))
-                aqk = tl.where(ii[None, :] <= ii[:, None], aqk, 0.0)
-                tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
-            else:
-                tl.store(Aqk + off_a, tl.zeros([BS, BS], dtype=Aqk.dtype.element_ty), mask=mr[:, None])
-        # 3) T~ = (I + A_kk)^-1 up to block row r: X_mm = (I + L_mm)^-1, X_mc = -X_mm sum_{c<=j<m} L_mj X_jc
-        #    (intra_fwd's products in its order, so the same fp32 numbers)
-        Z = tl.zeros([BS, BS], dtype=tl.float32)
-        X10, X11, X20, X21, X22, X30, X31, X32, X33 = Z, Z, Z, Z, Z, Z, Z, Z, Z
-        kr, Gm, b = _rows_blk(k, G, beta, start, eos, 0, i_h, H, K, BK)
-        X00 = _Xdiag(k, G, kr, Gm, b, start, eos, 0, i_h, H, K, BK, TF32)
-        if r >= 1:
-            kr, Gm, b = _rows_blk(k, G, beta, start, eos, 1, i_h, H, K, BK)
-            X11 = _Xdiag(k, G, kr, Gm, b, start, eos, 1, i_h, H, K, BK, TF32)
-            L10 = _L(k, G, kr, Gm, b, start, eos, 0, i_h, H, K, BK)
-            X10 = -_mm(X11, _mm(L10, X00, TF32), TF32)
-        if r >= 2:
-            kr, Gm, b = _rows_blk(k, G, beta, start, eos, 2, i_h, H, K, BK)
-            X22 = _Xdiag(k, G, kr, Gm, b, start, eos, 2, i_h, H, K, BK, TF32)
-            L20 = _L(k, G, kr, Gm, b, start, eos, 0, i_h, H, K, BK)
-            L21 = _L(k, G, kr, Gm, b, start, eos, 1, i_h, H, K, BK)
-            X21 = -_mm(X22, _mm(L21, X11, TF32), TF32)
-            X20 = -_mm(X22, _mm(L20, X00, TF32) + _mm(L21, X10, TF32), TF32)
-        if r >= 3:
-            kr, Gm, b = _rows_blk(k, G, beta, start, eos, 3, i_h, H, K, BK)
-            X33 = _Xdiag(k, G, kr, Gm, b, start, eos, 3, i_h, H, K, BK, TF32)
-            L30 = _L(k, G, kr, Gm, b, start, eos, 0, i_h, H, K, BK)
-            L31 = _L(k, G, kr, Gm, b, start, eos, 1, i_h, H, K, BK)
-            L32 = _L(k, G, kr, Gm, b, start, eos, 2, i_h, H, K, BK)
-            X32 = -_mm(X33, _mm(L32, X22, TF32), TF32)
-            X31 = -_mm(X33, _mm(L31, X11, TF32) + _mm(L32, X21, TF32), TF32)
-            X30 = -_mm(X33, _mm(L30, X00, TF32) + _mm(L31, X10, TF32) + _mm(L32, X20, TF32), TF32)
-        # row r of T~: blocks (r, 0..3), zeros right of the diagonal
-        R0 = tl.where(r == 0, X00, tl.where(r == 1, X10, tl.where(r == 2, X20, X30))).to(dt)
-        R1 = tl.where(r == 1, X11, tl.where(r == 2, X21, X31)).to(dt)  # X_r1 = 0 for r < 1 (Z)
-        R2 = tl.where(r == 2, X22, X32).to(dt)
-        R3 = X33.to(dt)
-        _store_blk(Tb, R0, start, eos, r * BS, 0, H, i_h)
-        _store_blk(Tb, R1, start, eos, r * BS, 16, H, i_h)
-        _store_blk(Tb, R2, start, eos, r * BS, 32, H, i_h)
-        _store_blk(Tb, R3, start, eos, r * BS, 48, H, i_h)
-        # 4) W = T~ (beta Gamma K), U = T~ (beta V) of rows r: sum over column blocks c <= r
-        cv = tl.arange(0, BVV)
-        mv = cv < V
-        accw = tl.zeros([BS, BK], dtype=tl.float32)
-        accu = tl.zeros([BS, BVV], dtype=tl.float32)
-        for c in tl.static_range(BT // BS):
-            if c <= r:
-                Rc = R0 if c == 0 else (R1 if c == 1 else (R2 if c == 2 else R3))
-                rc = start + c * BS + ii
-                mc = rc < eos
-                off_c = rc[:, None] * (H * K) + i_h * K + ck[None, :]
-                m_c = mc[:, None] & mk[None, :]
-                b_c = tl.load(beta + rc * H + i_h, mask=mc, other=0.0).to(tl.float32)
-                bw = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32) * tl.exp(
-                    tl.load(G + off_c, mask=m_c, other=0.0)
-                )
-                accw += tl.dot(Rc, (bw * b_c[:, None]).to(dt))
-                off_v = rc[:, None] * (H * V) + i_h * V + cv[None, :]
-                vb = tl.load(v + off_v, mask=mc[:, None] & mv[None, :], other=0.0).to(tl.float32)
-                accu += tl.dot(Rc, (vb * b_c[:, None]).to(dt))
-        tl.store(W + off_r, accw.to(W.dtype.element_ty), mask=m_r)
-        tl.store(
-            U + rows[:, None] * (H * V) + i_h * V + cv[None, :], accu.to(U.dtype.element_ty),
-            mask=mr[:, None] & mv[None, :],
-        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- serial state pass
@@ -1014,17 +859,15 @@ def _chunk_tables(B, T, cu_seqlens, device):
 
 # launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
 # (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200;
-# at 4 warps the 192 state programs of 1 x 4096 x 96 fit the 132 SMs two per SM, one wave; 2 stages
-# prefetch the next chunk's tiles: 1.290 vs 1.314 ms forward in the 19:35 sweep)
+# 2 stages prefetch the next chunk's tiles (1.290 vs 1.314 ms forward at 1 x 4096 x 96, 19:35 sweep),
+# though their 152 KB of shared memory leave one state program per SM)
 # maxnreg_* caps registers per thread (None: the compiler's choice).
 # Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
+    "warps_gate": 4,  # gate_cumsum_fwd
     "BV": 64, "warps_state": 4, "stages_state": 2,
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
-    # intra_rows_fwd: one kernel per 16-row block (untimed); tf32_rows: its small fp32 block products on
-    # tensor cores (TF32, 10-bit mantissas; T~ is rounded to the inputs' bf16 afterwards in any case)
-    "fused_intra": False, "warps_rows": 4, "maxnreg_rows": None, "tf32_rows": False,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1,  # state_bwd
     "BKS": 16, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
@@ -1060,7 +903,8 @@ class GateCumsum(torch.autograd.Function):
         dummy = z
         gate_cumsum_fwd_kernel[(NT, H)](
             z, A_log if use_gate else dummy, dt_bias if has_bias else dummy, G, cu, chunk_idx,
-            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=float(lower_bound or 0.0), num_warps=4,
+            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=float(lower_bound or 0.0),
+            num_warps=CONFIG["warps_gate"],
         )  # fmt: skip
         ctx.save_for_backward(z, A_log if use_gate else None, dt_bias, cu, chunk_idx)
         ctx.meta = (NT, use_gate, has_bias, float(lower_bound or 0.0))
@@ -1105,15 +949,7 @@ class ChunkKDATriton(torch.autograd.Function):
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         QG, KD = torch.empty_like(W), torch.empty_like(W)
-        if CONFIG["fused_intra"]:  # one kernel per 16-row block, nothing passed through memory
-            Tb = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)
-            intra_rows_fwd_kernel[(NT * (CHUNK // 16), H)](
-                q, k, v, G, beta, Aqk, Tb, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK,
-                BVV=max(16, triton.next_power_of_2(V)), TF32=bool(CONFIG["tf32_rows"]),
-                num_warps=CONFIG["warps_rows"], **_maxnreg("maxnreg_rows"),
-            )  # fmt: skip
-            Ti = Tb
-        elif CONFIG["split_intra"]:  # the same numbers by two kernels with fewer registers each
+        if CONFIG["split_intra"]:  # the same numbers by two kernels with fewer registers each
             Tb = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)  # T~ in the inputs' dtype (Ti: scratch)
             intra_blocks_fwd_kernel[(NT * (CHUNK // 16), H)](
                 q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=BK,

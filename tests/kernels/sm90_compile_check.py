@@ -107,11 +107,6 @@ def main():
         "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
         "intra_blocks_fwd": compile_one(tc.intra_blocks_fwd_kernel, dict(K=128, BK=128), cfg["warps_blocks"]),
         "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
-        "intra_rows_fwd": compile_one(
-            tc.intra_rows_fwd_kernel,
-            dict(K=128, V=128, BK=128, BVV=128, TF32=cfg["tf32_rows"]),
-            cfg["warps_rows"],
-        ),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
             dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),
