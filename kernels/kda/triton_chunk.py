@@ -864,7 +864,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # maxnreg_* caps registers per thread (None: the compiler's choice).
 # Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
-    "warps_gate": 4,  # gate_cumsum_fwd
+    "warps_gate": 8,  # gate_cumsum_fwd (19:47 sweep: 1.300 vs 1.305 ms at 4 warps, 1.322 at 2)
     "BV": 64, "warps_state": 4, "stages_state": 2,
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
