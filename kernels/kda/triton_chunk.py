@@ -34,8 +34,9 @@ import triton.language as tl
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._backend import interpreter_on
+from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
-from .triton_l2norm import l2norm_scale_triton
+from .triton_l2norm import l2norm_scale_bwd, l2norm_scale_triton
 
 CHUNK = 64  # chunk size (host side)
 BT = tl.constexpr(CHUNK)  # the same, visible inside kernels
@@ -270,14 +271,19 @@ def intra_fwd_kernel(
 # H200, 1 x 4096 x 96: 0.43 + 0.27 ms against intra_fwd's 1.19 ms (forward 1.33 against 1.84 ms).
 @triton.jit
 def intra_blocks_fwd_kernel(
-    q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H, K: tl.constexpr, BK: tl.constexpr,
+    q, k, G, beta, Aqk, Ti, QG, KD, W, qn, kn, rq, rk, scale, cu, chunk_idx, H, K: tl.constexpr,
+    BK: tl.constexpr, L2NORM: tl.constexpr = False, STORE_QK: tl.constexpr = False, EPS: tl.constexpr = 1e-6,
 ):  # fmt: skip
     """Rows of block r: A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}), n = first row of
     block r (the same reference point as intra_fwd's 16-row tiles, so the same numbers); row factors <= 1,
     column factors <= 1 left of block r and < e^80 inside it (bounded gate): dense 16x16 products.
     Writes A_qk's row blocks (zeros right of the diagonal), into Ti the beta-scaled A_kk blocks left
     of the diagonal and X_rr = (I + A_kk,rr)^-1 on it (intra_solve_fwd replaces them by T~), QG, KD, and
-    B_W = beta Gamma K into W."""
+    B_W = beta Gamma K into W.
+    With L2NORM, q and k are the raw inputs and the kernel normalises every row it reads as
+    triton_l2norm does (scale q / |q|, k / |k|, rounded to the inputs' dtype, so the same numbers as the
+    separate pass); with STORE_QK it also writes its rows' normalised q, k (qn, kn) and the reciprocal
+    norms (rq, rk) that the backward needs."""
     i_tr, i_h = tl.program_id(0), tl.program_id(1)
     i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
@@ -296,6 +302,16 @@ def intra_blocks_fwd_kernel(
         G_r = tl.load(G + off_r, mask=m_r, other=0.0)
         k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
         q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
+        if L2NORM:  # y = s x r, r = (sum x^2 + eps)^-1/2, rounded as the separate pass stores it
+            r_q = 1.0 / tl.sqrt(tl.sum(q_r * q_r, axis=1) + EPS)
+            r_k = 1.0 / tl.sqrt(tl.sum(k_r * k_r, axis=1) + EPS)
+            q_r = (q_r * (r_q * scale)[:, None]).to(dt).to(tl.float32)
+            k_r = (k_r * r_k[:, None]).to(dt).to(tl.float32)
+            if STORE_QK:
+                tl.store(qn + off_r, q_r.to(dt), mask=m_r)
+                tl.store(kn + off_r, k_r.to(dt), mask=m_r)
+                tl.store(rq + rows * H + i_h, r_q, mask=mr)
+                tl.store(rk + rows * H + i_h, r_k, mask=mr)
         # the gated operands of the serial passes: QG = Q Gamma, KD = K e^{G_C - G} (G_C: chunk's last row)
         last = tl.minimum(start + BT, eos) - 1
         Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
@@ -323,10 +339,11 @@ def intra_blocks_fwd_kernel(
                 rc = start + c * BS + ii
                 off_c = rc[:, None] * (H * K) + i_h * K + ck[None, :]
                 m_c = (rc < eos)[:, None] & mk[None, :]
-                kinv = (
-                    tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
-                    * tl.exp(Gn[None, :] - tl.load(G + off_c, mask=m_c, other=0.0))
-                ).to(dt)
+                k_c = tl.load(k + off_c, mask=m_c, other=0.0).to(tl.float32)
+                if L2NORM:
+                    r_c = 1.0 / tl.sqrt(tl.sum(k_c * k_c, axis=1) + EPS)
+                    k_c = (k_c * r_c[:, None]).to(dt).to(tl.float32)
+                kinv = (k_c * tl.exp(Gn[None, :] - tl.load(G + off_c, mask=m_c, other=0.0))).to(dt)
                 akk = tl.dot(kr, tl.trans(kinv)) * b_r[:, None]  # beta_i A_kk[i, j]
                 aqk = tl.dot(qr, tl.trans(kinv))
                 tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
@@ -864,6 +881,8 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # maxnreg_* caps registers per thread (None: the compiler's choice).
 # Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
+    # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd instead of a pass of its own (untimed)
+    "fuse_l2norm": False,
     "warps_gate": 8,  # gate_cumsum_fwd (19:47 sweep: 1.300 vs 1.305 ms at 4 warps, 1.322 at 2)
     "BV": 64, "warps_state": 4, "stages_state": 2,
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
@@ -937,7 +956,9 @@ class ChunkKDATriton(torch.autograd.Function):
     """Core: q (normalised, scaled), k, v, G (chunk-local cumsum, fp32), beta -> (o, final state)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, G, beta, h0, cu, tables, output_final_state):
+    def forward(ctx, q, k, v, G, beta, h0, cu, tables, output_final_state, l2norm_scale=None):
+        """With l2norm_scale (a float), q and k are raw: intra_blocks_fwd normalises them (q scaled) and
+        the backward applies the normalisation's derivative (CONFIG fuse_l2norm)."""
         chunk_idx, chunk_off, NT, _ = tables
         _, TT, H, K = q.shape
         V = v.shape[-1]
@@ -949,10 +970,21 @@ class ChunkKDATriton(torch.autograd.Function):
         W = torch.empty(1, TT, H, K, dtype=dt, device=dev)
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         QG, KD = torch.empty_like(W), torch.empty_like(W)
+        need_grad = any(ctx.needs_input_grad)
+        fused_norm = l2norm_scale is not None
+        if fused_norm and not CONFIG["split_intra"]:
+            raise ValueError("chunk_kda (triton): the fused q/k L2 norm needs CONFIG['split_intra']")
+        q_raw, k_raw = q, k
+        rq = rk = None
+        if fused_norm and need_grad:  # the normalised q, k and the norms, for the backward
+            q, k = torch.empty_like(q_raw), torch.empty_like(k_raw)
+            rq, rk = (torch.empty(1, TT, H, dtype=torch.float32, device=dev) for _ in range(2))
         if CONFIG["split_intra"]:  # the same numbers by two kernels with fewer registers each
             Tb = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)  # T~ in the inputs' dtype (Ti: scratch)
             intra_blocks_fwd_kernel[(NT * (CHUNK // 16), H)](
-                q, k, G, beta, Aqk, Ti, QG, KD, W, cu, chunk_idx, H=H, K=K, BK=BK,
+                q_raw, k_raw, G, beta, Aqk, Ti, QG, KD, W, q, k, rq if rq is not None else G,
+                rk if rk is not None else G, float(l2norm_scale or 1.0), cu, chunk_idx, H=H, K=K, BK=BK,
+                L2NORM=fused_norm, STORE_QK=fused_norm and need_grad, EPS=L2NORM_EPS,
                 num_warps=CONFIG["warps_blocks"],
             )  # fmt: skip
             intra_solve_fwd_kernel[(NT, H)](
@@ -965,7 +997,6 @@ class ChunkKDATriton(torch.autograd.Function):
                 q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
                 num_warps=CONFIG["warps_intra"], **_maxnreg("maxnreg_intra"),
             )  # fmt: skip
-        need_grad = any(ctx.needs_input_grad)
         split = bool(CONFIG["split_output"])
         store_vn = split or need_grad  # V~ kept for the split output or for the gradient kernel
         o = torch.empty_like(v)
@@ -985,14 +1016,17 @@ class ChunkKDATriton(torch.autograd.Function):
                 num_warps=CONFIG["warps_out"],
             )  # fmt: skip
         if need_grad:
-            ctx.save_for_backward(q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off)
-            ctx.meta = (NT, h0 is not None)
+            norm = (q_raw, k_raw, rq, rk) if fused_norm else ()
+            ctx.save_for_backward(
+                q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *norm
+            )
+            ctx.meta = (NT, h0 is not None, l2norm_scale)
         return o, (ht if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off = ctx.saved_tensors
-        NT, has_h0 = ctx.meta
+        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *norm = ctx.saved_tensors
+        NT, has_h0, l2norm_scale = ctx.meta
         _, TT, H, K = q.shape
         V = v.shape[-1]
         N = cu.numel() - 1
@@ -1027,9 +1061,13 @@ class ChunkKDATriton(torch.autograd.Function):
             q, k, G, beta, dq, dk, dG, dbeta, dA, dAqk, dq_out, dk_out, cu, chunk_idx, H=H, K=K, BKS=BKT,
             num_warps=CONFIG["warps_subtiles"],
         )  # fmt: skip
+        if norm:  # through the fused normalisation: dx = s r (dy - x r^2 (x . dy))
+            q_raw, k_raw, rq, rk = norm
+            dq_out = l2norm_scale_bwd(q_raw, rq, dq_out, l2norm_scale)
+            dk_out = l2norm_scale_bwd(k_raw, rk, dk_out, 1.0)
         return (
             dq_out, dk_out, dv, dG, dbeta.to(beta.dtype),
-            dh0 if has_h0 else None, None, None, None,
+            dh0 if has_h0 else None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -1055,7 +1093,10 @@ def chunk_kda_triton(
     cu, *tables = _chunk_tables(B, T, cu_seqlens, q.device)
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:]).contiguous()
     scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:  # one Triton pass each (forward and backward), the scale folded in
+    fuse_norm = use_qk_l2norm_in_kernel and CONFIG["fuse_l2norm"] and CONFIG["split_intra"]
+    if fuse_norm:  # intra_blocks_fwd normalises q and k as it reads them
+        qs = q
+    elif use_qk_l2norm_in_kernel:  # one Triton pass each (forward and backward), the scale folded in
         qs, k = l2norm_scale_triton(q, scale), l2norm_scale_triton(k, 1.0)
     else:
         qs = q * scale if scale != 1.0 else q
@@ -1066,6 +1107,7 @@ def chunk_kda_triton(
     )  # fmt: skip
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, ht = ChunkKDATriton.apply(
-        flat(qs), flat(k), flat(v), G, flat(beta), h0, cu, tables, bool(output_final_state)
-    )
+        flat(qs), flat(k), flat(v), G, flat(beta), h0, cu, tables, bool(output_final_state),
+        float(scale) if fuse_norm else None,
+    )  # fmt: skip
     return o.reshape(B, T, H, V), ht

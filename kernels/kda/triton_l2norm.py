@@ -62,15 +62,18 @@ class L2NormScale(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, rstd = ctx.saved_tensors
-        K = x.shape[-1]
-        n = x.numel() // K
-        dx = torch.empty_like(x)
-        BK = triton.next_power_of_2(K)
-        BR = max(1, 4096 // BK)
-        l2norm_bwd_kernel[(triton.cdiv(n, BR),)](
-            x, rstd, dy.contiguous(), dx, n, ctx.scale, K=K, BK=BK, BR=BR
-        )
-        return dx, None
+        return l2norm_scale_bwd(x, rstd, dy, ctx.scale), None
+
+
+def l2norm_scale_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, scale: float) -> torch.Tensor:
+    """dx of y = scale * x * r from x, r (fp32, one per row) and dy; dx in x's dtype."""
+    K = x.shape[-1]
+    n = x.numel() // K
+    dx = torch.empty_like(x)
+    BK = triton.next_power_of_2(K)
+    BR = max(1, 4096 // BK)
+    l2norm_bwd_kernel[(triton.cdiv(n, BR),)](x, rstd, dy.contiguous(), dx, n, float(scale), K=K, BK=BK, BR=BR)
+    return dx
 
 
 def l2norm_scale_triton(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -27,6 +27,8 @@ from k3rl.kernels.qb_histogram import triton_qb as tq  # noqa: E402
 from k3rl.kernels.situ import triton_situ as ts  # noqa: E402
 
 FP32_ARGS = {
+    "rq",
+    "rk",
     "G",
     "Ti",
     "dq",
@@ -105,7 +107,14 @@ def main():
             4,
         ),
         "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
-        "intra_blocks_fwd": compile_one(tc.intra_blocks_fwd_kernel, dict(K=128, BK=128), cfg["warps_blocks"]),
+        **{
+            name: compile_one(
+                tc.intra_blocks_fwd_kernel,
+                dict(K=128, BK=128, L2NORM=norm, STORE_QK=norm, EPS=1e-6),
+                cfg["warps_blocks"],
+            )
+            for name, norm in (("intra_blocks_fwd", False), ("intra_blocks_fwd_l2norm", True))
+        },
         "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
