@@ -225,10 +225,7 @@ SWEEP = [
     ("intra", {"warps_blocks": 8}),
     ("intra", {"warps_blocks": 2}),
     ("intra", {"warps_solve": 8}),
-    ("intra", {"fuse_l2norm": True}),  # the q/k L2 norm inside intra_blocks_fwd
-    ("intra", {"fuse_gate": True}),  # the gate and its cumsum inside intra_blocks_fwd
-    ("intra", {"fuse_l2norm": True, "fuse_gate": True}),
-    ("intra", {"fuse_l2norm": True, "fuse_gate": True, "maxnreg_blocks": 128}),
+    ("intra", {"fuse_l2norm": False}),  # the q/k L2 norm as a pass of its own
     ("state_fwd", {"warps_state": 8, "stages_state": 2}),
     ("state_fwd", {"stages_state": 1}),
     ("state_fwd", {"BV": 32}),

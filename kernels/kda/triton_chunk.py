@@ -20,8 +20,9 @@ Kernels (one program per (chunk, head) unless said otherwise):
 Tensors are flattened to one token axis (a batch of B sequences is B documents of length T), so
 one code path serves padded batches and ``cu_seqlens``. The bounded gate (g >= lower_bound >= -5
 per token) keeps every exponential inside a 16-token tile below e^80 (fp32 and bf16 safe).
-The q/k L2 normalisation (with the query scale folded in) is one Triton pass of its own
-(``triton_l2norm.py``) before the chunk kernels; the gate is fused into ``gate_cumsum``.
+The q/k L2 normalisation (with the query scale folded in) runs inside intra_blocks_fwd as it reads the
+rows (CONFIG["fuse_l2norm"]; otherwise one Triton pass of its own, ``triton_l2norm.py``, before the chunk
+kernels); the gate is fused into ``gate_cumsum``.
 Offsets into [T, H, K] tensors are int32: T * H * max(K, V) must stay below 2^31
 (e.g. T <= 174k tokens at H = 96, K = 128).
 """
@@ -270,28 +271,9 @@ def intra_fwd_kernel(
 # Registers (sm_90a, K = V = 128): 128 at 4 warps and 128 at 8 warps, no spills (intra_fwd: 255 + 48 B).
 # H200, 1 x 4096 x 96: 0.43 + 0.27 ms against intra_fwd's 1.19 ms (forward 1.33 against 1.84 ms).
 @triton.jit
-def _gate_blk(z, A_log, dt_bias, start, eos, c, i_h, H, K: tl.constexpr, BK: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, LB: tl.constexpr):  # fmt: skip
-    """g of block c's 16 rows (fp32, padded rows 0), as gate_cumsum_fwd computes it."""
-    ck = tl.arange(0, BK)
-    rows = start + c * BS + tl.arange(0, BS)
-    m = (rows < eos)[:, None] & (ck < K)[None, :]
-    g = tl.load(z + rows[:, None] * (H * K) + i_h * K + ck[None, :], mask=m, other=0.0).to(tl.float32)
-    if USE_GATE:
-        if HAS_BIAS:
-            g += tl.load(dt_bias + i_h * K + ck, mask=ck < K, other=0.0).to(tl.float32)[None, :]
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        g = LB * tl.sigmoid(a * g)  # g = lower_bound * sigmoid(e^A (z + dt_bias))
-        g = tl.where(m, g, 0.0)
-    return g
-
-
-@triton.jit
 def intra_blocks_fwd_kernel(
-    q, k, G, beta, Aqk, Ti, QG, KD, W, qn, kn, rq, rk, scale, z, A_log, dt_bias, cu, chunk_idx, H,
-    K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr = False, STORE_QK: tl.constexpr = False,
-    EPS: tl.constexpr = 1e-6, FUSE_GATE: tl.constexpr = False, USE_GATE: tl.constexpr = False,
-    HAS_BIAS: tl.constexpr = False, LB: tl.constexpr = -5.0,
+    q, k, G, beta, Aqk, Ti, QG, KD, W, qn, kn, rq, rk, scale, cu, chunk_idx, H, K: tl.constexpr,
+    BK: tl.constexpr, L2NORM: tl.constexpr = False, STORE_QK: tl.constexpr = False, EPS: tl.constexpr = 1e-6,
 ):  # fmt: skip
     """Rows of block r: A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}), n = first row of
     block r (the same reference point as intra_fwd's 16-row tiles, so the same numbers); row factors <= 1,
@@ -302,10 +284,7 @@ def intra_blocks_fwd_kernel(
     With L2NORM, q and k are the raw inputs and the kernel normalises every row it reads as
     triton_l2norm does (scale q / |q|, k / |k|, rounded to the inputs' dtype, so the same numbers as the
     separate pass); with STORE_QK it also writes its rows' normalised q, k (qn, kn) and the reciprocal
-    norms (rq, rk) that the backward needs.
-    With FUSE_GATE, G is an output: the kernel computes g from z (the gate, or z itself as the raw
-    log-decay) for the chunk's four blocks, G of a block = its in-block cumsum plus the sums of the blocks
-    before it, writes its own rows of G and uses the others without reading G back."""
+    norms (rq, rk) that the backward needs."""
     i_tr, i_h = tl.program_id(0), tl.program_id(1)
     i_t, r = i_tr // (BT // BS), i_tr % (BT // BS)
     i_n, i_c = tl.load(chunk_idx + 2 * i_t), tl.load(chunk_idx + 2 * i_t + 1)
@@ -321,22 +300,7 @@ def intra_blocks_fwd_kernel(
         mr = rows < eos
         off_r = rows[:, None] * (H * K) + i_h * K + ck[None, :]
         m_r = mr[:, None] & mk[None, :]
-        last = tl.minimum(start + BT, eos) - 1
-        if FUSE_GATE:  # G = chunk-local cumsum of g: block sums first (the offsets), then block r
-            tot = tl.zeros([BK], dtype=tl.float32)
-            before_r = tl.zeros([BK], dtype=tl.float32)
-            g_r = tl.zeros([BS, BK], dtype=tl.float32)
-            for c in tl.static_range(BT // BS):
-                g_c = _gate_blk(z, A_log, dt_bias, start, eos, c, i_h, H, K, BK, USE_GATE, HAS_BIAS, LB)
-                before_r = tl.where(c == r, tot, before_r)
-                g_r = tl.where(c == r, g_c, g_r)
-                tot += tl.sum(g_c, axis=0)
-            G_r = tl.cumsum(g_r, axis=0) + before_r[None, :]  # G_i = sum_{s <= i} g_s inside the chunk
-            tl.store(G + off_r, G_r, mask=m_r)
-            Gl = tot  # G of the chunk's last row
-            Gn = tl.sum(tl.where(ii[:, None] == 0, G_r, 0.0), axis=0)  # G of row n (block r's first)
-        else:
-            G_r = tl.load(G + off_r, mask=m_r, other=0.0)
+        G_r = tl.load(G + off_r, mask=m_r, other=0.0)
         k_r = tl.load(k + off_r, mask=m_r, other=0.0).to(tl.float32)
         q_r = tl.load(q + off_r, mask=m_r, other=0.0).to(tl.float32)
         if L2NORM:  # y = s x r, r = (sum x^2 + eps)^-1/2, rounded as the separate pass stores it
@@ -350,16 +314,15 @@ def intra_blocks_fwd_kernel(
                 tl.store(rq + rows * H + i_h, r_q, mask=mr)
                 tl.store(rk + rows * H + i_h, r_k, mask=mr)
         # the gated operands of the serial passes: QG = Q Gamma, KD = K e^{G_C - G} (G_C: chunk's last row)
-        if not FUSE_GATE:  # (loaded here, not above: shorter live ranges, 128 registers at 4 warps)
-            Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        last = tl.minimum(start + BT, eos) - 1
+        Gl = tl.load(G + last * (H * K) + i_h * K + ck, mask=mk, other=0.0)
         gam = tl.exp(G_r)
         tl.store(QG + off_r, (q_r * gam).to(dt), mask=m_r)
         tl.store(KD + off_r, (k_r * tl.exp(Gl[None, :] - G_r)).to(dt), mask=m_r)
         b_r = tl.load(beta + rows * H + i_h, mask=mr, other=0.0).to(tl.float32)
         # B_W = beta Gamma K into W (intra_solve_fwd reads it and writes W = T~ B_W over it)
         tl.store(W + off_r, (k_r * gam * b_r[:, None]).to(dt), mask=m_r)
-        if not FUSE_GATE:
-            Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
+        Gn = tl.load(G + n * (H * K) + i_h * K + ck, mask=mk, other=0.0)
         e_r = tl.exp(tl.where(m_r, G_r - Gn[None, :], float("-inf")))  # e^{G_i - G_n} <= 1; padded rows 0
         kr = (k_r * e_r).to(dt)
         qr = (q_r * e_r).to(dt)
@@ -371,7 +334,6 @@ def intra_blocks_fwd_kernel(
         off_a = rows[:, None] * (H * BT) + i_h * BT + r * BS + ii[None, :]
         tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
         tl.store(Ti + off_a, _tri_inverse16(akk, BS), mask=mr[:, None])  # X_rr = (I + A_kk,rr)^-1
-        before_c = tl.zeros([BK], dtype=tl.float32)  # FUSE_GATE: sum of g over the blocks before c
         for c in tl.static_range(BT // BS):
             off_a = rows[:, None] * (H * BT) + i_h * BT + c * BS + ii[None, :]
             if c < r:  # left of the diagonal: every column before row n, e^{G_n - G_j} <= 1
@@ -382,13 +344,7 @@ def intra_blocks_fwd_kernel(
                 if L2NORM:
                     r_c = 1.0 / tl.sqrt(tl.sum(k_c * k_c, axis=1) + EPS)
                     k_c = (k_c * r_c[:, None]).to(dt).to(tl.float32)
-                if FUSE_GATE:
-                    g_c = _gate_blk(z, A_log, dt_bias, start, eos, c, i_h, H, K, BK, USE_GATE, HAS_BIAS, LB)
-                    G_c = tl.cumsum(g_c, axis=0) + before_c[None, :]
-                    before_c += tl.sum(g_c, axis=0)
-                else:
-                    G_c = tl.load(G + off_c, mask=m_c, other=0.0)
-                kinv = (k_c * tl.exp(Gn[None, :] - G_c)).to(dt)
+                kinv = (k_c * tl.exp(Gn[None, :] - tl.load(G + off_c, mask=m_c, other=0.0))).to(dt)
                 akk = tl.dot(kr, tl.trans(kinv)) * b_r[:, None]  # beta_i A_kk[i, j]
                 aqk = tl.dot(qr, tl.trans(kinv))
                 tl.store(Aqk + off_a, aqk.to(Aqk.dtype.element_ty), mask=mr[:, None])
@@ -926,11 +882,11 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # maxnreg_* caps registers per thread (None: the compiler's choice).
 # Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
 CONFIG = {
-    # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd instead of a pass of its own (untimed)
-    "fuse_l2norm": False,
-    # fuse_gate: the gate and its chunk-local cumsum inside intra_blocks_fwd, no gate_cumsum_fwd (untimed)
-    "fuse_gate": False, "maxnreg_blocks": None,
+    # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd instead of a pass of its own (needs split_intra;
+    # 1.158 vs 1.288 ms forward at 1 x 4096 x 96, 20:07 sweep)
+    "fuse_l2norm": True,
     "warps_gate": 8,  # gate_cumsum_fwd (19:47 sweep: 1.300 vs 1.305 ms at 4 warps, 1.322 at 2)
+    # (gate + cumsum inside intra_blocks_fwd too was timed at 2.21 ms forward on 20:07 and removed)
     "BV": 64, "warps_state": 4, "stages_state": 2,
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
@@ -980,42 +936,32 @@ class GateCumsum(torch.autograd.Function):
     def backward(ctx, dG):
         z, A_log, dt_bias, cu, chunk_idx = ctx.saved_tensors
         NT, use_gate, has_bias, lb = ctx.meta
-        need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-        dz, dA_log, ddt = gate_cumsum_bwd(
-            dG, z, A_log, dt_bias, cu, chunk_idx, NT, use_gate, has_bias, lb, need
+        _, TT, H, K = z.shape
+        BK = max(16, triton.next_power_of_2(K))
+        dz = torch.empty_like(z)
+        param_grads = use_gate and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2])
+        dA = torch.zeros(H, dtype=torch.float32, device=z.device) if param_grads else dz
+        ddt = torch.zeros(H, K, dtype=torch.float32, device=z.device) if param_grads and has_bias else dz
+        gate_cumsum_bwd_kernel[(NT, H)](
+            dG.contiguous(), z, A_log if use_gate else z, dt_bias if has_bias else z, dz, dA, ddt, cu, chunk_idx,
+            H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=lb, PARAM_GRADS=param_grads, num_warps=4,
+        )  # fmt: skip
+        dA_log = dA.reshape(A_log.shape).to(A_log.dtype) if param_grads and ctx.needs_input_grad[1] else None
+        ddt = (
+            ddt.reshape(dt_bias.shape).to(dt_bias.dtype)
+            if param_grads and has_bias and ctx.needs_input_grad[2]
+            else None
         )
         return dz, dA_log, ddt, None, None, None, None
-
-
-def gate_cumsum_bwd(dG, z, A_log, dt_bias, cu, chunk_idx, NT, use_gate, has_bias, lb, need):
-    """(dz, dA_log, d dt_bias) from dG of G = chunk-local cumsum of g(z); need = (dA_log?, d dt_bias?)."""
-    _, TT, H, K = z.shape
-    BK = max(16, triton.next_power_of_2(K))
-    dz = torch.empty_like(z)
-    param_grads = use_gate and (need[0] or need[1])
-    dA = torch.zeros(H, dtype=torch.float32, device=z.device) if param_grads else dz
-    ddt = torch.zeros(H, K, dtype=torch.float32, device=z.device) if param_grads and has_bias else dz
-    gate_cumsum_bwd_kernel[(NT, H)](
-        dG.contiguous(), z, A_log if use_gate else z, dt_bias if has_bias else z, dz, dA, ddt, cu, chunk_idx,
-        H=H, K=K, BK=BK, USE_GATE=use_gate, HAS_BIAS=has_bias, LB=lb, PARAM_GRADS=param_grads, num_warps=4,
-    )  # fmt: skip
-    dA_log = dA.reshape(A_log.shape).to(A_log.dtype) if param_grads and need[0] else None
-    ddt = ddt.reshape(dt_bias.shape).to(dt_bias.dtype) if param_grads and has_bias and need[1] else None
-    return dz, dA_log, ddt
 
 
 class ChunkKDATriton(torch.autograd.Function):
     """Core: q (normalised, scaled), k, v, G (chunk-local cumsum, fp32), beta -> (o, final state)."""
 
     @staticmethod
-    def forward(
-        ctx, q, k, v, G, beta, h0, cu, tables, output_final_state, l2norm_scale=None, A_log=None, dt_bias=None,
-        gate=None,
-    ):  # fmt: skip
+    def forward(ctx, q, k, v, G, beta, h0, cu, tables, output_final_state, l2norm_scale=None):
         """With l2norm_scale (a float), q and k are raw: intra_blocks_fwd normalises them (q scaled) and
-        the backward applies the normalisation's derivative (CONFIG fuse_l2norm). With gate =
-        (use_gate, lower_bound), G is the raw z (or log-decay g): intra_blocks_fwd computes G from it,
-        and the backward returns dz, dA_log, d dt_bias (CONFIG fuse_gate)."""
+        the backward applies the normalisation's derivative (CONFIG fuse_l2norm)."""
         chunk_idx, chunk_off, NT, _ = tables
         _, TT, H, K = q.shape
         V = v.shape[-1]
@@ -1028,13 +974,9 @@ class ChunkKDATriton(torch.autograd.Function):
         U = torch.empty(1, TT, H, V, dtype=dt, device=dev)
         QG, KD = torch.empty_like(W), torch.empty_like(W)
         need_grad = any(ctx.needs_input_grad)
-        fused_norm, fused_gate = l2norm_scale is not None, gate is not None
-        if (fused_norm or fused_gate) and not CONFIG["split_intra"]:
-            raise ValueError("chunk_kda (triton): the fused q/k L2 norm and gate need CONFIG['split_intra']")
-        z = G
-        if fused_gate:  # G: written by intra_blocks_fwd
-            G = torch.empty(z.shape, dtype=torch.float32, device=dev)
-        use_gate, lb = gate if fused_gate else (False, 0.0)
+        fused_norm = l2norm_scale is not None
+        if fused_norm and not CONFIG["split_intra"]:
+            raise ValueError("chunk_kda (triton): the fused q/k L2 norm needs CONFIG['split_intra']")
         q_raw, k_raw = q, k
         rq = rk = None
         if fused_norm and need_grad:  # the normalised q, k and the norms, for the backward
@@ -1044,11 +986,9 @@ class ChunkKDATriton(torch.autograd.Function):
             Tb = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)  # T~ in the inputs' dtype (Ti: scratch)
             intra_blocks_fwd_kernel[(NT * (CHUNK // 16), H)](
                 q_raw, k_raw, G, beta, Aqk, Ti, QG, KD, W, q, k, rq if rq is not None else G,
-                rk if rk is not None else G, float(l2norm_scale or 1.0), z, A_log if use_gate else z,
-                dt_bias if (use_gate and dt_bias is not None) else z, cu, chunk_idx, H=H, K=K, BK=BK,
-                L2NORM=fused_norm, STORE_QK=fused_norm and need_grad, EPS=L2NORM_EPS, FUSE_GATE=fused_gate,
-                USE_GATE=use_gate, HAS_BIAS=use_gate and dt_bias is not None, LB=float(lb),
-                num_warps=CONFIG["warps_blocks"], **_maxnreg("maxnreg_blocks"),
+                rk if rk is not None else G, float(l2norm_scale or 1.0), cu, chunk_idx, H=H, K=K, BK=BK,
+                L2NORM=fused_norm, STORE_QK=fused_norm and need_grad, EPS=L2NORM_EPS,
+                num_warps=CONFIG["warps_blocks"],
             )  # fmt: skip
             intra_solve_fwd_kernel[(NT, H)](
                 v, beta, Ti, Tb, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
@@ -1080,18 +1020,16 @@ class ChunkKDATriton(torch.autograd.Function):
             )  # fmt: skip
         if need_grad:
             norm = (q_raw, k_raw, rq, rk) if fused_norm else ()
-            gate_in = (z, A_log, dt_bias) if fused_gate else ()
             ctx.save_for_backward(
-                q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *norm, *gate_in
-            )  # fmt: skip
-            ctx.meta = (NT, h0 is not None, l2norm_scale, gate)
+                q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *norm
+            )
+            ctx.meta = (NT, h0 is not None, l2norm_scale)
         return o, (ht if output_final_state else None)
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *rest = ctx.saved_tensors
-        NT, has_h0, l2norm_scale, gate = ctx.meta
-        norm, gate_in = (rest[:4], rest[4:]) if l2norm_scale is not None else ((), rest)
+        q, k, v, G, beta, W, U, QG, KD, Aqk, Ti, h, vn, cu, chunk_idx, chunk_off, *norm = ctx.saved_tensors
+        NT, has_h0, l2norm_scale = ctx.meta
         _, TT, H, K = q.shape
         V = v.shape[-1]
         N = cu.numel() - 1
@@ -1130,16 +1068,9 @@ class ChunkKDATriton(torch.autograd.Function):
             q_raw, k_raw, rq, rk = norm
             dq_out = l2norm_scale_bwd(q_raw, rq, dq_out, l2norm_scale)
             dk_out = l2norm_scale_bwd(k_raw, rk, dk_out, 1.0)
-        dA_log = ddt = None
-        if gate is not None:  # through the fused gate and cumsum: dz (and the gate's parameters)
-            z, A_log, dt_bias = gate_in
-            need = (ctx.needs_input_grad[10], ctx.needs_input_grad[11])
-            dG, dA_log, ddt = gate_cumsum_bwd(
-                dG, z, A_log, dt_bias, cu, chunk_idx, NT, gate[0], gate[0] and dt_bias is not None, gate[1], need
-            )  # fmt: skip
         return (
             dq_out, dk_out, dv, dG, dbeta.to(beta.dtype),
-            dh0 if has_h0 else None, None, None, None, None, dA_log, ddt, None,
+            dh0 if has_h0 else None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -1172,17 +1103,14 @@ def chunk_kda_triton(
         qs, k = l2norm_scale_triton(q, scale), l2norm_scale_triton(k, 1.0)
     else:
         qs = q * scale if scale != 1.0 else q
-    a_log = A_log.float() if use_gate_in_kernel else None
-    bias = dt_bias.float() if (use_gate_in_kernel and dt_bias is not None) else None
-    fuse_gate = CONFIG["fuse_gate"] and CONFIG["split_intra"]
-    if fuse_gate:  # intra_blocks_fwd computes G from g (or from the gate's logit z)
-        G, gate = flat(g), (bool(use_gate_in_kernel), float(lower_bound or 0.0))
-    else:
-        G = GateCumsum.apply(flat(g), a_log, bias, cu, tables, bool(use_gate_in_kernel), lower_bound)
-        a_log = bias = gate = None
+    G = GateCumsum.apply(
+        flat(g), A_log.float() if use_gate_in_kernel else None,
+        dt_bias.float() if (use_gate_in_kernel and dt_bias is not None) else None,
+        cu, tables, bool(use_gate_in_kernel), lower_bound,
+    )  # fmt: skip
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, ht = ChunkKDATriton.apply(
         flat(qs), flat(k), flat(v), G, flat(beta), h0, cu, tables, bool(output_final_state),
-        float(scale) if fuse_norm else None, a_log, bias, gate,
+        float(scale) if fuse_norm else None,
     )  # fmt: skip
     return o.reshape(B, T, H, V), ht

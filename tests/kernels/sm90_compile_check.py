@@ -110,21 +110,11 @@ def main():
         **{
             name: compile_one(
                 tc.intra_blocks_fwd_kernel,
-                dict(
-                    K=128,
-                    BK=128,
-                    L2NORM=f,
-                    STORE_QK=f,
-                    EPS=1e-6,
-                    FUSE_GATE=f,
-                    USE_GATE=f,
-                    HAS_BIAS=f,
-                    LB=-5.0,
-                ),
+                dict(K=128, BK=128, L2NORM=norm, STORE_QK=norm, EPS=1e-6),
                 cfg["warps_blocks"],
             )
-            for name, f in (("intra_blocks_fwd", False), ("intra_blocks_fwd_fused", True))
-        },  # fmt: skip
+            for name, norm in (("intra_blocks_fwd", False), ("intra_blocks_fwd_l2norm", True))
+        },
         "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
