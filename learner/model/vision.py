@@ -54,7 +54,10 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.proj = nn.Conv2d(3, vc.vt_hidden_size, vc.patch_size, stride=vc.patch_size, bias=False)
         self.pos_emb = nn.Module()
-        self.pos_emb.weight = nn.Parameter(torch.empty(vc.init_pos_emb_height, vc.init_pos_emb_width, vc.vt_hidden_size))
+        # zeros, not torch.empty: a tower built on its own must not read uninitialised memory (it gave NaN
+        # once in CI); K3Model.reset_parameters draws the real values (no RNG used here, so a seeded
+        # model's weights are unchanged)
+        self.pos_emb.weight = nn.Parameter(torch.zeros(vc.init_pos_emb_height, vc.init_pos_emb_width, vc.vt_hidden_size))
         self.register_buffer("time_emb", temporal_sincos(vc.init_pos_emb_time, vc.vt_hidden_size), persistent=False)
 
     def positions(self, t: int, gh: int, gw: int, dtype) -> torch.Tensor:

@@ -170,3 +170,15 @@ def test_factorized_passes_attend_within_a_frame_then_across_frames_of_one_posit
         ):
             diff = (block.attention(y, grid, angles, mode) - block.attention(x, grid, angles, mode)).abs().amax(1)
             assert sorted(torch.nonzero(diff > 1e-7).flatten().tolist()) == changed, mode
+
+
+def test_standalone_tower_is_fully_initialised():
+    """A MoonViT built on its own holds no uninitialised memory (a torch.empty parameter gave NaN
+    outputs once): two builds from the same seed are equal parameter by parameter, and finite."""
+    towers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        towers.append(MoonViT(TINY.vision_config))
+        torch.empty(1 << 20).normal_()  # leave non-zero garbage in freed memory between the builds
+    for (name, p), q in zip(towers[0].named_parameters(), towers[1].parameters(), strict=True):
+        assert torch.isfinite(p).all() and torch.equal(p, q), name
