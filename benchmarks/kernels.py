@@ -229,11 +229,16 @@ SWEEP = [
     ("state_fwd", {"warps_state": 8, "stages_state": 2}),
     ("state_fwd", {"stages_state": 1}),
     ("state_fwd", {"BV": 32}),
+    # one program per (sequence, head): 96 programs at 1 x 4096 x 96 run in one round on 132 SMs (BV 64:
+    # 192 programs of 147 KB shared memory, one per SM, two rounds); sm_90 compile: 255 registers, no spill
+    ("state_fwd", {"BV": 128, "warps_state": 8}),
+    ("state_fwd", {"BV": 128, "warps_state": 8, "stages_state": 1}),
     ("state_fwd", {"split_output": True}),  # the state pass without O, then O by a parallel kernel
     ("state_fwd", {"split_output": True, "BV_out": 128, "warps_out": 8}),
     ("gate", {"warps_gate": 8}),
     ("gate", {"warps_gate": 2}),
     ("state_bwd", {"BV_bwd": 32}),
+    ("state_bwd", {"BV_bwd": 128, "warps_state_bwd": 8}),
     ("grads", {"BKS": 32}),
     ("grads", {"stages_grads": 1}),
     ("tiles", {"BKS_tiles": 64, "warps_subtiles": 4}),
@@ -338,74 +343,93 @@ def agree():
         )
 
 
+def bench_graph(fn, calls=20, replays=10):
+    """ms per call of `calls` back-to-back calls captured in one CUDA graph: no launch gaps and no cache
+    flush between calls (do_bench flushes L2 before each call and times each launch on its own)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / (calls * replays))
+    return sorted(times)[len(times) // 2]
+
+
 def recurrent(bw):
     print("\n## Fused recurrent KDA, one decode token (64 sequences x 96 heads, fp32 state in and out)\n")
     B, H, K, V = 64, 96, 128, 128
     x = kda_inputs(B, 1, H, seed=2)
     h0 = torch.randn(B, H, K, V, device=DEV)
+    state = h0.clone()  # the in-place calls' state (updated by every call)
     state_bytes = 2 * h0.numel() * 4
     from k3rl.kernels.kda import triton_recurrent
 
-    call = lambda: fused_recurrent_kda(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=h0, output_final_state=True,
-        A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE,
-    )  # fmt: skip
+    args = lambda: (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], **GATE)
+    out_of_place = lambda: fused_recurrent_kda(*args(), initial_state=h0, output_final_state=True, **kw)
+    in_place = lambda: fused_recurrent_kda(*args(), initial_state=state, inplace_final_state=True, **kw)
     with torch.no_grad():
         # the same state bytes through a plain device copy: the ceiling for a kernel that reads the
         # state once and writes it once (the 2 GiB copy of `peak` amortises its launch and tail better)
         ht_copy = torch.empty_like(h0)
-        copy_ms = bench(lambda: ht_copy.copy_(h0))
+        copy = lambda: ht_copy.copy_(h0)
+        big = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
+        big_out = torch.empty_like(big)
+        big_copy = lambda: big_out.copy_(big)
         sweep = {}
-        for bv, nw, stream in [(bv, nw, False) for bv in (8, 16, 32, 64) for nw in (1, 2, 4)] + [
-            (8, 1, True), (16, 1, True), (32, 1, True), (32, 2, True)
-        ]:  # fmt: skip
-            triton_recurrent.CONFIG.update(BV=bv, num_warps=nw, stream=stream)
-            sweep[(bv, nw, stream)] = bench(call)
-        best = min(sweep, key=sweep.get)
-        print(
-            "config sweep (BV, warps, stream) -> ms:",
-            {k: round(v, 4) for k, v in sweep.items()},
-            "best",
-            best,
-        )
-        triton_recurrent.CONFIG.update(BV=best[0], num_warps=best[1], stream=best[2])
-        ours = bench(call)
-        fla = float("nan")
+        configs = [
+            (bv, nw, False) for bv in (16, 32, 64, 128) for nw in (1, 2, 4, 8) if bv * 128 // (32 * nw) <= 256
+        ]
+        for inplace in (False, True):
+            for bv, nw, stream in configs + [(32, 2, True)]:
+                triton_recurrent.CONFIG.update(BV=bv, num_warps=nw, stream=stream)
+                sweep[(bv, nw, stream, inplace)] = bench(in_place if inplace else out_of_place)
+        print("config sweep (BV, warps, stream, in place) -> ms:", {k: round(v, 4) for k, v in sweep.items()})
+        timed = {}
+        for inplace in (False, True):
+            best = min((c for c in sweep if c[3] == inplace), key=sweep.get)
+            triton_recurrent.CONFIG.update(BV=best[0], num_warps=best[1], stream=best[2])
+            fn = in_place if inplace else out_of_place
+            name = f"ours, {'in place' if inplace else 'out of place'} (BV {best[0]}, {best[1]} warps)"
+            timed[name] = (bench(fn), bench_graph(fn))
         if fla_fused_recurrent_kda:
-            fla = bench(lambda: fla_fused_recurrent_kda(
-                x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                initial_state=h0, output_final_state=True, **GATE,
-            ))  # fmt: skip
-            o1, s1 = fused_recurrent_kda(
-                x["q"],
-                x["k"],
-                x["v"],
-                x["g"],
-                x["beta"],
-                initial_state=h0,
-                output_final_state=True,
-                A_log=x["A_log"],
-                dt_bias=x["dt_bias"],
-                **GATE,
-            )
-            o2, s2 = fla_fused_recurrent_kda(
-                x["q"],
-                x["k"],
-                x["v"],
-                x["g"],
-                x["beta"],
-                A_log=x["A_log"],
-                dt_bias=x["dt_bias"],
-                initial_state=h0,
-                output_final_state=True,
-                **GATE,
-            )
+            fla = lambda: fla_fused_recurrent_kda(*args(), initial_state=h0, output_final_state=True, **kw)
+            timed["fla-core 0.6.0 fused_recurrent_kda (out of place)"] = (bench(fla), bench_graph(fla))
+            triton_recurrent.CONFIG.update(BV=32, num_warps=2, stream=False)
+            o1, s1 = out_of_place()
+            o2, s2 = fla()
             print(f"agreement ours vs fla: o rel {rel(o1, o2):.2e}, state rel {rel(s1, s2):.2e}\n")
-    row("kernel", "ms", "state TB/s", "of the 2 GiB copy's bandwidth", "of the same-size state copy")
-    row(*["---"] * 5)
-    for name, ms in (("ours", ours), ("fla-core", fla), ("state copy (torch)", copy_ms)):
-        tbs = state_bytes / ms / 1e9  # TB/s
-        row(name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs * 1000 / bw:.0f}%", f"{100 * copy_ms / ms:.0f}%")
+        timed["torch copy of the same state"] = (bench(copy), bench_graph(copy))
+        big_ms = (bench(big_copy, rep=100), bench_graph(big_copy, calls=5, replays=4))
+    big_bw = [2 * big.numel() / ms / 1e9 for ms in big_ms]  # TB/s
+    print(
+        f"2 GiB copy: {big_bw[0]:.2f} TB/s timed per launch (peak section: {bw / 1000:.2f}), "
+        f"{big_bw[1]:.2f} TB/s back to back\n"
+    )
+    row(
+        "kernel", "ms per launch", "TB/s", "of the 2 GiB copy", "ms back to back", "TB/s", "of the 2 GiB copy"
+    )
+    row(*["---"] * 7)
+    for name, (ms, ms_g) in timed.items():
+        tbs, tbs_g = state_bytes / ms / 1e9, state_bytes / ms_g / 1e9
+        row(
+            name, f"{ms:.4f}", f"{tbs:.2f}", f"{100 * tbs / big_bw[0]:.1f}%",
+            f"{ms_g:.4f}", f"{tbs_g:.2f}", f"{100 * tbs_g / big_bw[1]:.1f}%",
+        )  # fmt: skip
 
 
 def situ():

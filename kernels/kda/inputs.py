@@ -46,6 +46,22 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, op: str) -> No
         )
 
 
+def check_inplace_state(initial_state, op: str) -> None:
+    """The state an in-place update writes into: given, fp32 and contiguous (the kernel's own layout)."""
+    if initial_state is None:
+        raise ValueError(
+            f"{op}: inplace_final_state=True needs an initial_state to write the final state into"
+        )
+    if initial_state.dtype != torch.float32 or not initial_state.is_contiguous():
+        raise ValueError(
+            f"{op}: inplace_final_state=True needs a contiguous fp32 initial_state; got {initial_state.dtype}"
+            f"{'' if initial_state.is_contiguous() else ', not contiguous'} (pass initial_state.float().contiguous(),"
+            " or inplace_final_state=False)"
+        )
+    if initial_state.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{op}: inplace_final_state=True cannot overwrite a state that requires grad")
+
+
 def prepare_qkgb(
     q, k, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound
 ):

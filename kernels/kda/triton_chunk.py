@@ -887,7 +887,8 @@ CONFIG = {
     "fuse_l2norm": True,
     "warps_gate": 8,  # gate_cumsum_fwd (19:47 sweep: 1.300 vs 1.305 ms at 4 warps, 1.322 at 2)
     # (gate + cumsum inside intra_blocks_fwd too was timed at 2.21 ms forward on 20:07 and removed)
-    "BV": 64, "warps_state": 4, "stages_state": 2,
+    "BV": 64, "warps_state": 4, "stages_state": 2,  # state_fwd (BV 128 at 8 warps: one program per head)
+    "BV_intra": 64,  # U = T~ (beta V) by V blocks of this width in intra_solve_fwd / intra_fwd
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
@@ -967,6 +968,7 @@ class ChunkKDATriton(torch.autograd.Function):
         V = v.shape[-1]
         N = cu.numel() - 1
         BK, BV = _blocks(K, V)
+        BVI = _blocks(K, V, "BV_intra")[1]
         dev, dt = q.device, q.dtype
         Aqk = torch.empty(1, TT, H, CHUNK, dtype=dt, device=dev)
         Ti = torch.empty(1, TT, H, CHUNK, dtype=torch.float32, device=dev)
@@ -991,13 +993,13 @@ class ChunkKDATriton(torch.autograd.Function):
                 num_warps=CONFIG["warps_blocks"],
             )  # fmt: skip
             intra_solve_fwd_kernel[(NT, H)](
-                v, beta, Ti, Tb, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
+                v, beta, Ti, Tb, W, U, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BVI,
                 num_warps=CONFIG["warps_solve"],
             )  # fmt: skip
             Ti = Tb  # what the backward reads (it rounds T~ to the inputs' dtype in any case)
         else:
             intra_fwd_kernel[(NT, H)](
-                q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BV,
+                q, k, v, G, beta, Aqk, Ti, W, U, QG, KD, cu, chunk_idx, H=H, K=K, V=V, BK=BK, BV=BVI,
                 num_warps=CONFIG["warps_intra"], **_maxnreg("maxnreg_intra"),
             )  # fmt: skip
         split = bool(CONFIG["split_output"])

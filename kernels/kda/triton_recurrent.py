@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .gate import L2NORM_EPS
-from .inputs import check_kda_inputs
+from .inputs import check_inplace_state, check_kda_inputs
 
 # launch configuration (value-block width, warps, streaming cache hints on the state); benchmarks/kernels.py
 # sweeps these on the GPU. BV 32 / 2 warps / no hints: best of a 16-point sweep on an H200 (2026-11-29
@@ -85,8 +85,11 @@ def recurrent_fwd_kernel(
 def fused_recurrent_kda_triton(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,
+    inplace_final_state=False,
 ):  # fmt: skip
-    """Triton recurrent KDA (inference only); same contract as ``fused_recurrent_kda``."""
+    """Triton recurrent KDA (inference only); same contract as ``fused_recurrent_kda``. In place, each
+    program reads its whole [K, BV] slice of the state before it writes it, and no other program
+    touches that slice, so the final state can go over the initial one."""
     check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, "fused_recurrent_kda")
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)
@@ -108,8 +111,12 @@ def fused_recurrent_kda_triton(
     BV = max(16, min(CONFIG["BV"], triton.next_power_of_2(V)))
     c = lambda x: x.contiguous()
     o = torch.empty_like(v)
-    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
     h0 = c(initial_state.float()) if initial_state is not None else o
+    if inplace_final_state:
+        check_inplace_state(initial_state, "fused_recurrent_kda")
+        output_final_state, ht = True, h0  # h0 is initial_state itself (fp32, contiguous)
+    else:
+        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
     recurrent_fwd_kernel[(triton.cdiv(V, BV), N * H)](
         c(q), c(k), c(v), c(g), c(beta), c(A_log.float()) if use_gate_in_kernel else o,
         c(dt_bias.float()) if (use_gate_in_kernel and dt_bias is not None) else o, o, h0, ht, cu if varlen else o, T,

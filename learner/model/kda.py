@@ -147,7 +147,11 @@ class KimiDeltaAttention(nn.Module):
         )
         initial = cache.state if cache is not None else None
         if cache is not None and T == 1:
-            o, final = fused_recurrent_kda(q, k, v, z, beta, initial_state=initial, output_final_state=True, **kda_args)
+            # without autograd (an engine's decode) the cache's state is updated where it lies
+            o, final = fused_recurrent_kda(
+                q, k, v, z, beta, initial_state=initial, output_final_state=True,
+                inplace_final_state=not torch.is_grad_enabled(), **kda_args,
+            )  # fmt: skip
         else:
             o, final = chunk_kda(
                 q, k, v, z, beta, initial_state=initial, output_final_state=cache is not None,

@@ -123,6 +123,28 @@ def test_fused_recurrent_triton_fixed_length_batch():
         assert_close(s1, s2, 1e-5, f"state (stream={stream})")
 
 
+def test_fused_recurrent_triton_in_place():
+    """The final state written over the initial one (each program reads its slice before writing it)
+    equals the out-of-place result, for several V blocks and tokens."""
+    x = inputs(2, 3, 2, 16, 48, 2, seed=8)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    args = (x["q"], x["k"], x["v"], x["z"], x["beta"])
+    saved = dict(triton_recurrent.CONFIG)
+    triton_recurrent.CONFIG.update(BV=16)  # three V blocks of one state
+    try:
+        o1, s1 = fused_recurrent_kda(
+            *args, initial_state=x["S0"], output_final_state=True, backend="triton", **kw
+        )
+        state = x["S0"].clone()
+        o2, s2 = fused_recurrent_kda(
+            *args, initial_state=state, inplace_final_state=True, backend="triton", **kw
+        )
+    finally:
+        triton_recurrent.CONFIG.update(saved)
+    assert s2 is state
+    assert torch.equal(o1, o2) and torch.equal(s1, state)
+
+
 def test_prefill_then_decode_equals_longer_prefill():
     x = inputs(2, 67, 2, 16, 16, 2, seed=4)
     g = -5.0 * torch.sigmoid(x["z"])

@@ -106,7 +106,7 @@ def main():
             dict(K=128, BK=128, USE_GATE=True, HAS_BIAS=True, LB=-5.0, PARAM_GRADS=True),
             4,
         ),
-        "intra_fwd": compile_one(tc.intra_fwd_kernel, C, cfg["warps_intra"]),
+        "intra_fwd": compile_one(tc.intra_fwd_kernel, dict(C, BV=cfg["BV_intra"]), cfg["warps_intra"]),
         **{
             name: compile_one(
                 tc.intra_blocks_fwd_kernel,
@@ -115,7 +115,7 @@ def main():
             )
             for name, norm in (("intra_blocks_fwd", False), ("intra_blocks_fwd_l2norm", True))
         },
-        "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, C, cfg["warps_solve"]),
+        "intra_solve_fwd": compile_one(tc.intra_solve_fwd_kernel, dict(C, BV=cfg["BV_intra"]), cfg["warps_solve"]),
         "state_fwd": compile_one(
             tc.state_fwd_kernel,
             dict(C, HAS_H0=True, STORE_HT=True, STORE_H=True, FOR_LOOP=True, SPLIT_O=False, STORE_VN=True),

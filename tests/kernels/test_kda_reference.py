@@ -215,6 +215,22 @@ def test_bad_inputs_raise_clear_errors(bad, msg):
         chunk_kda(**args)
 
 
+def test_inplace_decode_overwrites_the_given_state_with_the_same_numbers():
+    q, k, v, g, beta, S0 = make_inputs(B=2, T=3, dtype=torch.float32)
+    o1, s1 = fused_recurrent_kda(q, k, v, g, beta, initial_state=S0.clone(), output_final_state=True)
+    state = S0.clone()
+    o2, s2 = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, inplace_final_state=True)
+    assert s2 is state and not torch.equal(state, S0)  # written where it lay
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    with pytest.raises(ValueError, match="needs an initial_state"):
+        fused_recurrent_kda(q, k, v, g, beta, inplace_final_state=True)
+    with pytest.raises(ValueError, match="contiguous fp32 initial_state; got torch.float64"):
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=S0.double(), inplace_final_state=True)
+    with pytest.raises(ValueError, match="not contiguous"):
+        strided = S0.transpose(2, 3).contiguous().transpose(2, 3)
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=strided, inplace_final_state=True)
+
+
 def test_triton_backend_without_cuda_is_refused(monkeypatch):
     from k3rl.kernels._backend import resolve_backend
 

@@ -66,7 +66,13 @@ def test_fused_recurrent_triton_bf16_against_naive():
         )
         o1, s1 = fused_recurrent_kda(*args, backend="triton", **kw)
         o2, s2 = naive_recurrent_kda(*(a.float() for a in args), **kw)
+        state = S0.clone()  # in place: the final state written over the initial one, the same numbers
+        kw.pop("output_final_state")
+        o3, s3 = fused_recurrent_kda(
+            *args, backend="triton", **(kw | dict(initial_state=state)), inplace_final_state=True
+        )
     assert rel(o1, o2) < 1e-2 and rel(s1, s2) < 1e-3
+    assert s3 is state and torch.equal(o3, o1) and torch.equal(s3, s1)
 
 
 def test_situ_glu_triton_bf16():
@@ -80,24 +86,31 @@ def test_situ_glu_triton_bf16():
 
 
 @pytest.mark.parametrize(
-    "key, base, tol",
-    [
-        ("split_intra", dict(fuse_l2norm=False), 1e-3),  # intra_blocks_fwd + intra_solve_fwd vs intra_fwd
-        ("fuse_l2norm", dict(split_intra=True), 2e-3),  # q/k L2 norm in intra_blocks_fwd vs its own pass
+    "a, b, tol",
+    [  # intra_blocks_fwd + intra_solve_fwd against intra_fwd
+        (dict(fuse_l2norm=False, split_intra=False), dict(fuse_l2norm=False, split_intra=True), 1e-3),
+        # the q/k L2 norm in intra_blocks_fwd against its own pass
+        (dict(split_intra=True, fuse_l2norm=False), dict(split_intra=True, fuse_l2norm=True), 2e-3),
+        # the serial passes with the whole V = 128 per program (one per head) against two V blocks
+        (
+            dict(BV=64, warps_state=4, BV_bwd=64, warps_state_bwd=4),
+            dict(BV=128, warps_state=8, BV_bwd=128, warps_state_bwd=8),
+            1e-3,
+        ),
     ],
 )
-def test_chunk_kda_triton_kernel_variants_agree_bf16(key, base, tol):
-    """Each forward variant (CONFIG[key] on, the default, against off) gives the other's numbers in bf16
-    (the same products; only fp32 summation order and where the normalised q, k are rounded may
-    differ), forward and backward, ragged documents."""
+def test_chunk_kda_triton_kernel_variants_agree_bf16(a, b, tol):
+    """Each forward variant (CONFIG settings b against a) gives the other's numbers in bf16 (the same
+    products; only fp32 summation order and where the normalised q, k are rounded may differ), forward
+    and backward, ragged documents."""
     from k3rl.kernels.kda import triton_chunk
 
     x, gate, cu, S0 = kda_case(1, [70, 1, 500, 64])
     saved = dict(triton_chunk.CONFIG)
     try:
-        triton_chunk.CONFIG.update(base, **{key: False})
+        triton_chunk.CONFIG.update(a)
         o1, s1, g1 = run(chunk_kda, x, gate, cu, S0, torch.bfloat16, backend="triton")
-        triton_chunk.CONFIG.update({key: True})
+        triton_chunk.CONFIG.update(b)
         o2, s2, g2 = run(chunk_kda, x, gate, cu, S0, torch.bfloat16, backend="triton")
     finally:
         triton_chunk.CONFIG.clear()
