@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .gate import L2NORM_EPS
-from .inputs import check_inplace_state, check_kda_inputs
+from .inputs import check_kda_inputs
 
 # launch configuration (value-block width, warps, streaming cache hints on the state); benchmarks/kernels.py
 # sweeps these on the GPU. BV 32 / 2 warps / no hints: best of a 16-point sweep on an H200 (2026-11-29
@@ -112,9 +112,8 @@ def fused_recurrent_kda_triton(
     c = lambda x: x.contiguous()
     o = torch.empty_like(v)
     h0 = c(initial_state.float()) if initial_state is not None else o
-    if inplace_final_state:
-        check_inplace_state(initial_state, "fused_recurrent_kda")
-        output_final_state, ht = True, h0  # h0 is initial_state itself (fp32, contiguous)
+    if inplace_final_state:  # the dispatcher checked initial_state (fp32, contiguous: h0 is that tensor)
+        ht = h0
     else:
         ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
     recurrent_fwd_kernel[(triton.cdiv(V, BV), N * H)](
@@ -123,7 +122,7 @@ def fused_recurrent_kda_triton(
         float(K**-0.5 if scale is None else scale),
         H=H, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel), USE_GATE=bool(use_gate_in_kernel),
         HAS_BIAS=dt_bias is not None, BOUNDED=lower_bound is not None, LB=float(lower_bound or 0.0),
-        HAS_H0=initial_state is not None, STORE_HT=bool(output_final_state), EPS=L2NORM_EPS,
+        HAS_H0=initial_state is not None, STORE_HT=bool(output_final_state or inplace_final_state), EPS=L2NORM_EPS,
         VARLEN=varlen, STREAM=bool(CONFIG["stream"]), num_warps=CONFIG["num_warps"],
     )  # fmt: skip
     return o, (ht if output_final_state else None)
