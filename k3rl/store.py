@@ -3,7 +3,7 @@
 Layout under the run directory `root`:
 
     root/trajectories/part-000000.parquet   one file per flush (zstd, the Trajectory Arrow schema
-    root/trajectories/part-000001.parquet   plus `step` and `policy_version` columns for filtering)
+    root/trajectories/part-000001.parquet   plus `step`, `policy_version` and `status` columns for filtering)
     root/images/<episode_id>/<turn>_<k>.png the k-th image of turn `turn`, for browsing
     root/images/.staging/                   image temp files before they are renamed into place
 
@@ -20,6 +20,12 @@ after appending it does not change what is stored.
 
 Episodes are unique by id: `append` drops an id the store already holds (a re-run episode of a
 restarted worker is not counted twice) and reads keep the first copy if two writers raced.
+
+The job writes an episode once its fate is decided (`status`: trained, failed, stale, unused,
+eval), tagged with the training `step` it was decided at. Resuming from the checkpoint of step
+k first calls `rollback(k)`: rows decided after step k are removed (their training was lost
+with the driver), and the resumed job re-issues those episodes under the same ids, so every
+episode ends in the store exactly once with the step that trained it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from k3rl.types import Trajectory
 PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 # Columns added to the Trajectory schema in the files so a reader can filter without parsing metadata.
-EXTRA_COLUMNS = [("step", pa.int64()), ("policy_version", pa.int64())]
+EXTRA_COLUMNS = [("step", pa.int64()), ("policy_version", pa.int64()), ("status", pa.string())]
 PART_SCHEMA = pa.schema([*Trajectory.arrow_schema(), *(pa.field(n, t) for n, t in EXTRA_COLUMNS)])
 
 
@@ -173,8 +179,10 @@ class TrajectoryStore:
             if self.contains(trajectory.id):
                 return False
             row = trajectory.to_arrow_row()
-            for name, _ in EXTRA_COLUMNS:
-                row[name] = _meta_int(trajectory.metadata, name)
+            for name, kind in EXTRA_COLUMNS:
+                value = trajectory.metadata.get(name)
+                row[name] = _meta_int(trajectory.metadata, name) if kind == pa.int64() else (
+                    None if value is None else str(value))
             self._buffer.append(row)
             if self.write_images:
                 self._buffer_images += [(trajectory.id, ti, k, png) for ti, turn in enumerate(trajectory.turns)
@@ -257,6 +265,30 @@ class TrajectoryStore:
                 return final
             index += 1  # another writer published this number first
 
+    def rollback(self, step: int) -> int:
+        """Remove every episode decided after training step `step` (rows with step > `step`);
+        returns how many were removed. Each affected part is rewritten without those rows (new
+        part published first, then the old one unlinked: a crash in between leaves duplicates,
+        which reads drop, and the next rollback removes again)."""
+        if self.readonly:
+            raise StoreError(f"store {self.root} was opened read-only")
+        removed = 0
+        with self._lock:
+            self.flush()
+            for p in self.parts():
+                steps = self._read_part_column(p, "step")
+                keep = [s is None or s <= step for s in steps]
+                if all(keep):
+                    continue
+                removed += keep.count(False)
+                table = self._read_part(p).filter(pa.array(keep))
+                if table.num_rows:
+                    self._write_part(table.cast(PART_SCHEMA))
+                p.unlink()
+                _fsync_dir(self.parts_dir)
+            self._ids, self._indexed = set(), set()
+        return removed
+
     # -- reading -----------------------------------------------------------------------
     def _read_part(self, path: Path, filters=None) -> pa.Table:
         try:
@@ -287,20 +319,24 @@ class TrajectoryStore:
             return episode_id in self._ids
 
     @staticmethod
-    def _filter(step: int | None, episode: str | None):
+    def _filter(step: int | None, episode: str | None, status: str | None = None):
         """A pyarrow filter expression (evaluated while reading, before any row is decoded)."""
         expr = None
+        if status is not None:
+            expr = pc.field("status") == status
         if step is not None:
-            expr = pc.field("step") == int(step)
+            by_step = pc.field("step") == int(step)
+            expr = by_step if expr is None else expr & by_step
         if episode is not None:
             prefix = pc.starts_with(pc.field("id"), pattern=episode)
             expr = prefix if expr is None else expr & prefix
         return expr
 
-    def iter_all(self, step: int | None = None, episode: str | None = None) -> Iterator[Trajectory]:
+    def iter_all(self, step: int | None = None, episode: str | None = None,
+                 status: str | None = None) -> Iterator[Trajectory]:
         """Every stored episode once (first copy of an id wins), in write order; optionally only
-        those consumed at training `step` and/or whose id starts with `episode`."""
-        filters = self._filter(step, episode)
+        those decided at training `step`, with `status`, and/or whose id starts with `episode`."""
+        filters = self._filter(step, episode, status)
         schema_names = set(Trajectory.arrow_schema().names)
         seen: set[str] = set()
         for p in self.parts():
@@ -310,10 +346,10 @@ class TrajectoryStore:
                 seen.add(row["id"])
                 yield Trajectory.from_arrow_row({k: v for k, v in row.items() if k in schema_names})
 
-    def read(self, step: int | None = None, episode: str | None = None) -> list[Trajectory]:
-        """Stored episodes, optionally only those consumed at training `step` (metadata["step"])
-        and/or whose id starts with `episode` (a full id or a prefix)."""
-        return list(self.iter_all(step=step, episode=episode))
+    def read(self, step: int | None = None, episode: str | None = None, status: str | None = None) -> list[Trajectory]:
+        """Stored episodes, optionally only those decided at training `step` (metadata["step"]),
+        with `status` (metadata["status"]) and/or whose id starts with `episode` (a full id or a prefix)."""
+        return list(self.iter_all(step=step, episode=episode, status=status))
 
     def ids(self) -> list[str]:
         """Episode ids on disk, in write order, without duplicates."""
@@ -328,18 +364,21 @@ class TrajectoryStore:
         return len(self.ids())
 
     def summary(self) -> list[dict]:
-        """One small dict per stored episode (id, env_id, step, policy_version, reward, error,
-        num_turns) read without decoding the turns."""
-        cols = ["id", "env_id", "step", "policy_version", "reward", "error"]
+        """One small dict per stored episode (id, env_id, step, policy_version, status, reward,
+        error, num_turns) read without decoding the turns."""
+        cols = ["id", "env_id", "step", "policy_version", "status", "reward", "error"]
         seen: set[str] = set()
         out = []
         for p in self.parts():
             try:
-                table = pq.read_table(p, columns=cols + ["turns"])
+                names = set(pq.read_schema(p).names)  # parts written before a column existed lack it
+                table = pq.read_table(p, columns=[c for c in cols if c in names] + ["turns"])
             except (pa.ArrowInvalid, OSError) as e:
                 raise StoreError(f"cannot read trajectory part {p}: {e}") from e
             num_turns = pc.list_value_length(table.column("turns")).to_pylist()
-            for r, n in zip(table.select(cols).to_pylist(), num_turns, strict=True):
+            rows = table.select([c for c in cols if c in names]).to_pylist()
+            for r, n in zip(rows, num_turns, strict=True):
+                r = {c: r.get(c) for c in cols}
                 if r["id"] in seen:
                     continue
                 seen.add(r["id"])

@@ -76,7 +76,7 @@ def test_roundtrip_parts_images_and_filters(tmp_path):
     assert [(s["id"], s["step"], s["num_turns"]) for s in summary[:2]] == [("ep00000", 0, 4), ("ep00001", 0, 4)]
     # the files are plain Parquet with the Trajectory schema plus the filter columns
     schema = pq.read_schema(reader.parts()[0])
-    assert set(Trajectory.arrow_schema().names) | {"step", "policy_version"} == set(schema.names)
+    assert set(Trajectory.arrow_schema().names) | {"step", "policy_version", "status"} == set(schema.names)
 
 
 def test_dedup_on_append_and_on_read(tmp_path):
@@ -242,3 +242,20 @@ def test_sigkill_mid_write_leaves_only_complete_parts(tmp_path):
     assert writer.append(make_episode(len(got), gen_tokens=8))
     assert writer.parts()[-1].name == f"part-{len(got) // every:06d}.parquet"
     assert writer.count() == len(got) + 1
+
+
+def test_rollback_removes_what_was_decided_after_the_checkpoint_step(tmp_path):
+    """Resume from the checkpoint of step 2: rows decided at steps 3+ go (their training was lost),
+    rows of steps <= 2 and rows without a step stay; the removed ids can be appended again."""
+    store = TrajectoryStore(tmp_path, flush_every=3)
+    for i in range(10):
+        store.append(Trajectory(id=f"e{i}", env_id="x", prompt_ids=[1],
+                                metadata={"step": i // 2 if i < 8 else None, "status": "trained"}))
+    store.flush()
+    assert store.rollback(2) == 2  # e6 e7 (step 3) go; e4 e5 (step 2) stay
+    assert sorted(store.ids()) == ["e0", "e1", "e2", "e3", "e4", "e5", "e8", "e9"]
+    assert store.append(Trajectory(id="e6", env_id="x", prompt_ids=[1], metadata={"step": 3, "status": "failed"}))
+    store.flush()
+    assert [t.metadata["status"] for t in store.read(step=3)] == ["failed"]
+    assert len(store.read(status="trained")) == 8
+    assert TrajectoryStore(tmp_path, readonly=True).count() == 9
