@@ -1,115 +1,114 @@
-"""TrajectoryBuffer: finished episodes in, complete prompt groups out.
+"""TrajectoryBuffer: finished episodes wait here, by group, until the scheduler decides their fate.
 
-* Groups: GRPO-style advantages need every sample of a prompt, so a group is released
-  only when all `group_size` episodes of it have arrived (failed ones included: they
-  carry reward 0 and their error).
-* Exactly once: episodes are keyed by their id; a retried episode whose first attempt
-  did arrive is dropped (`put` returns False), so nothing is counted twice.
-* Bounded: `capacity` groups at most wait; `put` beyond that blocks the producer
-  (back-pressure, not data loss).
-* Every accepted episode is appended to the TrajectoryStore (Parquet + PNG) when one
-  is given: at release, tagged with the training step that consumed it, and at `flush()`
-  for those never released.
+* Exactly once: episodes are keyed by id; a second copy of an id (a retried episode whose
+  first attempt did arrive, or a late one already recorded as lost) is dropped (`put` returns
+  False).
+* The scheduler sees only the small stats the rollout workers return; it names the groups a
+  step trains (`take`), drops (`drop`: stale, or every member failed) or leaves unused at the
+  end (`flush_unused`). Each episode is then written to the TrajectoryStore with that fate in
+  `metadata["status"]` (trained, failed, stale, unused, eval) and the step it was decided at.
+* By reference: `take_ref` puts the trainable episodes of a batch into Ray's object store
+  itself and returns only the reference, so the tokens go from here to the learner ranks
+  without passing through the driver.
+* Failed episodes (error set, or no sampled token) are stored but never handed to training:
+  a group trains on its members that did not fail.
 
-Used in-process by tests and as a Ray actor (`BufferActor`) by the job.
+Used in-process by tests and as a Ray actor by the job.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections import OrderedDict, deque
 from typing import Any
 
+from k3rl.metrics import episode_stats, trainable
 from k3rl.types import Trajectory
 
 
 class TrajectoryBuffer:
-    def __init__(self, group_size: int, capacity_groups: int = 1024, store_dir: str | None = None) -> None:
+    def __init__(self, group_size: int, store_dir: str | None = None) -> None:
         if group_size < 1:
             raise ValueError("group_size must be >= 1")
         self.group_size = group_size
-        self.capacity = capacity_groups
-        self._pending: OrderedDict[str, list[Trajectory]] = OrderedDict()
-        self._ready: deque[list[Trajectory]] = deque()
+        self._groups: dict[str, dict[str, Trajectory]] = {}
         self._seen: set[str] = set()
-        self._cond = asyncio.Condition()
-        self.stats = {"received": 0, "duplicates": 0, "failed": 0, "groups_released": 0, "episodes_released": 0}
+        self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "unused": 0, "eval": 0}
         self._store = None
         if store_dir:
             from k3rl.store import TrajectoryStore
 
             self._store = TrajectoryStore(store_dir)
 
-    def _put_now(self, traj: Trajectory) -> bool:
+    async def put(self, traj: Trajectory | str | dict) -> bool:
+        """Accept one finished episode; False for an id already received."""
+        if isinstance(traj, str):
+            traj = Trajectory.from_json(traj)
+        elif isinstance(traj, dict):
+            traj = Trajectory.model_validate(traj)
         if traj.id in self._seen:
             self.stats["duplicates"] += 1
             return False
         self._seen.add(traj.id)
         self.stats["received"] += 1
-        if traj.error:
-            self.stats["failed"] += 1
-        group = self._pending.setdefault(traj.group_id or traj.id, [])
-        group.append(traj)
-        if len(group) >= self.group_size:
-            self._ready.append(self._pending.pop(traj.group_id or traj.id))
+        self._groups.setdefault(traj.group_id or traj.id, {})[traj.id] = traj
         return True
 
-    async def put(self, traj: Trajectory | str | dict) -> bool:
-        if isinstance(traj, str):
-            traj = Trajectory.from_json(traj)
-        elif isinstance(traj, dict):
-            traj = Trajectory.model_validate(traj)
-        async with self._cond:
-            await self._cond.wait_for(lambda: len(self._ready) < self.capacity or traj.id in self._seen)
-            accepted = self._put_now(traj)
-            self._cond.notify_all()
-            return accepted
+    async def put_lost(self, spec: dict[str, Any], error: str) -> dict[str, Any]:
+        """Record an episode whose worker never delivered it (deadline, dead workers) as failed;
+        returns its stats. A copy arriving later is a duplicate."""
+        traj = Trajectory(id=spec["id"], env_id=spec["env_id"], seed=spec.get("seed"), group_id=spec.get("group_id", ""),
+                          prompt_ids=[], error=error, metadata={"failed_at": "lost", "env_kwargs": spec.get("env_kwargs", {})})
+        await self.put(traj)
+        return episode_stats(self._groups[traj.group_id or traj.id].get(traj.id, traj))
 
-    async def get_groups(self, num_groups: int, timeout: float | None = None,
-                         step: int | None = None) -> list[list[Trajectory]]:
-        """Wait for `num_groups` complete groups (oldest first) and take them.
+    def _settle(self, group_id: str, step: int, status: str) -> list[Trajectory]:
+        """Remove a group, write each member with its fate; returns the members `status` applies to."""
+        members = list(self._groups.pop(group_id, {}).values())
+        kept = []
+        for t in members:
+            s = episode_stats(t)
+            fate = status if (status in ("unused", "eval") or trainable(s)) else "failed"
+            t.metadata.update(step=step, status=fate, policy_version=s["min_version"])
+            self.stats[fate] += 1
+            if self._store is not None:
+                self._store.append(t)
+            if fate == status:
+                kept.append(t)
+        return kept
 
-        `step` (the training step that consumes them) is recorded in each episode's metadata
-        before it is written to the store, so `k3rl replay --step N` finds it."""
-        async with self._cond:
-            await asyncio.wait_for(self._cond.wait_for(lambda: len(self._ready) >= num_groups), timeout)
-            out = [self._ready.popleft() for _ in range(num_groups)]
-            self.stats["groups_released"] += len(out)
-            self.stats["episodes_released"] += sum(len(g) for g in out)
-            self._cond.notify_all()
-        for group in out:
-            for t in group:
-                if step is not None:
-                    t.metadata["step"] = step
-                if self._store is not None:
-                    self._store.append(t)
-        if self._store is not None:
-            self._store.flush()
+    def take(self, group_ids: list[str], step: int) -> list[Trajectory]:
+        """The trainable members of these groups, for training step `step`; all members are stored."""
+        missing = [g for g in group_ids if len(self._groups.get(g, {})) < self.group_size]
+        if missing:
+            raise KeyError(f"groups not complete in the buffer: {missing[:5]}")
+        out = [t for g in group_ids for t in self._settle(g, step, "trained")]
+        self._flush()
         return out
 
-    def ready_groups(self) -> int:
-        return len(self._ready)
+    def take_ref(self, group_ids: list[str], step: int) -> list:
+        """`take`, returned as [ObjectRef] (put here, so only the learner ranks fetch the tokens)."""
+        import ray
 
-    def pending_episodes(self) -> int:
-        return sum(len(g) for g in self._pending.values())
+        return [ray.put(self.take(group_ids, step))]
 
-    def seen(self, episode_id: str) -> bool:
-        return episode_id in self._seen
+    def drop(self, group_ids: list[str], step: int, status: str = "stale") -> None:
+        """Groups that will not be trained (too stale, or every member failed): stored, then gone."""
+        for g in group_ids:
+            self._settle(g, step, status)
+        self._flush()
 
-    def get_stats(self) -> dict[str, Any]:
-        return {**self.stats, "ready_groups": len(self._ready), "pending_episodes": self.pending_episodes()}
+    def flush_unused(self, step: int) -> int:
+        """At the end of a job: store every episode still here (finished, never trained) as unused,
+        tagged `step` (after the last trained step: a resume rolls them back and re-issues them)."""
+        n = sum(len(self._settle(g, step, "unused")) for g in list(self._groups))
+        self._flush()
+        return n
 
-    def flush(self) -> None:
-        """Write every episode not yet released (finished but never trained on) to the store too."""
+    def _flush(self) -> None:
         if self._store is not None:
-            for group in [*self._ready, *self._pending.values()]:
-                for t in group:
-                    self._store.append(t)  # the store drops ids it already holds
             self._store.flush()
 
+    def holds(self, group_id: str) -> int:
+        return len(self._groups.get(group_id, {}))
 
-def buffer_actor(**ray_options):
-    """The buffer as an async Ray actor class (one event loop, so no locks beyond the Condition)."""
-    import ray
-
-    return ray.remote(**({"num_cpus": 0, "max_concurrency": 1000} | ray_options))(TrajectoryBuffer)
+    def get_stats(self) -> dict[str, Any]:
+        return {**self.stats, "waiting_episodes": sum(len(g) for g in self._groups.values())}

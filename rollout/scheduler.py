@@ -1,0 +1,279 @@
+"""The scheduler: which episodes run, where, and which finished groups a training step may take.
+
+Episode specs. Group g of a run is `group_size` episodes of one task: its env, kwargs and seed
+depend only on (learner.seed, g), and its episode ids are `<run>-g<g>-s<k>`, so a resumed or
+repeated run issues the same episodes under the same ids.
+
+Admission (the lag invariant). Step s trains policy version s (k3rl.metrics), and every token it
+trains must come from version s - max_policy_lag or newer. A group issued while the engines
+serve version v samples tokens of version >= v, so it must be trained by step v + lag. With the
+engines at version v and the next batch to take for step `next_step`, at most
+
+    (v + 1 + lag - next_step) * P      groups may be open (issued, not yet trained or dropped)
+
+that is (1 + lag) P while waiting for step v's batch, lag P between taking it and pushing v + 1.
+lag 0 is the synchronous algorithm: a step's episodes start only on that step's weights.
+Admission keeps the invariant from biting; `next_batch` enforces it: a finished group with a
+token older than s - lag (a slow straggler) is dropped as stale and a fresh group is issued in
+its place (`groups/reissued`).
+
+Failures. An episode that fails is stored with its error and never trained; a group trains on
+its members that did not fail, and a group whose members all failed is replaced by a fresh
+group. An episode not delivered by its deadline (`episode_deadline_s`), or whose worker died
+`max_attempts` times, is recorded as failed ("lost"). When `2 P` groups in a row fail whole,
+the job stops with their errors: the environment, not the learner, is what is broken.
+
+Supervision. A worker runs at most `rollout.episodes_per_worker` episodes at once; a dead worker
+is replaced and its episodes are re-run under the same ids (the buffer keeps the first copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3rl.config import JobConfig
+from k3rl.metrics import trainable
+
+
+WORKER_START_S = 600.0
+
+
+class EpisodesFailingError(RuntimeError):
+    """Every episode of many groups in a row failed: the message lists their errors."""
+
+
+def episode_specs(cfg: JobConfig, run_name: str, index: int, version: int) -> list[dict[str, Any]]:
+    """The group_size specs of group `index`. Ids, env and seed depend only on the index."""
+    rng = random.Random(f"{cfg.learner.seed}:{index}")
+    envs = cfg.envs.train
+    env = rng.choices(envs, weights=[e.weight for e in envs])[0]
+    seed = rng.randrange(2**31)
+    gid = f"{run_name}-g{index:07d}"
+    return [{"id": f"{gid}-s{k}", "env_id": env.id, "seed": seed, "group_id": gid, "env_kwargs": dict(env.kwargs),
+             "issued_version": version} for k in range(cfg.rollout.group_size)]
+
+
+@dataclass
+class Group:
+    index: int
+    specs: list[dict[str, Any]]
+    version: int  # what the engines served when it was issued
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)  # episode id -> stats
+
+    @property
+    def id(self) -> str:
+        return self.specs[0]["group_id"]
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.specs)
+
+    def min_version(self) -> int | None:
+        vs = [s["min_version"] for s in self.results.values() if trainable(s)]
+        return min(vs) if vs else None
+
+    def max_version(self) -> int | None:
+        vs = [s["max_version"] for s in self.results.values() if trainable(s)]
+        return max(vs) if vs else None
+
+
+class Scheduler:
+    """Issues groups under the lag bound, runs their episodes on the rollout workers, and hands
+    the driver batches of finished groups that the lag invariant allows."""
+
+    def __init__(self, cfg: JobConfig, run_name: str, make_worker, buffer, *, next_index: int = 0,
+                 reopen: list[int] = (), max_attempts: int = 5, episode_deadline_s: float | None = None) -> None:
+        r = cfg.rollout
+        self.cfg, self.run_name, self.buffer = cfg, run_name, buffer
+        self.P, self.lag, self.per_worker = r.prompts_per_step, r.max_policy_lag, r.episodes_per_worker
+        self.partial_rollouts = r.partial_rollouts
+        self.deadline_s = episode_deadline_s or 1.5 * cfg.envs.episode_time_budget_s + 60.0
+        self.max_attempts = max_attempts
+        self.make_worker = make_worker
+        self.workers = [make_worker(i) for i in range(r.num_rollout_workers)]
+        self.running = [0] * len(self.workers)
+        self.slot_freed = asyncio.Event()
+        self.changed = asyncio.Event()  # set whenever an episode finishes
+        self.open: dict[str, Group] = {}  # issued, not yet trained or dropped
+        self.next_index = next_index
+        self.reopen = collections.deque(reopen)  # groups open at the checkpoint we resumed from
+        self.serving = 0  # the version the engines serve
+        self.next_step = 1  # the step whose batch has not been taken yet
+        self.tasks: set[asyncio.Task] = set()
+        self.pings: dict[Any, asyncio.Future] = {}  # worker -> its first answer
+        self.failed_streak: list[str] = []  # errors of the groups failed whole since the last good one
+        self.counts = collections.Counter()
+
+    # -- admission -----------------------------------------------------------------------------
+    def set_serving(self, version: int) -> None:
+        self.serving = version
+        self.issue()
+
+    def issue(self) -> None:
+        """Open groups until the lag bound: (serving + 1 + lag - next_step) * P."""
+        bound = (self.serving + 1 + self.lag - self.next_step) * self.P
+        while len(self.open) < bound:
+            index = self.reopen.popleft() if self.reopen else self._new_index()
+            group = Group(index, episode_specs(self.cfg, self.run_name, index, self.serving), self.serving)
+            self.open[group.id] = group
+            self.counts["groups/issued"] += 1
+            for spec in group.specs:
+                self.counts["episodes/issued"] += 1
+                self._spawn(self._run(group, spec))
+
+    def _new_index(self) -> int:
+        self.next_index += 1
+        return self.next_index - 1
+
+    def open_indices(self) -> list[int]:
+        """What a checkpoint records: re-issued, under the same ids, by a resumed job."""
+        return sorted(g.index for g in self.open.values())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- supervision ---------------------------------------------------------------------------
+    async def _run(self, group: Group, spec: dict[str, Any]) -> None:
+        import ray
+
+        errors: list[str] = []
+        stats = None
+        while stats is None:
+            i = await self._acquire_slot()
+            try:
+                worker = self.workers[i]
+                try:
+                    await asyncio.shield(self._started(worker))  # a worker's start-up is not the episode's time
+                except Exception as e:  # noqa: BLE001 - it died or hung while starting: replace it
+                    errors.append(f"worker {i} did not start ({type(e).__name__})")
+                    self._replace(i, worker)
+                else:
+                    ref = worker.run_episode.remote(spec)
+                    try:
+                        stats = await asyncio.wait_for(ref, self.deadline_s)
+                    except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
+                        errors.append(f"worker {i} died ({type(e).__name__})")
+                        self._replace(i, worker)
+                    except TimeoutError:
+                        ray.cancel(ref)
+                        stats = await self._lost(spec, f"episode lost: no result within its deadline of {self.deadline_s:.0f}s "
+                                                       f"(worker {i}; envs.episode_time_budget_s={self.cfg.envs.episode_time_budget_s})")
+                    except Exception as e:  # noqa: BLE001 - anything else is this episode's failure, not the job's
+                        stats = await self._lost(spec, f"episode lost: {type(e).__name__}: {str(e)[:300]}")
+                if stats is None and len(errors) >= self.max_attempts:
+                    stats = await self._lost(spec, f"episode lost: {len(errors)} attempts on workers that died ({errors[-1]})")
+            finally:
+                self._release_slot(i)
+        self.counts["episodes/failed"] += bool(stats.get("error"))
+        group.results[spec["id"]] = stats
+        self.changed.set()
+
+    def _replace(self, i: int, worker) -> None:
+        if self.workers[i] is worker:  # the first to notice replaces it
+            self.workers[i] = self.make_worker(i)
+            self.counts["workers/restarts"] += 1
+
+    def _started(self, worker) -> asyncio.Future:
+        if worker not in self.pings:
+            self.pings[worker] = asyncio.ensure_future(asyncio.wait_for(worker.ping.remote(), WORKER_START_S))
+        return self.pings[worker]
+
+    async def _lost(self, spec: dict[str, Any], error: str) -> dict[str, Any]:
+        self.counts["episodes/lost"] += 1
+        return await self.buffer.put_lost.remote(spec, error)
+
+    async def _acquire_slot(self) -> int:
+        while min(self.running) >= self.per_worker:
+            self.slot_freed.clear()
+            await self.slot_freed.wait()
+        i = min(range(len(self.running)), key=self.running.__getitem__)
+        self.running[i] += 1
+        return i
+
+    def _release_slot(self, i: int) -> None:
+        self.running[i] -= 1
+        self.slot_freed.set()
+
+    # -- batches -------------------------------------------------------------------------------
+    def _fresh(self, group: Group, step: int) -> bool:
+        lo, hi = group.min_version(), group.max_version()
+        if lo is None:
+            return False
+        return lo >= step - self.lag and (self.partial_rollouts or lo == hi)
+
+    async def next_batch(self, step: int, stall_timeout_s: float | None = None) -> list[Group]:
+        """P finished groups whose every trainable token is at most `lag` versions older than step
+        `step`'s policy; stale and failed-whole groups are dropped and replaced on the way."""
+        stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
+        while True:
+            dropped = []
+            for g in sorted((g for g in self.open.values() if g.done), key=lambda g: g.index):
+                if g.min_version() is None:  # every member failed
+                    dropped.append(g)
+                    self.counts["groups/failed"] += 1
+                    self.failed_streak.append("; ".join(sorted({s["error"] or "no sampled tokens" for s in g.results.values()})))
+                elif not self._fresh(g, step):
+                    dropped.append(g)
+                    self.counts["groups/stale"] += 1
+                    self.counts["episodes/stale"] += sum(trainable(s) for s in g.results.values())
+            if dropped:
+                await self.buffer.drop.remote([g.id for g in dropped], step)
+                for g in dropped:
+                    del self.open[g.id]
+                self.counts["groups/reissued"] += len(dropped)
+                self.issue()
+            if len(self.failed_streak) >= 2 * self.P:
+                common = collections.Counter(self.failed_streak).most_common(5)
+                raise EpisodesFailingError(
+                    f"{len(self.failed_streak)} groups in a row failed in every episode; the errors:\n  "
+                    + "\n  ".join(f"{n}x {e}" for e, n in common)
+                    + "\nfix the environment (try `k3rl envs check ENV_ID`) or the sandbox (`k3rl sandbox doctor`)")
+            ready = sorted((g for g in self.open.values() if g.done), key=lambda g: g.index)
+            if len(ready) >= self.P:
+                batch = ready[: self.P]
+                for g in batch:
+                    del self.open[g.id]
+                self.failed_streak.clear()
+                self.next_step = step + 1
+                self.issue()
+                return batch
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), stall_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no episode finished in {stall_timeout_s:.0f}s while waiting for {self.P} groups for step {step} "
+                    f"({len(ready)} ready, {sum(not g.done for g in self.open.values())} in flight, "
+                    f"{sum(self.running)} episodes running on {len(self.workers)} workers)") from None
+
+    async def evaluate(self, num_groups: int, version: int, step: int = 0) -> list[dict[str, Any]]:
+        """Run `num_groups` groups outside the admission bound (ids `<run>-eval-g...`), wait for
+        all of them, store them as `eval` at `step`; returns their stats."""
+        groups = [Group(g, episode_specs(self.cfg, f"{self.run_name}-eval", g, version), version)
+                  for g in range(num_groups)]
+        for group in groups:
+            for spec in group.specs:
+                self._spawn(self._run(group, spec))
+        while not all(g.done for g in groups):
+            self.changed.clear()
+            await self.changed.wait()
+        await self.buffer.drop.remote([g.id for g in groups], step, "eval")
+        return [s for g in groups for s in g.results.values()]
+
+    # -- the end ---------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.counts.items()}
+
+    async def stop(self) -> None:
+        """Cancel every episode in flight (their results are not waited for)."""
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
