@@ -82,10 +82,9 @@ def _optimizer_state_global(optimizer, sd: dict) -> dict:
 
 def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
     """A plain K3ForCausalLM holding `state` (tensors assigned as they are, dtypes kept)."""
-    from k3rl.learner.model import K3ForCausalLM
+    from k3rl.learner.model import build_model
 
-    with torch.device("meta"):
-        model = K3ForCausalLM(trainer.model_config)
+    model = build_model(trainer.model_config, device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     return model
 

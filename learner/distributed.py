@@ -39,6 +39,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def rendezvous_host(on_cluster: bool) -> str:
+    """Where a process group's store listens (on the node of its rank 0): loopback when the job
+    runs its own local Ray (every process is on this machine), the node's address on a cluster."""
+    if not on_cluster:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 

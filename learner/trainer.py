@@ -125,22 +125,28 @@ class Trainer:
         self.data_position = {"trajectories": 0, "sft_trajectories": 0, "tokens": 0}
         self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
 
+    @torch.no_grad()
     def reset_reference(self) -> None:
-        """Make the current weights the KL reference policy (e.g. after an SFT warm start)."""
-        if self.cfg.kl_coef > 0:
-            if self.sharded:
-                raise RuntimeError("reset_reference under FSDP: build the Trainer from the warm-started weights instead")
+        """Make the current weights the KL reference policy (e.g. after an SFT warm start).
+
+        The reference is an unsharded frozen copy on every rank; under FSDP (with or without
+        expert parallelism) the current weights are gathered into it: collective there."""
+        if self.reference is None:
+            return
+        if self.sharded:
+            state = self.full_state_dict()  # collective: every rank gathers the whole model
+            self.reference.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        else:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     @classmethod
     def from_job(cls, job, device: str | torch.device | None = None) -> Trainer:
-        """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer."""
-        from k3rl.learner.model import K3ForCausalLM, load_state_into
+        """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer.
+        The master weights are fp32 whatever `job.model.dtype` (the engines' dtype) is."""
+        from k3rl.learner.model import build_model
 
-        torch.manual_seed(job.model.seed)
-        model = K3ForCausalLM(job.model.k3_config())
-        if job.model.checkpoint:
-            load_state_into(model, job.model.checkpoint)
+        model = build_model(job.model.preset, job.model.overrides, seed=job.model.seed,
+                            checkpoint=job.model.checkpoint or None)
         return cls(model, job.learner, device=device)
 
     # ------------------------------------------------------------------------------------

@@ -259,22 +259,11 @@ class EmbeddedEngine(InferenceEngine):
     @classmethod
     def from_preset(cls, preset: str = "k3-tiny", *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                     checkpoint: str | None = None, overrides: dict | None = None, **kw) -> EmbeddedEngine:
-        """Build the model (seeded init, or an HF-layout checkpoint) and an engine on it."""
-        from k3rl.learner.model import K3Config, K3ForCausalLM
+        """An engine on `build_model(preset, overrides, ...)`: the learner's architecture and seeded
+        init, or the weights of an HF-layout `checkpoint` directory."""
+        from k3rl.learner.model import build_model
 
-        if checkpoint is not None:
-            from k3rl.learner.model import load_hf
-
-            model = load_hf(checkpoint)
-        else:
-            config = K3Config.preset(preset)
-            if overrides:
-                config = K3Config.model_validate({**config.model_dump(), **overrides})
-            torch.manual_seed(seed)
-            model = K3ForCausalLM(config)
-        if dtype != "float32":
-            model.to_param_dtype(getattr(torch, dtype))
-        return cls(model.to(device), **kw)
+        return cls(build_model(preset, overrides, dtype=dtype, device=device, seed=seed, checkpoint=checkpoint), **kw)
 
     # ----- contract ----------------------------------------------------------------------------
     @property

@@ -16,12 +16,13 @@ restarted worker is built from the same `EngineSpec` and is replayed the latest 
 before it takes requests. `check_health()` pings every worker and restarts the ones that do
 not answer; `start_health_checks(interval)` runs it periodically.
 
-Weights: `update_weights(update)` puts the update into Ray's object store once
-(`weight_sync.publish`) and every worker applies it between two scheduler steps; the call
-returns when all have switched. The pool remembers the latest full update (and the partial
-ones after it) to bring restarted workers up to date. The other transports: an `IpcShare`
-(CUDA IPC, colocated) goes to `update_weights` too; for NCCL, `join_collective` once, then
-`receive_collective_update()` while the learner calls `CollectiveWeightSync.send(update)`.
+Weights: `update_weights(message)` hands every worker the same small message of a weight
+transport (`rollout/transport/`: a `PublishedUpdate` reference, an `IpcShare`, a `Broadcast`
+group address); each worker runs the transport's receive half and switches its engine between
+two scheduler steps; the call returns the version each worker then runs. A plain WeightUpdate
+is published to the object store first. The pool remembers the latest full object-store update
+(and the partial ones after it) and replays them to a restarted worker before it takes requests;
+a worker behind the pool's version is routed to only when no up-to-date worker is alive.
 
 One InferencePool object routes for the process that holds it. To share one routing view
 between many rollout workers, run it as a Ray actor: `PoolActor.remote(...)` exposes the same
@@ -44,7 +45,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
-from .weight_sync import CollectiveWeightSync, IpcShare, PublishedUpdate, publish_here, receive
+from .transport import TRANSPORTS, PublishedUpdate, publish
 
 
 @dataclass
@@ -88,30 +89,24 @@ class EngineWorker:
         self.name = name
         self.device = spec.device
         self.engine = spec.build(name)
-        self.collective = None
+        self.receivers: dict[str, Any] = {}  # weight transport name -> its receive half (it may hold a group)
 
     async def generate(self, token_ids, sampling, images, request_id) -> GenerationResult:
         result = await self.engine.agenerate(token_ids, sampling, images, request_id)
         result.worker = self.name
         return result
 
-    async def update_weights(self, update) -> int:
-        """Apply a PackedUpdate (object store), an IpcShare (CUDA IPC) or a WeightUpdate."""
-        if getattr(update, "version", None) is not None and update.version <= self.engine.version:
-            return self.engine.version  # a replay the worker already has
-        return await self.engine.aupdate_weights(await asyncio.to_thread(receive, update))
-
-    async def join_collective(self, host: str, port: int, rank: int, world_size: int, backend: str) -> int:
-        """Become `rank` of a weight-sync process group whose rank 0 is the learner."""
-        device = self.device if backend == "nccl" else "cpu"
-        self.collective = await asyncio.to_thread(CollectiveWeightSync, rank, world_size, host, port, backend, device)
-        return rank
-
-    async def update_weights_collective(self) -> int:
-        """Receive the update the learner broadcasts now (CollectiveWeightSync.send) and switch."""
-        if getattr(self, "collective", None) is None:
-            raise RuntimeError(f"{self.name} has not joined a weight-sync group (InferencePool.join_collective)")
-        update = await asyncio.to_thread(self.collective.recv)
+    async def update_weights(self, message) -> int:
+        """Receive a weight transport's message (`rollout/transport/`) and switch to its weights;
+        returns the engine's version. An update the engine already has is received (a broadcast
+        needs every member) but not applied again."""
+        kind = getattr(message, "transport", None)
+        if kind not in TRANSPORTS:
+            raise TypeError(f"{self.name}: expected a weight transport message ({sorted(TRANSPORTS)}), "
+                            f"got {type(message).__name__}")
+        if kind not in self.receivers:
+            self.receivers[kind] = TRANSPORTS[kind](device=self.device)
+        update = await asyncio.to_thread(self.receivers[kind].receive, message, self.name)
         if update.version <= self.engine.version:
             return self.engine.version
         return await self.engine.aupdate_weights(update)
@@ -153,20 +148,21 @@ class InferencePool:
         self._sticky_cap = sticky_keys
         self._where: dict[str, int] = {}
         self._rr = itertools.count()
-        self._weights: list = []  # object refs: the latest full update and the partial ones after it
+        self._weights: list[PublishedUpdate] = []  # the latest full object-store update and the partial ones after it
         # engines start at engine_kwargs["version"] (default 0); start them at -1 to push the
         # learner's initial weights as version 0
         self._version = int(self.spec.engine_kwargs.get("version", 0))
         self._slot_version = [self._version] * num_workers  # the weights each slot's worker runs
-        self._collective_generation: list[int] | None = None
         self._health_task: asyncio.Task | None = None
         self.restarts = 0
         self.retries = 0
 
     # ----- workers ---------------------------------------------------------------------------------
+    def _worker_name(self, slot: int) -> str:
+        return f"{self.name}-w{slot}-g{self._generation[slot]}"
+
     def _spawn(self, slot: int):
-        name = f"{self.name}-w{slot}-g{self._generation[slot]}"
-        return _RemoteWorker.options(**self.actor_options).remote(self.spec, name)
+        return _RemoteWorker.options(**self.actor_options).remote(self.spec, self._worker_name(slot))
 
     @property
     def num_workers(self) -> int:
@@ -204,8 +200,8 @@ class InferencePool:
             self._generation[slot] += 1
             fresh = self._spawn(slot)
             await fresh.ping.remote()
-            for ref in self._weights:  # bring it to the pool's version before it takes requests
-                await fresh.update_weights.remote(ref)
+            for message in self._weights:  # bring it to the pool's version before it takes requests
+                await fresh.update_weights.remote(message)
             self._slot_version[slot] = (await fresh.ping.remote())["version"]
             self._workers[slot] = fresh
             self.restarts += 1
@@ -282,77 +278,43 @@ class InferencePool:
             return False
 
     # ----- weights -------------------------------------------------------------------------------------
-    async def update_weights(self, update: WeightUpdate | PublishedUpdate | IpcShare) -> int:
-        """Apply `update` on every worker; returns the version all of them now run.
+    def members(self) -> list[str]:
+        """The workers' names in slot order (a restarted worker has a new name)."""
+        return [self._worker_name(i) for i in range(self.num_workers)]
 
-        A WeightUpdate goes through the object store (published once, replayed to restarted
-        workers); a PublishedUpdate is one already there (put by the learner itself, so the
-        weights never pass through the driver or this actor). An IpcShare
-        (`weight_sync.share_cuda_ipc`, workers on the learner's GPU host) is passed by handle; a
-        worker restarted after it stays behind, and out of routing, until the next object-store
-        update."""
-        if not isinstance(update, (WeightUpdate, PublishedUpdate, IpcShare)):
-            raise TypeError(f"update_weights takes a WeightUpdate, PublishedUpdate or IpcShare, got {type(update).__name__}")
-        if update.version <= self._version:
-            raise ValueError(f"weight update v{update.version} is not newer than the pool's v{self._version}")
-        if isinstance(update, WeightUpdate):
-            update = publish_here(update)
-        if isinstance(update, PublishedUpdate):
-            ref = update.ref
-            self._weights = [ref] if update.full else [*self._weights, ref]
-        else:  # IpcShare: handles, passed as they are
-            ref = update
-        self._version = update.version
+    async def update_weights(self, message) -> list[int]:
+        """Hand `message` (a weight transport's message, or a WeightUpdate, which is published to
+        the object store first) to every worker; returns the version each worker runs after it.
+
+        A worker that died is restarted and replayed the object-store updates, so after an
+        update of another transport it may stay behind: the sender sees it in the answer (and
+        falls back to the object store). Sending the pool's current version again brings the
+        workers behind up to it; an older version is refused."""
+        if isinstance(message, WeightUpdate):
+            message = publish(message)
+        if getattr(message, "transport", None) not in TRANSPORTS:
+            raise TypeError(f"update_weights takes a WeightUpdate or a weight transport message "
+                            f"({', '.join(sorted(TRANSPORTS))}), got {type(message).__name__}")
+        if message.version < self._version:
+            raise ValueError(f"weight update v{message.version} is older than the pool's v{self._version}")
+        if isinstance(message, PublishedUpdate):  # replayable: restarted workers are brought up to date
+            self._weights = [message] if message.full else [*self._weights, message]
+        self._version = message.version
         for task in list(self._restarting.values()):  # a restart in progress replays the new list too
             await asyncio.wait([task])
 
-        async def one(slot: int) -> int | None:
+        async def one(slot: int) -> None:
             worker = self._workers[slot]
             try:
-                self._slot_version[slot] = await worker.update_weights.remote(ref)
-                return self._slot_version[slot]
+                self._slot_version[slot] = await worker.update_weights.remote(message)
             except RayActorError:
                 await self._restart(slot, worker)  # the restart replays the object-store updates
-                return None
 
-        versions = [v for v in await asyncio.gather(*(one(i) for i in range(self.num_workers))) if v is not None]
-        if any(v != update.version for v in versions):
-            raise RuntimeError(f"workers report versions {versions} after the update to v{update.version}")
-        return update.version
-
-    async def join_collective(self, host: str, port: int, backend: str = "nccl") -> None:
-        """Make the workers ranks 1..N of a weight-sync group whose rank 0 is the learner.
-
-        The learner constructs `CollectiveWeightSync(0, N + 1, host, port, backend)` while this
-        runs (both sides block until every rank has joined)."""
-        world = self.num_workers + 1
-        await asyncio.gather(*(w.join_collective.remote(host, port, i + 1, world, backend)
-                               for i, w in enumerate(self._workers)))
-        self._collective_generation = list(self._generation)
-
-    def collective_intact(self) -> bool:
-        """Whether a weight-sync group exists and holds every current worker (no restart since)."""
-        return self._collective_generation is not None and self._collective_generation == self._generation
-
-    def drop_collective(self) -> None:
-        """Forget the weight-sync group (after a failed broadcast): the next one needs a new group."""
-        self._collective_generation = None
-
-    async def receive_collective_update(self) -> int:
-        """Every worker receives the update the learner broadcasts now (`CollectiveWeightSync.send`)
-        and switches; returns the new version. A restarted worker is not in the group: after a
-        restart, call `join_collective` again (new port) with a new learner side."""
-        if self._collective_generation is None:
-            raise RuntimeError("no weight-sync group: call join_collective first")
-        if self._collective_generation != self._generation:
-            raise RuntimeError("a worker was restarted since join_collective, so the group is incomplete; "
-                               "call join_collective again (new port) and rebuild the learner's CollectiveWeightSync")
-        versions = await asyncio.gather(*(w.update_weights_collective.remote() for w in self._workers))
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"workers report different versions after a collective update: {versions}")
-        self._slot_version = list(versions)
-        self._version = versions[0]
-        return self._version
+        results = await asyncio.gather(*(one(i) for i in range(self.num_workers)), return_exceptions=True)
+        errors = [f"worker {i}: {type(r).__name__}: {r}" for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"weight update v{message.version} ({message.transport}) failed: " + "; ".join(errors))
+        return list(self._slot_version)
 
     # ----- health --------------------------------------------------------------------------------------
     async def check_health(self, timeout_s: float = 30.0) -> list[dict]:
@@ -408,20 +370,11 @@ class PoolActor:
         return await self.pool.generate(token_ids, sampling, images, key=key, group_key=group_key,
                                         request_id=request_id)
 
-    async def update_weights(self, update) -> int:
-        return await self.pool.update_weights(update)
+    async def update_weights(self, message) -> list[int]:
+        return await self.pool.update_weights(message)
 
-    async def join_collective(self, host: str, port: int, backend: str = "nccl") -> None:
-        await self.pool.join_collective(host, port, backend)
-
-    async def receive_collective_update(self) -> int:
-        return await self.pool.receive_collective_update()
-
-    def collective_intact(self) -> bool:
-        return self.pool.collective_intact()
-
-    def drop_collective(self) -> None:
-        self.pool.drop_collective()
+    def members(self) -> list[str]:
+        return self.pool.members()
 
     def worker_handles(self) -> list:
         return self.pool.workers

@@ -47,7 +47,7 @@ from torch import nn
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
-from .weight_sync import PackedUpdate
+from .transport.packing import PackedUpdate
 
 K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
 

@@ -4,6 +4,7 @@ Stable LatentMoE with Quantile Balancing, MoonViT-V2, incremental decoding, HF c
 from .cache import K3Cache
 from .checkpoint import load_hf, load_state_into, save_hf
 from .config import K3Config, LinearAttnConfig, VisionConfig
+from .factory import build_model, model_config
 from .model import K3ForCausalLM
 from .params import count_parameters, count_vision_parameters
 from .quantile_balance import bias_from_histogram, quantile_balance, required_bias_histogram
@@ -17,10 +18,12 @@ __all__ = [
     "MediaBatch",
     "VisionConfig",
     "bias_from_histogram",
+    "build_model",
     "count_parameters",
     "count_vision_parameters",
     "load_hf",
     "load_state_into",
+    "model_config",
     "preprocess_media",
     "quantile_balance",
     "required_bias_histogram",

@@ -115,11 +115,11 @@ def load_state_into(model: K3ForCausalLM, directory: str | Path) -> None:
 
 
 def load_hf(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> K3ForCausalLM:
-    """Build a model from `config.json` and load its weights. The parameter dtype is `dtype`
-    (the fp32 allow-list excepted) or, by default, the checkpoint's embedding dtype."""
+    """Build a model from `config.json` (`build_model`) and load its weights. The parameter dtype
+    is `dtype` (the fp32 allow-list excepted) or, by default, the checkpoint's embedding dtype."""
+    from .factory import build_model
+
     config = K3Config.from_hf(directory)
-    with torch.device(device):
-        model = K3ForCausalLM(config)
     if dtype is None:
         d = Path(directory)
         if (d / INDEX_NAME).exists():
@@ -129,6 +129,4 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu", dtype: to
         with safe_open(str(d / shard), framework="pt") as f:
             dtype = f.get_slice("model.embed_tokens.weight").get_dtype()
             dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}[dtype]
-    model.to_param_dtype(dtype)
-    load_state_into(model, directory)
-    return model
+    return build_model(config, dtype=dtype, device=device, checkpoint=directory)

@@ -9,11 +9,11 @@ import pytest
 import ray
 import torch
 
-from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.pool import EngineSpec, InferencePool
+from k3rl.rollout.transport import publish
 from k3rl.types import SamplingParams, WeightUpdate
 
 torch.set_num_threads(1)
@@ -98,75 +98,35 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
             # weights: one publish, every worker (the restarted one included) switches to v1
             torch.manual_seed(5)
             new = K3ForCausalLM(K3Config.preset("k3-tiny"))
-            assert await pool.update_weights(WeightUpdate.from_state_dict(1, to_hf(new.state_dict()))) == 1
+            assert await pool.update_weights(WeightUpdate.from_state_dict(1, to_hf(new.state_dict()))) == [1, 1]
             assert {h["version"] for h in await pool.check_health()} == {1}
             r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
             ref = EmbeddedEngine(new.eval(), background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
             assert r.versions == [1] * 5 and r.token_ids == ref.token_ids
 
-            # the collective transport (gloo here, NCCL on GPUs): the driver is rank 0 of the group
-            from k3rl.rollout.weight_sync import CollectiveWeightSync
-
-            port = free_port()
-            sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
-            assert not pool.collective_intact()
-            await pool.join_collective("127.0.0.1", port, backend="gloo")
-            sender = await sender
-            assert pool.collective_intact()
+            # an update its maker already put into the object store: only the handle travels,
+            # and a worker restarted later is replayed it from there (under a new name)
             torch.manual_seed(6)
             newer = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
-            sending = asyncio.create_task(asyncio.to_thread(sender.send, WeightUpdate.from_state_dict(2, to_hf(newer.state_dict()))))
-            assert await pool.receive_collective_update() == 2
-            await sending
-            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
-            ref = EmbeddedEngine(newer, background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
-            assert r.versions == [2] * 5 and r.token_ids == ref.token_ids
-
-            # a worker that dies while idle is found by the health check and comes back at v1
+            members = pool.members()
+            assert await pool.update_weights(publish(WeightUpdate.from_state_dict(2, to_hf(newer.state_dict())))) == [2, 2]
             ray.kill(pool.workers[1], no_restart=True)
             await asyncio.sleep(0.5)
             health = await pool.check_health(timeout_s=20)
             assert [h["alive"] for h in health] == [True, False] and pool.restarts == 2
-            # the replacement replays the object-store updates (v1) but missed the collective v2:
-            # it stays out of routing until it catches up, and the group must be rebuilt
-            assert [h["version"] for h in await pool.check_health()] == [2, 1]
-            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
-            assert r.versions == [2] * 5 and r.worker == (await pool.workers[0].ping.remote())["name"]
-            assert not pool.collective_intact()
-            with pytest.raises(RuntimeError, match="join_collective again"):
-                await pool.receive_collective_update()
-            with pytest.raises(ValueError, match="not newer"):
-                await pool.update_weights(WeightUpdate.from_state_dict(2, to_hf(new.state_dict())))
-            assert await pool.update_weights(WeightUpdate.from_state_dict(3, to_hf(newer.state_dict()))) == 3
-            assert {h["version"] for h in await pool.check_health()} == {3}
-
-            # the group formed again (new port, new sender) holds the replacement too
-            port = free_port()
-            sender.close()
-            sender = asyncio.create_task(asyncio.to_thread(CollectiveWeightSync, 0, 3, "127.0.0.1", port, "gloo", "cpu"))
-            await pool.join_collective("127.0.0.1", port, backend="gloo")
-            sender = await sender
-            assert pool.collective_intact()
-            sending = asyncio.create_task(asyncio.to_thread(sender.send, WeightUpdate.from_state_dict(4, to_hf(new.state_dict()))))
-            assert await pool.receive_collective_update() == 4
-            await sending
-            assert [h["version"] for h in await pool.check_health()] == [4, 4]
-
-            # an update its maker already put into the object store: only the handle travels,
-            # and a worker restarted later is replayed it from there
-            from k3rl.rollout.weight_sync import PublishedUpdate, publish_here
-
-            published = publish_here(WeightUpdate.from_state_dict(5, to_hf(newer.state_dict())))
-            assert isinstance(published, PublishedUpdate)
-            assert await pool.update_weights(published) == 5
-            ray.kill(pool.workers[0], no_restart=True)
-            await asyncio.sleep(0.5)
-            await pool.check_health(timeout_s=20)
-            assert [h["version"] for h in await pool.check_health()] == [5, 5]
+            assert [h["version"] for h in await pool.check_health()] == [2, 2]
+            assert pool.members()[0] == members[0] and pool.members()[1] != members[1]
             r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
             ref = EmbeddedEngine(newer, background=False).generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
-            assert r.versions == [5] * 5 and r.token_ids == ref.token_ids
-            with pytest.raises(TypeError, match="takes a WeightUpdate, PublishedUpdate or IpcShare"):
+            assert r.versions == [2] * 5 and r.token_ids == ref.token_ids
+
+            # the current version again is a re-send (workers that have it skip it); older is refused
+            assert await pool.update_weights(WeightUpdate.from_state_dict(2, to_hf(new.state_dict()))) == [2, 2]
+            r = await pool.generate(_prompt(10), SamplingParams(temperature=0, max_tokens=5))
+            assert r.token_ids == ref.token_ids  # still v2's weights: nothing was applied twice
+            with pytest.raises(ValueError, match="older than the pool's v2"):
+                await pool.update_weights(WeightUpdate.from_state_dict(1, to_hf(new.state_dict())))
+            with pytest.raises(TypeError, match="takes a WeightUpdate or a weight transport message"):
                 await pool.update_weights({"version": 6})
         finally:
             pool.shutdown()

@@ -1,4 +1,5 @@
-"""Versioned weight updates: the atomic switch inside the engine, and the transports."""
+"""Versioned weight updates: the atomic switch inside the engine, packing, and the transports'
+process-level pieces (the broadcast group, CUDA IPC handles). With a pool: test_transport.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
-from k3rl.rollout.weight_sync import CollectiveWeightSync, PackedUpdate, pack_bucket, unpack_bucket
+from k3rl.rollout.transport import BroadcastGroup, PackedUpdate, pack_bucket, unpack_bucket
 from k3rl.types import SamplingParams, WeightBucket, WeightUpdate
 
 torch.set_num_threads(1)
@@ -148,7 +149,7 @@ def test_pack_unpack_round_trip_keeps_dtypes_shapes_and_bits():
 
 
 def _receiver(port: int, backend: str, queue) -> None:
-    sync = CollectiveWeightSync(1, 2, port=port, backend=backend, device="cuda:1" if backend == "nccl" else "cpu")
+    sync = BroadcastGroup(1, 2, port=port, backend=backend, device="cuda:1" if backend == "nccl" else "cpu")
     upd = sync.recv()
     queue.put((upd.version, upd.full, {k: v.cpu() for k, v in upd.state_dict().items()}))
 
@@ -164,7 +165,7 @@ def _collective_round_trip(backend: str) -> None:
     proc = ctx.Process(target=_receiver, args=(port, backend, queue))
     proc.start()
     try:
-        sync = CollectiveWeightSync(0, 2, port=port, backend=backend, device="cuda:0" if backend == "nccl" else "cpu",
+        sync = BroadcastGroup(0, 2, port=port, backend=backend, device="cuda:0" if backend == "nccl" else "cpu",
                                     timeout_s=120)
         times = sync.send(WeightUpdate.from_state_dict(2, state, bucket_bytes=4096, full=False))
         version, full, got = queue.get(timeout=120)
@@ -193,7 +194,7 @@ def test_collective_broadcast_on_nccl():
 def test_cuda_ipc_share_and_open():
     import torch.multiprocessing as mp
 
-    from k3rl.rollout.weight_sync import share_cuda_ipc
+    from k3rl.rollout.transport import share_cuda_ipc
 
     state = {"w": torch.randn(128, 7, device="cuda"), "b": torch.randn(9, device="cuda").to(torch.bfloat16)}
     share = share_cuda_ipc(WeightUpdate.from_state_dict(1, state, bucket_bytes=1024))
@@ -208,7 +209,7 @@ def test_cuda_ipc_share_and_open():
 
 
 def _open_ipc(share, queue) -> None:
-    from k3rl.rollout.weight_sync import open_cuda_ipc
+    from k3rl.rollout.transport import open_cuda_ipc
 
     upd = open_cuda_ipc(share)
     queue.put({k: v.cpu() for k, v in upd.state_dict().items()})

@@ -1,0 +1,76 @@
+"""One way to build a K3 model: (preset or config, overrides, dtype, device) -> K3ForCausalLM.
+
+The learner (`Trainer.from_job`), the embedded engine (`EmbeddedEngine.from_preset`) and
+checkpoint loading (`load_hf`) all build their model here, so the policy that is trained and
+the policy that samples are the same architecture with the same seeded initialisation.
+
+    model = build_model("k3-tiny", {"num_hidden_layers": 8}, dtype="bfloat16", seed=0)
+    model = build_model("k3", device="meta")              # the full model, no memory allocated
+    model = build_model(config, checkpoint="ckpt/model")  # weights from an HF-layout directory
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import K3Config
+from .model import K3ForCausalLM
+
+
+def model_config(preset_or_config: str | K3Config, overrides: dict[str, Any] | None = None) -> K3Config:
+    """The K3Config of a preset name (or a config) with `overrides` replacing its fields, validated."""
+    config = K3Config.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    if not isinstance(config, K3Config):
+        raise TypeError(f"build a model from a preset name or a K3Config, got {type(preset_or_config).__name__}")
+    if overrides:
+        unknown = sorted(set(overrides) - set(K3Config.model_fields))
+        if unknown:
+            raise ValueError(f"model overrides {unknown} are not K3Config fields; see K3Config for the names")
+        config = K3Config.model_validate({**config.model_dump(), **overrides})
+    return config
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"bfloat16" -> torch.bfloat16 (torch dtypes pass through)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"unknown parameter dtype {dtype!r}; use 'float32' or 'bfloat16'")
+    return value
+
+
+def build_model(preset_or_config: str | K3Config, overrides: dict[str, Any] | None = None, *,
+                dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", seed: int | None = None,
+                checkpoint: str | Path | None = None) -> K3ForCausalLM:
+    """Build a K3ForCausalLM.
+
+    preset_or_config  "k3" / "k3-small" / "k3-tiny", or a K3Config
+    overrides         K3Config fields replacing the preset's
+    dtype             parameter dtype; the fp32 allow-list (KDA gate parameters, convolutions,
+                      the QB bias) stays fp32 whatever it is
+    device            "meta" builds without allocating (the full `k3` preset fits anywhere);
+                      any other device gets weights initialised on the CPU and then moved, so a
+                      seed gives the same weights on every device
+    seed              seeds torch before the initialisation (None: the current RNG state)
+    checkpoint        an HF-layout directory whose weights are loaded into the model; a tensor
+                      missing, unexpected or of another shape raises CheckpointMismatchError
+    """
+    config = model_config(preset_or_config, overrides)
+    dtype, device = as_dtype(dtype), torch.device(device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device("meta" if device.type == "meta" else "cpu"):
+        model = K3ForCausalLM(config)
+    if dtype != torch.float32:
+        model.to_param_dtype(dtype)
+    if checkpoint is not None:
+        if device.type == "meta":
+            raise ValueError("a model on the meta device holds no values: load the checkpoint on a real device")
+        from .checkpoint import load_state_into
+
+        load_state_into(model, checkpoint)
+    return model.to(device)
