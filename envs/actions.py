@@ -1,9 +1,10 @@
-"""Turning an action (what the assistant said) into a ParsedAssistant and its exact token ids.
+"""Turning an action (what the assistant said) into an assistant message (and its token ids).
 
 Accepted actions:
-  * token ids (list / tuple / 1-D int array): the tokens sampled after the generation prefix;
-    the exact path, used by the token-in/token-out agent loop;
-  * `ParsedAssistant` or an assistant `Message`: already parsed; rendered once for its ids;
+  * an assistant `Message` or a `ParsedAssistant`: already parsed (the episode loop parses the
+    sampled tokens once and passes the Message); taken as it is;
+  * token ids (list / tuple / 1-D int array): the tokens sampled after the generation prefix
+    (the episode loop passes these when they did not parse, for the env to report);
   * `str`: the decoded assistant output with special tokens written by name
     (`...<|close|>response<|sep|><|open|>tools<|sep|>...`), as `assistant_text` produces.
     A string with no special token at all is a plain final answer (content only).
@@ -95,6 +96,17 @@ def action_to_ids(template: ChatTemplate, action: Any) -> list[int]:
                 return ids + trailer[k:]
         ids = ids + trailer
     return ids
+
+
+def assistant_message(template: ChatTemplate, action: Any) -> Message:
+    """The assistant Message of an action; text and ids are parsed (ToolCallParseError, ids on `.ids`)."""
+    if isinstance(action, Message):
+        if action.role != "assistant":
+            raise TypeError(f"an action Message must have role 'assistant', got {action.role!r}")
+        return action
+    if isinstance(action, ParsedAssistant):
+        return action.to_message()
+    return parse_action(template, action)[1].to_message()
 
 
 def parse_action(template: ChatTemplate, action: Any) -> tuple[list[int], ParsedAssistant]:

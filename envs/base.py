@@ -1,34 +1,39 @@
 """`ToolEnv`: a Gymnasium environment whose agent talks in chat messages and acts through tools.
 
     obs, info = env.reset(seed=3)          # obs: the opening messages (dicts: role, content, PNG images)
-    obs, reward, terminated, truncated, info = env.step(assistant_output)
+    obs, reward, terminated, truncated, info = env.step(assistant_message)
 
 * Observation: a list of new messages (`ChatMessages` space). `reset` returns the opening
   messages (system prompt, user task, maybe a target image); `step` returns what the
   environment says back: one tool message per call (text + PNG images), or an error message.
-* Action: the assistant's message — its token ids, its decoded text (special tokens by name),
-  a `ParsedAssistant` or an assistant `Message` (`AssistantAction` space).
+* Action: the assistant's message, as the episode loop (`k3rl.rollout.episode`) passes it: an
+  assistant `k3rl.chat.Message` it has already parsed from the sampled tokens, or, when those
+  tokens did not parse, the token ids themselves (the env reports the parse error). A plain
+  Gymnasium user may also pass decoded text (special tokens by name) or a `ParsedAssistant`
+  (`AssistantAction` space).
 * Tools: `@tool` methods of the subclass (plus `tools=[...]` functions); `env.tools` is the
   JSON declaration for the chat template. Arguments are validated before a tool runs.
 * Reward convention (terminal only, every other step gives 0):
     - an assistant message **without tool calls is the final answer**: the episode
       terminates and the reward is `score(final_text)`;
     - a tool may also end the episode by returning `ToolResult(done=True, reward=r)`;
-    - a truncated episode (turn limit, time budget, context length) gets reward 0.
+    - a truncated episode gets reward 0.
 * Errors made by the model never raise out of `step`: malformed output (ToolCallParseError),
   an unknown tool, bad arguments or a tool that fails all come back as an error message and
   count as a turn. Infrastructure failures (the sandbox died) do raise, after cleanup.
-* Limits: `max_turns` assistant messages, `time_budget_s` wall-clock seconds from reset, and
-  `max_context_tokens` of the rendered conversation (the env renders it with its chat
-  template and reports `info["context_tokens"]`; the agent loop may enforce its own count).
+* Limits: the env truncates after `max_turns` assistant messages (Gymnasium's contract for a
+  standalone env). The episode loop owns the chat session and enforces the job's turn, time
+  and context limits; `time_budget_s` here only caps how long a tool may still run
+  (`remaining_s()`, counted from reset).
 * Sandboxes: a subclass with `uses_sandbox = True` gets `self.sandbox`, opened on first use
   (from the injected `sandbox_factory`, else `k3rl.sandboxes.open_sandbox(backend=...)`) and
   released when the episode ends, on `reset`, `close`, an exception, or garbage collection.
 * Info of a step: turn, tool_calls (name, arguments, index, ok, error), errors, parse_error,
-  timings (`Timings`: seconds per phase and per tool), context_tokens, truncated_by, task_id.
+  timings (`Timings`: seconds per phase and per tool), truncated_by, task_id.
 
-A subclass implements `generate_task(rng, options)` (an object with an `id`),
-`opening_messages(task)`, `score(final_text)` and `oracle(history)`.
+A subclass implements `generate_task(rng, options)` (the task: any object; its `id`
+attribute, or else `str(task)`, names it), `opening_messages(task)`, `score(final_text)` and,
+for `k3rl envs check` and SFT demonstrations, `oracle(history)`.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any
 import gymnasium as gym
 
 from k3rl.chat import ChatTemplate, Message, ToolCallParseError
-from k3rl.envs.actions import assistant_text, parse_action
+from k3rl.envs.actions import assistant_message, assistant_text
 from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
 from k3rl.envs.timings import Timings
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, collect_tools
@@ -75,7 +80,7 @@ class ToolEnv(gym.Env, abc.ABC):
     system_prompt: str | None = None
 
     def __init__(self, *, max_turns: int | None = None, time_budget_s: float = 600.0,
-                 max_context_tokens: int | None = None, template: ChatTemplate | None = None,
+                 template: ChatTemplate | None = None,
                  thinking: bool = False, tools: Sequence[Tool | Callable[..., Any]] = (),
                  sandbox_factory: Callable[[], Any] | None = None,
                  sandbox_release: Callable[[Any], None] | None = None,
@@ -86,13 +91,10 @@ class ToolEnv(gym.Env, abc.ABC):
             raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
         if time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
-        if max_context_tokens is not None and max_context_tokens < 1:
-            raise ValueError(f"max_context_tokens must be a positive int or None, got {max_context_tokens}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
         self.max_turns = max_turns
         self.time_budget_s = float(time_budget_s)
-        self.max_context_tokens = max_context_tokens
         self.template = template or ChatTemplate(thinking=thinking)
         self.max_tool_output_chars = max_tool_output_chars
         self.render_mode = render_mode
@@ -118,12 +120,11 @@ class ToolEnv(gym.Env, abc.ABC):
         self._turn = 0
         self._active = False
         self._t0 = 0.0
-        self._session = None
 
     # -- to implement --------------------------------------------------------------------
     @abc.abstractmethod
     def generate_task(self, rng, options: dict[str, Any]) -> Any:
-        """A task drawn from `rng` (deterministic given the seed); must have an `id` attribute."""
+        """A task drawn from `rng` (deterministic given the seed); named by its `id` attribute, else `str(task)`."""
 
     @abc.abstractmethod
     def opening_messages(self, task: Any) -> list[Message]:
@@ -159,8 +160,8 @@ class ToolEnv(gym.Env, abc.ABC):
         return self._active
 
     @property
-    def context_tokens(self) -> int:
-        return len(self._session.rendered) if self._session is not None else 0
+    def task_id(self) -> str:
+        return str(getattr(self.task, "id", self.task))
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self._t0 if self._active else 0.0
@@ -227,12 +228,7 @@ class ToolEnv(gym.Env, abc.ABC):
         self._turn = 0
         self._t0 = time.monotonic()
         self._active = True
-        self._session = self.template.session(tools=self.tools)
-        for m in opening:
-            self._session.add(m)
-        self._session.add_generation_prompt()
-        info = {"task_id": str(self.task.id), "tools": self.tools, "max_turns": self.max_turns,
-                "context_tokens": self.context_tokens}
+        info = {"task_id": self.task_id, "tools": self.tools, "max_turns": self.max_turns}
         return [message_dict(m) for m in opening], info
 
     def step(self, action: Any):
@@ -243,22 +239,21 @@ class ToolEnv(gym.Env, abc.ABC):
         t_step = time.perf_counter()
         self._turn += 1
         timings = Timings()
-        info: dict[str, Any] = {"turn": self._turn, "task_id": str(self.task.id), "tool_calls": [], "errors": [],
+        info: dict[str, Any] = {"turn": self._turn, "task_id": self.task_id, "tool_calls": [], "errors": [],
                                 "parse_error": None, "timings": timings, "truncated_by": None}
         reward, terminated, truncated = 0.0, False, False
         new: list[Message] = []
         try:
             t = time.perf_counter()
             try:
-                ids, parsed = parse_action(self.template, action)
+                parsed = assistant_message(self.template, action)
             except ToolCallParseError as e:
-                ids, parsed = getattr(e, "ids", []), None
+                parsed = None
                 info["parse_error"] = str(e)
                 info["errors"].append(str(e))
+                self.history.append(Message(role="assistant", content=self.template.tok.decode(e.ids)))
             timings["parse"] = time.perf_counter() - t
-            self._session.add_generated(ids)
             if parsed is None:
-                self.history.append(Message(role="assistant", content=self.template.tok.decode(ids)))
                 new.append(Message(role="user", content=(
                     f"Error: your message could not be parsed ({info['parse_error']}). "
                     "Write the response, then optionally a tools channel with calls, then close the message.")))
@@ -278,17 +273,8 @@ class ToolEnv(gym.Env, abc.ABC):
                         reward, terminated = float(result.reward), True
                         break
             self.history.extend(new)
-            for m in new:
-                self._session.add(m)
-            if not terminated:
-                self._session.add_generation_prompt()
-                if self._turn >= self.max_turns:
-                    truncated, info["truncated_by"] = True, "max_turns"
-                elif self.elapsed_s() > self.time_budget_s:
-                    truncated, info["truncated_by"] = True, "time_budget"
-                elif self.max_context_tokens is not None and self.context_tokens > self.max_context_tokens:
-                    truncated, info["truncated_by"] = True, "context"
-            info["context_tokens"] = self.context_tokens
+            if not terminated and self._turn >= self.max_turns:
+                truncated, info["truncated_by"] = True, "max_turns"
             if terminated or truncated:
                 self._end_episode()
         except BaseException:
@@ -365,3 +351,17 @@ class ToolEnv(gym.Env, abc.ABC):
                 self._release_sandbox()
         except Exception:
             pass
+
+
+def registered_entry_point(env_id: str) -> Any:
+    """What `env_id` is registered with, loaded: a class or a factory function (Gymnasium's error when unknown)."""
+    from gymnasium.envs.registration import load_env_creator
+
+    entry = gym.spec(env_id).entry_point
+    return load_env_creator(entry) if isinstance(entry, str) else entry
+
+
+def is_tool_env(env_id: str) -> bool:
+    """Whether `env_id` is registered with a ToolEnv subclass (the class itself or "module:Class")."""
+    cls = registered_entry_point(env_id)
+    return isinstance(cls, type) and issubclass(cls, ToolEnv)

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import time
-import traceback
 import warnings
-from typing import Any
 
 import gymnasium as gym
 from rich.console import Console
 from rich.table import Table
 
 import k3rl.envs  # noqa: F401  (registers the built-ins and the entry points)
-from k3rl.envs.base import ToolEnv
+from k3rl.envs.base import ToolEnv, registered_entry_point
 from k3rl.envs.builtin import DESCRIPTIONS
-from k3rl.envs.episode import run_oracle_episode
-
-
-def _env_class(env_id: str) -> Any:
-    from gymnasium.envs.registration import load_env_creator
-
-    entry = gym.registry[env_id].entry_point
-    return load_env_creator(entry) if isinstance(entry, str) else entry
 
 
 def tool_env_ids() -> list[str]:
@@ -33,7 +23,7 @@ def tool_env_ids() -> list[str]:
             ids.append(env_id)
             continue
         try:
-            cls = _env_class(env_id)
+            cls = registered_entry_point(env_id)
         except Exception:
             continue
         if isinstance(cls, type) and issubclass(cls, ToolEnv):
@@ -50,7 +40,7 @@ def list_envs(console: Console | None = None) -> list[str]:
     ids = tool_env_ids()
     for env_id in ids:
         try:
-            cls = _env_class(env_id)
+            cls = registered_entry_point(env_id)
             env = gym.make(env_id).unwrapped
             tools = ", ".join(env.tool_names)
             env.close()
@@ -91,33 +81,34 @@ def check_env_command(env_id: str, seed: int = 0, console: Console | None = None
     finally:
         env.close()
 
-    env = gym.make(env_id)
-    try:
-        episode = run_oracle_episode(env, seed=seed)
-    except Exception:
-        console.print("[bold red]oracle episode failed:[/]")
-        console.print(traceback.format_exc())
+    from k3rl.rollout.episode import run_oracle_episode
+
+    episode = run_oracle_episode(env_id, seed=seed)  # through the episode loop, the env's oracle behind generate
+    if episode.error:
+        console.print(f"[bold red]oracle episode failed at {episode.metadata.get('failed_at')}:[/] {episode.error}",
+                      highlight=False)
+        console.print(episode.metadata.get("traceback", ""), markup=False, highlight=False)
         return 1
-    finally:
-        env.close()
     console.rule(f"oracle episode of {env_id}, seed {seed}")
-    for m in episode.messages:
-        head = m.role if m.role != "tool" else f"tool {m.tool_name}#{m.tool_index}"
-        console.print(f"[bold {_role_style(m.role)}]{head}[/]", highlight=False)
-        for png in m.images:
+    for turn in episode.turns:
+        head = turn.role if turn.role != "tool" else f"tool {turn.tool_name}#{turn.tool_index}"
+        console.print(f"[bold {_role_style(turn.role)}]{head}[/]", highlight=False)
+        for png in turn.images:
             from k3rl.images import png_size
 
             w, h = png_size(png)
             console.print(f"  [dim][image {w}x{h}, {len(png)} bytes][/]")
-        if m.content:
-            console.print("  " + m.content.replace("\n", "\n  "), markup=False, highlight=False)
-        for c in m.tool_calls:
+        if turn.text:
+            console.print("  " + turn.text.replace("\n", "\n  "), markup=False, highlight=False)
+        for c in turn.tool_calls:
             console.print(f"  [bold]-> {c.name}[/]({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})",
                           highlight=False)
+        if turn.error:
+            console.print(f"  [red]error: {turn.error}[/]", highlight=False)
     console.rule()
-    status = "terminated" if episode.terminated else f"truncated ({episode.truncated_by})"
-    console.print(f"reward {episode.reward:.4f}, {episode.turns} turns, {status}, "
-                  f"{episode.context_tokens} context tokens, {episode.seconds:.1f}s")
+    status = "terminated" if episode.terminated else f"truncated ({episode.metadata.get('truncated_by')})"
+    console.print(f"reward {episode.reward:.4f}, {episode.num_turns} turns, {status}, "
+                  f"{len(episode.token_ids)} context tokens, {episode.timings.get('episode_s', 0.0):.1f}s")
     if episode.reward < 1.0 - 1e-6:
         console.print("[bold red]the oracle did not reach full reward[/]")
         ok = False

@@ -15,7 +15,7 @@ from typing import Any
 from k3rl.envs.tools import ToolError
 
 
-def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+def on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
     try:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
@@ -31,13 +31,13 @@ def pooled(pool: Any, loop: asyncio.AbstractEventLoop, timeout: float | None = N
     """
 
     def factory():
-        if _on_loop_thread(loop):
+        if on_loop_thread(loop):
             raise RuntimeError("a pooled sandbox cannot be acquired on the event loop's thread (it would wait for "
                                "itself): run env.reset/env.step in a worker thread, e.g. asyncio.to_thread")
         return asyncio.run_coroutine_threadsafe(pool.acquire(timeout=timeout), loop).result()
 
     def release(sb):
-        if _on_loop_thread(loop):
+        if on_loop_thread(loop):
             loop.create_task(pool.release(sb))
         else:
             asyncio.run_coroutine_threadsafe(pool.release(sb), loop).result()

@@ -5,7 +5,7 @@ import gymnasium as gym
 
 from k3rl.chat import Message
 from k3rl.envs import ToolEnv, ToolError, tool
-from k3rl.envs.episode import run_oracle_episode
+from k3rl.rollout.episode import run_oracle_episode
 
 FACTORS = {("km", "m"): 1000, ("m", "cm"): 100, ("kg", "g"): 1000, ("h", "min"): 60}
 
@@ -45,4 +45,4 @@ gym.register("examples/Units-v0", entry_point=UnitsEnv)
 
 if __name__ == "__main__":
     env = gym.make("examples/Units-v0")
-    print(env.unwrapped.transcript(run_oracle_episode(env, seed=0).messages))
+    print(run_oracle_episode(env, seed=0).reward, env.unwrapped.transcript(), sep="\n")

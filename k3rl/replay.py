@@ -1,17 +1,18 @@
 """`k3rl replay`: show a stored episode turn by turn, write it as HTML, or re-execute its tool
 calls in a fresh environment (and sandbox) and report where the new tool results diverge.
 
-Re-execution mirrors the agent loop (k3rl.rollout.agent): the environment named by
-`traj.env_id` is made with `gymnasium.make` (kwargs from the run's config.yaml and
-`metadata["env_kwargs"]`), reset with the recorded seed, and each recorded assistant turn is
-fed to `env.step` as the agent loop fed it: a `ParsedAssistant` (text, thinking, tool calls),
-or the exact generated token ids when the recorded turn failed to parse. The messages `step`
-returns are compared with the recorded turns that followed (role, text, images byte for
-byte, tool name and index), and so are the reward and the episode end.
+Re-execution runs the episode loop of the rollout workers (k3rl.rollout.episode) again, with
+the recorded tokens in place of the model: the environment named by `traj.env_id` is made as
+the job made it (the run's config.yaml, kwargs from its `envs.train` entry and
+`metadata["env_kwargs"]`), reset with the recorded seed, and each turn `generate` returns the
+exact ids the model sampled then. What the env says back is compared with the recorded turns
+(role, text, images byte for byte, tool name and index), step by step, and so are the rewards
+and the episode's end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from k3rl.config import ConfigError, JobConfig
 from k3rl.images import png_size
 from k3rl.render_html import render_episode_html, turn_token_info
 from k3rl.store import StoreError, TrajectoryStore
-from k3rl.types import Trajectory, Turn
+from k3rl.types import SamplingParams, Trajectory, Turn
 
 ROLE_STYLE = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}
 
@@ -171,57 +173,17 @@ class ReExecution:
         return not self.divergences
 
 
-def _message_view(m: Any) -> dict[str, Any]:
-    """The comparable part of a message the env returned (dict or k3rl.chat.Message)."""
-    if hasattr(m, "model_dump"):
-        m = m.model_dump()
-    if not isinstance(m, dict):
-        raise ReplayError(f"the environment returned a {type(m).__name__} where a message dict was expected")
-    return {"role": m.get("role"), "text": m.get("content", ""), "images": list(m.get("images") or []),
-            "tool_name": m.get("tool_name"), "tool_index": m.get("tool_index")}
+def _view(t: Turn) -> dict[str, Any]:
+    return {"role": t.role, "tool_name": t.tool_name, "tool_index": t.tool_index, "text": t.text,
+            "images": list(t.images)}
 
 
-def _turn_view(t: Turn) -> dict[str, Any]:
-    return {"role": t.role, "text": t.text, "images": list(t.images), "tool_name": t.tool_name,
-            "tool_index": t.tool_index}
-
-
-def _observation(obs: Any) -> list[dict[str, Any]]:
-    if isinstance(obs, dict) and "messages" in obs:
-        obs = obs["messages"]
-    if obs is None:
-        return []
-    if isinstance(obs, dict) or hasattr(obs, "model_dump"):
-        obs = [obs]
-    return [_message_view(m) for m in obs]
-
-
-def _describe(view: dict[str, Any] | None) -> str:
-    if view is None:
+def _describe(t: Turn | None) -> str:
+    if t is None:
         return "(nothing)"
-    imgs = ", ".join("{}x{}".format(*png_size(b)) for b in view["images"])
-    return f"{view['role']}{'(' + view['tool_name'] + ')' if view['tool_name'] else ''}: {view['text']!r}" + (
+    imgs = ", ".join("{}x{}".format(*png_size(b)) for b in t.images)
+    return f"{t.role}{'(' + t.tool_name + ')' if t.tool_name else ''}: {t.text!r}" + (
         f" + images [{imgs}]" if imgs else "")
-
-
-def _compare(first: int, recorded: list[dict], replayed: list[dict], out: ReExecution) -> None:
-    """Compare the messages of one reset/step with the recorded turns starting at index `first`."""
-    for k in range(max(len(recorded), len(replayed))):
-        r = recorded[k] if k < len(recorded) else None
-        n = replayed[k] if k < len(replayed) else None
-        out.checked_messages += 1
-        turn = first + k
-        if r is None or n is None:
-            out.divergences.append(Divergence(turn, f"message {k}: {'extra' if r is None else 'missing'} message",
-                                              _describe(r), _describe(n)))
-            continue
-        for key in ("role", "tool_name", "tool_index", "text"):
-            if r[key] != n[key]:
-                out.divergences.append(Divergence(turn, f"message {k}: {key} differs", r[key], n[key]))
-        if r["images"] != n["images"]:
-            out.divergences.append(Divergence(
-                turn, f"message {k}: images differ", [_png_label(b) for b in r["images"]],
-                [_png_label(b) for b in n["images"]]))
 
 
 def _png_label(png: bytes) -> str:
@@ -229,86 +191,121 @@ def _png_label(png: bytes) -> str:
     return f"{w}x{h} PNG {len(png)}B"
 
 
-def recorded_action(traj: Trajectory, turn: Turn) -> Any:
-    """What the agent loop passed to env.step for this recorded assistant turn."""
-    if turn.error:  # it did not parse: the env gets the exact sampled ids and reports the parse error
-        lo, hi = max(turn.start - len(traj.prompt_ids), 0), max(turn.end - len(traj.prompt_ids), 0)
-        return [tok for tok, m in zip(traj.completion_ids[lo:hi], traj.loss_mask[lo:hi], strict=True) if m]
-    from k3rl.chat import ParsedAssistant
+def _blocks(turns: list[Turn]) -> list[tuple[int, Turn | None, list[Turn]]]:
+    """(index of the block's first turn, its assistant turn, the env's messages after it): the
+    opening first (no assistant turn), then one block per assistant turn."""
+    out: list[tuple[int, Turn | None, list[Turn]]] = [(0, None, [])]
+    for i, t in enumerate(turns):
+        if t.role == "assistant":
+            out.append((i, t, []))
+        else:
+            out[-1][2].append(t)
+    return out
 
-    return ParsedAssistant(content=turn.text, tool_calls=list(turn.tool_calls), thinking=turn.thinking)
+
+def _compare_messages(first: int, recorded: list[Turn], replayed: list[Turn], out: ReExecution) -> None:
+    """The env's messages of one reset/step, recorded and re-executed; `first` indexes the recorded turns."""
+    for k in range(max(len(recorded), len(replayed))):
+        r = recorded[k] if k < len(recorded) else None
+        n = replayed[k] if k < len(replayed) else None
+        out.checked_messages += 1
+        if r is None or n is None:
+            out.divergences.append(Divergence(first + k, f"message {k}: {'extra' if r is None else 'missing'} message",
+                                              _describe(r), _describe(n)))
+            continue
+        a, b = _view(r), _view(n)
+        for key in ("role", "tool_name", "tool_index", "text"):
+            if a[key] != b[key]:
+                out.divergences.append(Divergence(first + k, f"message {k}: {key} differs", a[key], b[key]))
+        if a["images"] != b["images"]:
+            out.divergences.append(Divergence(first + k, f"message {k}: images differ",
+                                              [_png_label(x) for x in a["images"]], [_png_label(x) for x in b["images"]]))
 
 
-def env_kwargs_for(traj: Trajectory, run_dir: Path | None) -> dict[str, Any]:
-    """Kwargs the job made this env with: the run's config (envs.train entry + max_turns),
-    overridden by `metadata["env_kwargs"]` when the episode recorded them."""
-    kwargs: dict[str, Any] = {}
+def recorded_actions(traj: Trajectory) -> list[list[int]]:
+    """The exact ids the model sampled, one list per recorded assistant turn."""
+    n = len(traj.prompt_ids)
+    return [[tok for tok, m in zip(traj.completion_ids[max(t.start - n, 0):t.end - n],
+                                   traj.loss_mask[max(t.start - n, 0):t.end - n], strict=True) if m]
+            for t in traj.turns if t.role == "assistant"]
+
+
+def run_config(run_dir: Path | None) -> JobConfig | None:
+    """The config the run was made with (its config.yaml), if it has one."""
     cfg_file = run_dir / "config.yaml" if run_dir is not None else None
-    if cfg_file is not None and cfg_file.exists():
-        from k3rl.config import ConfigError, JobConfig
+    if cfg_file is None or not cfg_file.exists():
+        return None
+    try:
+        return JobConfig.load(cfg_file)
+    except ConfigError as e:
+        raise ReplayError(f"cannot read the run's config {cfg_file}: {e}") from None
 
-        try:
-            cfg = JobConfig.load(cfg_file)
-        except ConfigError as e:
-            raise ReplayError(f"cannot read the run's config {cfg_file} for the env's kwargs: {e}") from None
-        for spec in cfg.envs.train:
-            if spec.id == traj.env_id:
-                kwargs.update(spec.kwargs)
-                break
-        kwargs.setdefault("max_turns", cfg.envs.max_turns)
+
+def env_kwargs_for(traj: Trajectory, cfg: JobConfig | None) -> dict[str, Any]:
+    """Kwargs the job made this env with: its `envs.train` entry in the run's config, overridden by
+    `metadata["env_kwargs"]` when the episode recorded them."""
+    kwargs: dict[str, Any] = {}
+    for spec in cfg.envs.train if cfg is not None else []:
+        if spec.id == traj.env_id:
+            kwargs.update(spec.kwargs)
+            break
     kwargs.update(traj.metadata.get("env_kwargs") or {})
     return kwargs
 
 
-def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = None) -> ReExecution:
-    """Run the recorded assistant turns again in a fresh environment; collect every divergence."""
-    import gymnasium
+def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = None,
+                       cfg: JobConfig | None = None) -> ReExecution:
+    """Run the recorded assistant turns (their exact sampled ids) again through the episode loop,
+    in a fresh environment made as the job made it (`cfg`: the run's config, else the defaults);
+    collect every divergence of what the env says back, the rewards and the episode's end."""
+    from k3rl.rollout.episode import (
+        NO_LIMIT,
+        EpisodeSpec,
+        job_limits,
+        make_env,
+        make_template,
+        run_episode,
+        scripted_generate,
+    )
 
-    try:
-        import k3rl.envs  # noqa: F401  (registers the k3rl/ namespace and entry points)
-    except ImportError:
-        pass
-    try:
-        env = gymnasium.make(traj.env_id, **(env_kwargs or {})).unwrapped
-    except (gymnasium.error.Error, TypeError) as e:
+    cfg = cfg or JobConfig()
+    template = make_template(cfg)
+    spec = EpisodeSpec(id=traj.id, env_id=traj.env_id, seed=traj.seed, group_id=traj.group_id,
+                       env_kwargs=dict(env_kwargs or {}))
+    actions = iter(recorded_actions(traj))
+
+    def next_action() -> list[int]:
+        action = next(actions, None)
+        if action is None:
+            raise ReplayError("the recording has no more assistant turns: the re-executed episode went on longer")
+        return action
+
+    # the recorded ids already end where the engine stopped them: no per-turn cut, no clock
+    limits = {**job_limits(cfg), "time_budget_s": float("inf")}
+    new = asyncio.run(run_episode(lambda: make_env(spec, cfg, template), spec, scripted_generate(template, next_action),
+                                  template, SamplingParams(max_tokens=NO_LIMIT), **limits))
+    if new.metadata.get("failed_at") == "make_env":
         raise ReplayError(f"cannot make environment {traj.env_id!r} with kwargs {env_kwargs or {}} to re-execute "
-                          f"episode {traj.id}: {e}") from None
-    out = ReExecution()
-    try:
-        obs, _info = env.reset(seed=traj.seed)
-        turns = traj.turns
-        first_assistant = next((i for i, t in enumerate(turns) if t.role == "assistant"), len(turns))
-        _compare(0, [_turn_view(t) for t in turns[:first_assistant]], _observation(obs), out)
-        total_reward, ended = 0.0, (False, False)
-        i = first_assistant
-        while i < len(turns):
-            turn = turns[i]
-            j = i + 1
-            while j < len(turns) and turns[j].role != "assistant":
-                j += 1
-            if ended[0] or ended[1]:
-                out.divergences.append(Divergence(i, "the replayed episode had already ended", "more turns", "ended"))
-                break
-            try:
-                obs, reward, terminated, truncated, _info = env.step(recorded_action(traj, turn))
-            except Exception as e:  # noqa: BLE001  (a crash is a divergence to report, not ours to raise)
-                out.divergences.append(Divergence(i, "env.step raised", traj.error or "no error",
-                                                  f"{type(e).__name__}: {e}"))
-                break
-            out.steps += 1
-            total_reward += float(reward)
-            _compare(i + 1, [_turn_view(t) for t in turns[i + 1:j]], _observation(obs), out)
-            if float(reward) != turn.reward:
-                out.divergences.append(Divergence(i, "step reward differs", turn.reward, float(reward)))
-            ended = (bool(terminated), bool(truncated))
-            i = j
-        if out.steps and not traj.error and ended != (traj.terminated, traj.truncated):
-            out.divergences.append(Divergence(len(turns) - 1, "episode end differs (terminated, truncated)",
-                                              (traj.terminated, traj.truncated), ended))
-        if total_reward != traj.reward:
-            out.divergences.append(Divergence(len(turns) - 1, "episode reward differs", traj.reward, total_reward))
-    finally:
-        env.close()
+                          f"episode {traj.id}: {new.error}")
+    out = ReExecution(steps=new.num_turns)
+    recorded, replayed = _blocks(traj.turns), _blocks(new.turns)
+    for b in range(len(recorded)):
+        if b >= len(replayed):  # (it cannot go on longer: generate has no more recorded turns to play)
+            out.divergences.append(Divergence(recorded[b][0], "the re-executed episode had already ended",
+                                              "more turns", new.error or "ended"))
+            break
+        first, said, answer = recorded[b]
+        _compare_messages(first + (said is not None), answer, replayed[b][2], out)
+        if said is not None and said.reward != replayed[b][1].reward:
+            out.divergences.append(Divergence(first, "step reward differs", said.reward, replayed[b][1].reward))
+    if new.error and new.error != traj.error and not any("had already ended" in d.what for d in out.divergences):
+        out.divergences.append(Divergence(len(traj.turns) - 1, f"the re-executed episode failed at "
+                                          f"{new.metadata.get('failed_at')}", traj.error or "no error", new.error))
+    if not traj.error and not new.error and (new.terminated, new.truncated) != (traj.terminated, traj.truncated):
+        out.divergences.append(Divergence(len(traj.turns) - 1, "episode end differs (terminated, truncated)",
+                                          (traj.terminated, traj.truncated), (new.terminated, new.truncated)))
+    if new.reward != traj.reward:
+        out.divergences.append(Divergence(len(traj.turns) - 1, "episode reward differs", traj.reward, new.reward))
     return out
 
 
@@ -356,7 +353,8 @@ def replay_command(run: str, episode: str | None = None, step: int | None = None
     if not re_execute:
         return 0
     try:
-        result = re_execute_episode(traj, env_kwargs_for(traj, run_dir))
+        cfg = run_config(run_dir)
+        result = re_execute_episode(traj, env_kwargs_for(traj, cfg), cfg)
     except ReplayError as e:
         console.print(f"[bold red]error:[/] {e}")
         return 2

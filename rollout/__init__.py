@@ -1,9 +1,9 @@
 """Rollouts: the embedded K3 inference engine, the vLLM adapter, the Ray inference pool,
-the agent loop, rollout workers and the trajectory buffer."""
+the episode loop, rollout workers and the trajectory buffer."""
 
-from .agent import EpisodeSpec, run_episode
 from .buffer import TrajectoryBuffer
 from .engine import EmbeddedEngine, EngineLoad, GenerationResult, InferenceEngine
+from .episode import EpisodeSpec, run_episode
 from .pool import EngineSpec, InferencePool, PoolActor
 from .vllm_adapter import VLLMEngine
 

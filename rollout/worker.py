@@ -1,116 +1,76 @@
 """RolloutWorker: a Ray actor that runs many episodes at once (asyncio).
 
-Each episode: make the environment, run the agent loop against the inference pool, push
-the trajectory to the TrajectoryBuffer. An episode that fails is recorded with its error
-and never takes the worker down. The worker returns a small summary to the driver; the
-driver re-submits the specs of a worker that died (the buffer drops duplicates by id).
+Each episode runs the episode loop (`k3rl.rollout.episode`) against the inference pool and
+goes to the TrajectoryBuffer by `buffer.put`; the driver gets a small summary back. An episode
+that fails (env construction, reset, a tool, the sandbox, the engine, the context, the time
+budget) is recorded with its error and never takes the worker down. Sandboxes come from the
+worker's warm `SandboxPool`, started at the first episode that needs one and closed by `close()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Any
 
-import gymnasium
-
-from k3rl.chat import ChatTemplate
 from k3rl.config import JobConfig
-from k3rl.rollout.agent import EpisodeSpec, run_episode
-from k3rl.tokenizer import load_tokenizer
-from k3rl.types import SamplingParams
+from k3rl.envs.sandboxed import on_loop_thread
+from k3rl.rollout.episode import (
+    EpisodeSpec,
+    import_env_modules,
+    job_limits,
+    job_sampling,
+    make_env,
+    make_template,
+    run_episode,
+    sandbox_limits,
+)
 
-
-def make_template(cfg: JobConfig) -> ChatTemplate:
-    """The chat template whose image-token count matches the model's vision tower."""
-    from functools import partial
-
-    from k3rl.images import num_image_tokens
-
-    mc = cfg.model.k3_config()
-    vc = getattr(mc, "vision", None) or getattr(mc, "vision_config", None)
-    kw = {}
-    if vc is not None:
-        for name, key in (("patch_size", "patch_size"), ("in_patch_limit", "in_patch_limit"),
-                          ("side_patch_limit", "patch_limit_on_one_side")):
-            if getattr(vc, key, None) is not None:
-                kw[name] = getattr(vc, key)
-    return ChatTemplate(load_tokenizer(cfg.model.tokenizer), thinking=cfg.model.thinking,
-                        image_tokens=partial(num_image_tokens, **kw))
-
-
-def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = None,
-             sandbox_factory=None, sandbox_release=None):
-    """The episode's environment, sharing the job's chat template and sandbox settings."""
-    import k3rl.envs  # noqa: F401  (registers the k3rl/ namespace and entry points)
-
-    kwargs = dict(spec.env_kwargs)
-    kwargs.setdefault("max_turns", cfg.envs.max_turns)
-    kwargs.setdefault("time_budget_s", cfg.envs.episode_time_budget_s)
-    kwargs.setdefault("max_context_tokens", cfg.rollout.max_context_tokens)
-    kwargs.setdefault("template", template or make_template(cfg))
-    kwargs.setdefault("sandbox_backend", cfg.sandbox.backend)
-    kwargs.setdefault("sandbox_limits", sandbox_limits(cfg))
-    if sandbox_factory is not None:
-        kwargs.setdefault("sandbox_factory", sandbox_factory)
-        kwargs.setdefault("sandbox_release", sandbox_release)
-    return gymnasium.make(spec.env_id, **kwargs).unwrapped
-
-
-def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:
-    s = cfg.sandbox
-    return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s}
+__all__ = ["RolloutWorker", "make_env", "make_template", "sandbox_limits"]
 
 
 class RolloutWorker:
     def __init__(self, cfg: dict[str, Any], pool: Any, buffer: Any, index: int = 0) -> None:
         import torch
 
+        from k3rl.sandboxes import SandboxPool
+
         torch.set_num_threads(1)
         self.cfg = JobConfig.model_validate(cfg)
+        import_env_modules(self.cfg)  # a user's envs register themselves in this process too
         self.pool = pool
         self.buffer = buffer
         self.index = index
         self.template = make_template(self.cfg)
-        s = self.cfg.rollout.sampling
-        self.sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                       max_tokens=s.max_tokens_per_turn)
-        self.sandbox_pool = None
+        self.sampling = job_sampling(self.cfg)
+        s = self.cfg.sandbox
+        self.sandbox_pool = SandboxPool(backend=s.backend, max_size=s.max_concurrency,
+                                        min_idle=min(s.pool_size, s.max_concurrency), starts_per_s=s.starts_per_second,
+                                        job=self.cfg.tracking.run_name or self.cfg.name, **sandbox_limits(self.cfg))
+        self._sandbox_pool_start = asyncio.Lock()
         self._executor_set = False
         self.running = 0
         self.finished = 0
 
-    async def _sandbox_hooks(self, spec: EpisodeSpec):
-        """Sandboxes come from this worker's warm pool (created on first need)."""
-        import k3rl.envs  # noqa: F401
-
-        env_cls = gymnasium.spec(spec.env_id).entry_point
-        if isinstance(env_cls, str):
-            mod, _, name = env_cls.partition(":")
-            import importlib
-
-            env_cls = getattr(importlib.import_module(mod), name)
-        if not getattr(env_cls, "uses_sandbox", False):
-            return None, None
-        if self.sandbox_pool is None:
-            from k3rl.sandboxes import SandboxPool
-
-            s = self.cfg.sandbox
-            self.sandbox_pool = SandboxPool(backend=s.backend, max_size=s.max_concurrency,
-                                            min_idle=min(s.pool_size, s.max_concurrency),
-                                            starts_per_s=s.starts_per_second, job=self.cfg.tracking.run_name or self.cfg.name,
-                                            **sandbox_limits(self.cfg))
+    async def _acquire_sandbox(self) -> Any:
+        async with self._sandbox_pool_start:  # one start, however many episodes ask at once
             await self.sandbox_pool.start()
-        loop = asyncio.get_running_loop()
-        pool = self.sandbox_pool
+        return await self.sandbox_pool.acquire()
+
+    def _make_env(self, spec: EpisodeSpec, loop: asyncio.AbstractEventLoop) -> Any:
+        """The episode's env (called by the episode loop in a worker thread), with sandboxes from the pool."""
 
         def factory():
-            return asyncio.run_coroutine_threadsafe(pool.acquire(), loop).result()
+            return asyncio.run_coroutine_threadsafe(self._acquire_sandbox(), loop).result()
 
         def release(sb):
-            asyncio.run_coroutine_threadsafe(pool.release(sb), loop).result()
+            if on_loop_thread(loop):  # e.g. the env garbage-collected on the loop: never wait for ourselves
+                loop.create_task(self.sandbox_pool.release(sb))
+            else:
+                asyncio.run_coroutine_threadsafe(self.sandbox_pool.release(sb), loop).result()
 
-        return factory, release
+        return make_env(spec, self.cfg, self.template, factory, release)
 
     async def _generate(self, token_ids, sampling, images=None, key=None, group_key=None):
         # sticky by episode; the first turn of a GRPO group is routed together so the shared
@@ -118,40 +78,34 @@ class RolloutWorker:
         return await self.pool.generate.remote(token_ids, sampling, images=images, key=key, group_key=group_key)
 
     async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Run one episode, put its Trajectory into the buffer, return a summary of it."""
+        loop = asyncio.get_running_loop()
         if not self._executor_set:
             # env.step runs in threads (tool calls overlap decoding): one thread per episode,
             # not asyncio's default of a handful
-            import concurrent.futures
-
-            asyncio.get_running_loop().set_default_executor(
+            loop.set_default_executor(
                 concurrent.futures.ThreadPoolExecutor(max_workers=max(8, 2 * self.cfg.rollout.episodes_per_worker)))
             self._executor_set = True
-        spec_obj = EpisodeSpec(**spec)
+        episode = EpisodeSpec(**spec)
         self.running += 1
         t0 = time.monotonic()
         try:
-            factory, release = await self._sandbox_hooks(spec_obj)
-            env = await asyncio.to_thread(make_env, spec_obj, self.cfg, self.template, factory, release)
-            traj = await run_episode(
-                env, spec_obj, self._generate, self.template, self.sampling,
-                max_turns=self.cfg.envs.max_turns,
-                max_context_tokens=self.cfg.rollout.max_context_tokens,
-                time_budget_s=self.cfg.envs.episode_time_budget_s,
-                record_routing=self.cfg.learner.routing_replay,
-            )
-        except Exception as e:  # env construction failed: still a recorded (failed) episode
-            from k3rl.types import Trajectory
-
-            traj = Trajectory(id=spec_obj.id, env_id=spec_obj.env_id, seed=spec_obj.seed, group_id=spec_obj.group_id,
-                              prompt_ids=[], error=f"{type(e).__name__}: {e}")
+            traj = await run_episode(lambda: self._make_env(episode, loop), episode, self._generate, self.template,
+                                     self.sampling, record_routing=self.cfg.learner.routing_replay,
+                                     **job_limits(self.cfg))
         finally:
             self.running -= 1
         traj.metadata["worker"] = self.index
-        accepted = await self.buffer.put.remote(traj.to_json())
+        accepted = await self.buffer.put.remote(traj)
         self.finished += 1
-        return {"id": traj.id, "reward": traj.reward, "error": traj.error, "accepted": accepted,
+        return {"id": traj.id, "group_id": traj.group_id, "reward": traj.reward, "error": traj.error,
+                "failed_at": traj.metadata.get("failed_at"), "truncated_by": traj.metadata.get("truncated_by"),
                 "tokens": len(traj.token_ids), "generated": traj.num_generated, "turns": traj.num_turns,
-                "seconds": time.monotonic() - t0, "env_id": traj.env_id}
+                "seconds": time.monotonic() - t0, "env_id": traj.env_id, "accepted": accepted}
+
+    async def close(self) -> None:
+        """Close the worker's sandboxes (warm and leased); idempotent."""
+        await self.sandbox_pool.close()
 
     def load(self) -> dict[str, int]:
         return {"running": self.running, "finished": self.finished}

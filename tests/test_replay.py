@@ -16,15 +16,15 @@ from rich.console import Console
 from test_store import make_episode
 from typer.testing import CliRunner
 
-from k3rl.chat import OPEN, SEP, ChatTemplate, ParsedAssistant, ToolCallParseError
+from k3rl.chat import OPEN, SEP, Message, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.images import to_png
 from k3rl.replay import re_execute_episode, replay_command
-from k3rl.rollout.agent import EpisodeSpec, run_episode
+from k3rl.rollout.episode import EpisodeSpec, make_template, run_episode
 from k3rl.store import TrajectoryStore
 from k3rl.types import SamplingParams, ToolCall
 
-TEMPLATE = ChatTemplate()
+TEMPLATE = make_template(JobConfig())  # the template the job (and so the re-execution) uses
 ADDER = "k3rltest/Adder-v0"
 
 
@@ -35,7 +35,9 @@ def bar(n: int) -> bytes:
 
 class AdderEnv(gymnasium.Env):
     """Add two numbers with the `add` tool, then answer. Observations carry images.
-    `offset` changes what the tool returns (a changed environment, for divergence)."""
+    `offset` changes what the tool returns (a changed environment, for divergence).
+    An ordinary Gymnasium env (not a ToolEnv): it gets the assistant Message the episode loop
+    parsed, or the sampled ids when they did not parse."""
 
     # messages in, messages out; the spaces only describe them loosely (as text)
     action_space = gymnasium.spaces.Text(4096)
@@ -52,15 +54,13 @@ class AdderEnv(gymnasium.Env):
 
     def step(self, action):
         self.turn += 1
-        if isinstance(action, list):  # exact sampled ids (the agent loop's token path)
+        if isinstance(action, list):  # the ids did not parse: say why
             try:
-                action = TEMPLATE.parse_assistant(action)
+                TEMPLATE.parse_assistant(action)
             except ToolCallParseError as e:
-                action = e
-        if isinstance(action, ToolCallParseError):
-            msgs = [{"role": "user", "content": f"Error: could not parse ({action})"}]
-            return msgs, 0.0, False, self.turn >= self.max_turns, {}
-        assert isinstance(action, ParsedAssistant)
+                msgs = [{"role": "user", "content": f"Error: could not parse ({e})"}]
+                return msgs, 0.0, False, self.turn >= self.max_turns, {}
+        assert isinstance(action, Message) and action.role == "assistant"
         if not action.tool_calls:
             reward = 1.0 if action.content.strip() == str(self.a + self.b) else 0.0
             return [], reward, True, False, {}
@@ -91,8 +91,9 @@ def keylookup_oracle(env):
 
 
 def record(env_id: str, seed: int, episode_id: str, step: int, oracle, **env_kwargs):
-    """One episode through the real agent loop, with a scripted policy in place of the model."""
-    env = gymnasium.make(env_id, **env_kwargs).unwrapped
+    """One episode through the real episode loop, with a scripted policy in place of the model."""
+    kw = {"template": TEMPLATE} if env_id.startswith("k3rl/") else {}
+    env = gymnasium.make(env_id, **env_kwargs, **kw).unwrapped
     policy = oracle(env)
     version = step
 
@@ -102,9 +103,10 @@ def record(env_id: str, seed: int, episode_id: str, step: int, oracle, **env_kwa
                                finish_reason="stop")
 
     spec = EpisodeSpec(id=episode_id, env_id=env_id, seed=seed, group_id=f"g{seed}", env_kwargs=env_kwargs)
-    traj = asyncio.run(run_episode(env, spec, generate, TEMPLATE, SamplingParams(), max_turns=4, max_context_tokens=8192))
+    traj = asyncio.run(run_episode(lambda: env, spec, generate, TEMPLATE, SamplingParams(), max_turns=4,
+                                   max_context_tokens=8192))
     assert traj.error is None, traj.error
-    assert traj.metadata["env_kwargs"] == env_kwargs  # the agent loop records them
+    assert traj.metadata["env_kwargs"] == env_kwargs  # the episode loop records them
     # these recordings exercise the fallback for episodes that did not record their kwargs:
     # re-execution then takes them from the run's config.yaml
     traj.metadata.pop("env_kwargs")
@@ -211,3 +213,17 @@ def test_cli_and_builtin_env(tmp_path):
     assert "identical: 2 steps re-executed" in result.output and "lookup" in result.output
     result = CliRunner().invoke(app, ["replay", str(run), "--episode", "missing"])
     assert result.exit_code == 2 and "no episode with id starting with 'missing'" in result.output
+
+
+def test_re_execute_reproduces_a_truncated_episode(tmp_path):
+    """An episode whose message the engine cut at max_tokens re-executes identically (the loop ends it
+    there both times; the env is not handed the cut message)."""
+    from k3rl.rollout.episode import scripted_generate
+
+    env = gymnasium.make("k3rl/KeyLookup-v0", template=TEMPLATE).unwrapped
+    spec = EpisodeSpec(id="cut-ep", env_id="k3rl/KeyLookup-v0", seed=3, group_id="g")
+    traj = asyncio.run(run_episode(lambda: env, spec, scripted_generate(TEMPLATE, env.oracle), TEMPLATE,
+                                   SamplingParams(max_tokens=30), max_turns=4, max_context_tokens=8192))
+    assert traj.truncated and traj.metadata["truncated_by"] == "max_tokens" and traj.num_generated == 30
+    result = re_execute_episode(traj, {})
+    assert result.identical and result.steps == 1, result.divergences

@@ -2,6 +2,7 @@
 
 import importlib.util
 import io
+import re
 from pathlib import Path
 
 import gymnasium as gym
@@ -12,9 +13,10 @@ from typer.testing import CliRunner
 from k3rl.cli import app
 from k3rl.envs.builtin import BUILTIN_ENVS
 from k3rl.envs.cli import check_env_command, list_envs
-from k3rl.envs.episode import run_oracle_episode
+from k3rl.rollout.episode import run_oracle_episode
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_env.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "custom_env.py"
 
 
 def console():
@@ -70,3 +72,33 @@ def test_custom_env_example():
     obs, *_ = base.step(base.say(tool_calls=[{"name": "convert", "arguments": {"value": 1, "src": "m", "dst": "km"}}]))
     assert obs[0]["content"].startswith("Error: cannot convert m to km")
     assert base.tools[0]["function"]["parameters"]["required"] == ["value", "src", "dst"]
+
+
+def test_the_readme_env_runs_as_written():
+    """The code block of README.md's "Defining an environment", executed as is, then `k3rl envs check` on it."""
+    section = ROOT.joinpath("README.md").read_text().split("## Defining an environment", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    try:
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+        c = console()
+        assert check_env_command("mypkg/Echo-v0", seed=5, console=c) == 0, c.file.getvalue()
+        out = c.file.getvalue()
+        assert "env checker passed" in out and "-> shout(text=" in out and "reward 1.0000, 2 turns, terminated" in out
+    finally:
+        gym.registry.pop("mypkg/Echo-v0", None)
+
+
+def test_check_reports_an_env_without_an_oracle():
+    from k3rl.envs import ToolEnv
+    from k3rl.envs.key_lookup import KeyLookupEnv
+
+    class Plain(KeyLookupEnv):
+        oracle = ToolEnv.oracle  # no scripted policy
+
+    gym.register("k3rltest/NoOracle-v0", entry_point=Plain)
+    try:
+        c = console()
+        assert check_env_command("k3rltest/NoOracle-v0", console=c) == 1
+        assert "oracle episode failed at generate: NoOracleError: Plain defines no scripted oracle" in c.file.getvalue()
+    finally:
+        gym.registry.pop("k3rltest/NoOracle-v0", None)

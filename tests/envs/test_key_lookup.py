@@ -4,7 +4,7 @@ import gymnasium as gym
 import pytest
 
 import k3rl.envs  # noqa: F401
-from k3rl.envs.episode import run_oracle_episode
+from k3rl.rollout.episode import run_oracle_episode
 
 
 @pytest.mark.parametrize("num_keys", [1, 3, 8])
@@ -12,8 +12,8 @@ def test_oracle_reaches_full_reward(num_keys):
     env = gym.make("k3rl/KeyLookup-v0", num_keys=num_keys)
     for seed in range(10):
         ep = run_oracle_episode(env, seed=seed)
-        assert (ep.reward, ep.terminated, ep.turns) == (1.0, True, 2)
-        assert ep.messages[-1].content == env.unwrapped.task.value
+        assert (ep.reward, ep.terminated, ep.num_turns) == (1.0, True, 2)
+        assert ep.turns[-1].text == env.unwrapped.task.value
 
 
 def test_wrong_key_gives_a_wrong_value_and_reward_zero():
@@ -30,19 +30,16 @@ def test_token_budget_of_an_episode():
     lengths = {}
     for declare in (False, True):
         env = gym.make("k3rl/KeyLookup-v0", declare_tools=declare)
-        tokens = [run_oracle_episode(env, seed=s).context_tokens for s in range(20)]
+        tokens = [len(run_oracle_episode(env, seed=s).token_ids) for s in range(20)]
         lengths[declare] = tokens
-        # the env's count equals rendering the finished conversation from scratch
+        # the episode loop's tokens are the finished conversation rendered from scratch
         base = env.unwrapped
         assert tokens[-1] == len(base.template.render(base.history, tools=base.tools, add_generation_prompt=False))
     assert all(280 <= n <= 340 for n in lengths[False]), lengths[False]
     assert all(500 <= n <= 600 for n in lengths[True]), lengths[True]
     # the generated (trained) part: call turn + answer turn
-    env = gym.make("k3rl/KeyLookup-v0").unwrapped
-    ep = run_oracle_episode(env, seed=0)
-    generated = sum(len(env.template.message(m)) - len(env.template.generation_prefix())
-                    for m in ep.messages if m.role == "assistant")
-    assert 100 <= generated <= 160, generated
+    ep = run_oracle_episode(gym.make("k3rl/KeyLookup-v0"), seed=0)
+    assert 100 <= ep.num_generated <= 160, ep.num_generated
 
 
 def test_bad_difficulty_is_refused():
@@ -50,13 +47,14 @@ def test_bad_difficulty_is_refused():
         gym.make("k3rl/KeyLookup-v0", num_keys=0)
 
 
-def test_oracle_demonstration_tokens_are_what_the_env_counted():
+def test_oracle_demonstration_tokens_are_the_rendered_conversation():
     env = gym.make("k3rl/KeyLookup-v0", declare_tools=True)
     ep = run_oracle_episode(env, seed=9)
     base = env.unwrapped
-    r = ep.rendered(base.template)
-    assert r.ids == base._session.rendered.ids  # token in, token out: no re-tokenisation drift
+    r = base.template.render(base.history, tools=base.tools, add_generation_prompt=False)
+    assert r.ids == ep.token_ids  # token in, token out: no re-tokenisation drift
+    assert r.mask == [0] * len(ep.prompt_ids) + ep.loss_mask
     trained = [i for i, m in zip(r.ids, r.mask, strict=True) if m]
     body = base.template.assistant_body
-    calls = ep.messages[1].tool_calls
+    calls = ep.turns[1].tool_calls
     assert trained == body("", calls, None) + body(base.task.value, [], None)

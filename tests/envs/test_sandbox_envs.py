@@ -9,7 +9,7 @@ from PIL import Image
 import k3rl.envs  # noqa: F401
 from k3rl.envs.chart_match import HEIGHT, WIDTH, chart_task, load_targets
 from k3rl.envs.code_fix_tasks import BUGS
-from k3rl.envs.episode import run_oracle_episode
+from k3rl.rollout.episode import run_oracle_episode
 from k3rl.envs.python_tool import FAMILIES, last_integer
 from k3rl.images import PNG_MAGIC, png_size
 
@@ -27,8 +27,8 @@ def test_python_tool_oracle_runs_code_in_the_sandbox(require_sandbox):
     for seed, family in [(0, "digit_sum"), (1, "savings")]:
         ep = run_oracle_episode(env, seed=seed, options={"family": family})
         assert ep.reward == 1.0 and ep.terminated
-        tool_msg = next(m for m in ep.messages if m.role == "tool")
-        assert last_integer(tool_msg.content) == env.unwrapped.task.answer  # printed by the sandboxed program
+        tool_msg = next(m for m in ep.turns if m.role == "tool")
+        assert last_integer(tool_msg.text) == env.unwrapped.task.answer  # printed by the sandboxed program
     assert not env.unwrapped.has_sandbox  # released when the episode ended
 
 
@@ -99,9 +99,9 @@ def test_code_fix_oracle_fixes_the_bug(require_sandbox):
     for bug in ("binary_search_loop", "fizzbuzz_order"):
         ep = run_oracle_episode(env, seed=2, options={"bug": bug})
         assert ep.reward == 1.0, env.unwrapped.last_hidden_output
-        tests_out = [m.content for m in ep.messages if m.tool_name == "run_tests"][-1]
+        tests_out = [m.text for m in ep.turns if m.tool_name == "run_tests"][-1]
         assert "1 passed" in tests_out
-        assert [m.tool_name for m in ep.messages if m.role == "tool"] == ["read_file", "str_replace", "run_tests"]
+        assert [m.tool_name for m in ep.turns if m.role == "tool"] == ["read_file", "str_replace", "run_tests"]
 
 
 def test_code_fix_tools_and_grading(require_sandbox):

@@ -8,7 +8,9 @@ import gymnasium as gym
 import pytest
 
 import k3rl.envs  # noqa: F401
-from k3rl.envs.episode import run_oracle_episode
+from k3rl.types import SamplingParams
+from k3rl.chat import ChatTemplate
+from k3rl.rollout.episode import EpisodeSpec, run_episode, run_oracle_episode, scripted_generate
 from k3rl.envs.sandboxed import pooled
 from k3rl.sandboxes import SandboxClosedError, SandboxError, SandboxFileError, SandboxPool, open_sandbox
 
@@ -165,3 +167,26 @@ def test_released_when_reset_fails(require_sandbox):
     with pytest.raises(ValueError, match="no opening today"):
         env.reset(seed=0)
     assert len(opened.sandboxes) == 1 and opened.all_gone() and not env.has_sandbox
+
+
+def test_a_sandbox_killed_mid_episode_fails_the_episode_and_is_released(require_sandbox):
+    """Through the episode loop: the tool's infrastructure failure is a failed episode (not the model's error)."""
+    require_sandbox()
+    opened, made, template = Opened(), [], ChatTemplate()
+
+    def make():
+        made.append(gym.make("k3rl/PythonTool-v0", sandbox_factory=opened, template=template))
+        return made[-1]
+
+    def policy():
+        env = made[-1].unwrapped
+        if env.turn == 1:
+            opened.sandboxes[-1].close()  # killed from outside between two tool calls
+        return env.say(tool_calls=[{"name": "python", "arguments": {"code": "print(6 * 7)"}}])
+
+    spec = EpisodeSpec(id="killed", env_id="k3rl/PythonTool-v0", seed=0)
+    traj = asyncio.run(run_episode(make, spec, scripted_generate(template, policy), template, SamplingParams(),
+                                   max_turns=4, max_context_tokens=8192))
+    assert traj.metadata["failed_at"] == "step" and traj.error.startswith("SandboxClosedError") and traj.reward == 0
+    assert [t.text for t in traj.turns if t.role == "tool"] == ["42"]  # the first call ran
+    assert opened.all_gone() and not made[-1].unwrapped.has_sandbox

@@ -1,0 +1,474 @@
+"""The episode loop: one episode, token in / token out, whoever plays the assistant.
+
+    make_env -> reset -> render the opening -> [generate -> parse -> env.step(message)
+    -> render what the env said back]* -> Trajectory
+
+Every episode of k3rl runs here, with a different `generate` behind it: the inference pool
+(rollout workers), or a scripted policy (`scripted_generate`: the env's oracle for SFT
+demonstrations and `k3rl envs check`, the recorded tokens for `k3rl replay --re-execute`).
+
+Token in, token out: the loop owns the chat session. The sampled ids are appended exactly as
+the engine returned them (with their behaviour log-probs and policy versions) and parsed
+once; the env gets the parsed assistant `Message` (or, when the ids did not parse, the ids, so
+the env can tell the model what was wrong). Everything the env says back is rendered once by
+the template and appended with loss mask 0. History is never re-tokenised.
+
+The limits are the loop's: `max_turns` assistant messages, `max_context_tokens` of the whole
+conversation, `time_budget_s` of wall clock for the episode (every `generate` and `step` runs
+under that deadline).
+
+How an episode ends:
+  * terminated: the env says so (a final answer, a tool that ends it); the env's reward;
+  * truncated (the model's doing; trained on): out of turns, the context full, a message cut
+    by the per-turn token limit, or the env's own truncation. `metadata["truncated_by"]` is
+    "max_turns", "context", "max_tokens" (or the env's `info["truncated_by"]`, else "env").
+    Truncations by the loop get reward 0;
+  * failed (never trained on): `error` = "<ExceptionType>: message", reward 0,
+    `metadata["failed_at"]` one of "make_env", "reset", "context" (the first prompt leaves no
+    room for a reply), "generate" (engine error or death), "step" (a tool's infrastructure, a
+    dead sandbox), "time_budget"; a short `metadata["traceback"]`. The loop never raises for
+    an episode's failure; cancellation propagates, after the env is closed.
+
+Sampling seeds: every request gets a seed derived from the episode (`request_seed`), so the
+same job, run again, samples the same tokens.
+
+The end of the module builds a job's episodes: the env and chat template of a `JobConfig`
+(`make_env`, `make_template`), the start-of-job checks (`preflight`) and the SFT warm start's
+oracle demonstrations (`collect_demonstrations`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import hashlib
+import math
+import random
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium
+
+from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
+from k3rl.config import JobConfig
+from k3rl.envs.actions import action_to_ids
+from k3rl.envs.base import is_tool_env
+from k3rl.rollout.engine import GenerationResult
+from k3rl.tokenizer import load_tokenizer
+from k3rl.types import SamplingParams, Trajectory, Turn
+
+Generate = Callable[..., Awaitable[Any]]
+NO_LIMIT = 1 << 30
+
+
+@dataclass
+class EpisodeSpec:
+    """What to run. `id` is stable across retries (the buffer's dedup key); `options` go to `reset`."""
+
+    id: str
+    env_id: str
+    seed: int | None
+    group_id: str = ""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    issued_version: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class ContextLimitError(ValueError):
+    """The first prompt leaves no room under max_context_tokens for the model's reply."""
+
+
+class TimeBudgetError(TimeoutError):
+    """The episode ran out of its wall-clock budget."""
+
+
+class GenerationError(RuntimeError):
+    """The engine ended a request without a message (e.g. aborted)."""
+
+
+def request_seed(spec: EpisodeSpec, turn: int, base: int | None = None) -> int:
+    """The sampling seed of one request: a hash of (`base`, env, episode seed, the episode's
+    name within its group, turn). The run's name is left out (episode ids start with it), so
+    the same job run again, under any name, samples the same tokens; `base` (a seed set in
+    the sampling params) shifts every request's seed."""
+    member = spec.id[len(spec.group_id):] if spec.group_id and spec.id.startswith(spec.group_id) else spec.id
+    key = f"{base}|{spec.env_id}|{spec.seed}|{member}|{turn}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def observed_messages(obs: Any) -> list[Message]:
+    """The messages of an observation: a list of message dicts / Messages (or one, or {"messages": [...]})."""
+    if isinstance(obs, dict) and "messages" in obs:
+        obs = obs["messages"]
+    if obs is None:
+        return []
+    if isinstance(obs, (dict, Message)):
+        obs = [obs]
+    out = []
+    for m in obs:
+        if not isinstance(m, (dict, Message)):
+            raise TypeError(f"the environment returned a {type(m).__name__} where a chat message (dict or "
+                            "k3rl.chat.Message) was expected")
+        out.append(m if isinstance(m, Message) else Message.model_validate(m))
+    return out
+
+
+def open_session(template: ChatTemplate, env: Any, obs: Any) -> tuple[ChatSession, list[Turn], list[bytes]]:
+    """The chat session of an episode's opening (tools declared, opening messages, generation
+    prefix), its turns and its images."""
+    session = template.session(tools=getattr(env.unwrapped, "tools", None) or None)
+    turns, images = [], []
+    for m in observed_messages(obs):
+        start = len(session.rendered)
+        session.add(m)
+        images.extend(m.images)
+        turns.append(Turn(role=m.role, text=m.content, images=m.images, tool_name=m.tool_name,
+                          tool_index=m.tool_index, start=start, end=len(session.rendered)))
+    session.add_generation_prompt()
+    return session, turns, images
+
+
+async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: Generate, template: ChatTemplate,
+                      sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
+                      time_budget_s: float = math.inf, record_routing: bool = False) -> Trajectory:
+    """One episode of the env `make_env()` makes, against `generate(token_ids, sampling, images=,
+    key=, group_key=)`. Never raises for the episode's failure (see the module doc)."""
+    t0 = time.monotonic()
+    deadline = t0 + time_budget_s
+    traj = Trajectory(id=spec.id, env_id=spec.env_id, seed=spec.seed, group_id=spec.group_id, prompt_ids=[],
+                      routed_experts=[] if record_routing else None,
+                      metadata={"issued_version": spec.issued_version, "env_kwargs": dict(spec.env_kwargs)})
+    timings = {"generate_s": 0.0, "env_s": 0.0}
+
+    async def within(aw: Awaitable) -> Any:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            aw.close()
+            raise TimeBudgetError(f"the episode's time budget of {time_budget_s:g}s is used up")
+        try:
+            return await asyncio.wait_for(aw, None if math.isinf(left) else left)
+        except TimeoutError:
+            if time.monotonic() < deadline:
+                raise  # not ours: the awaited call's own timeout
+            raise TimeBudgetError(f"the episode's time budget of {time_budget_s:g}s ran out") from None
+
+    env, stage = None, "make_env"
+    try:
+        env = await within(asyncio.to_thread(make_env))
+        stage = "reset"
+        obs, info = await within(asyncio.to_thread(env.reset, seed=spec.seed, options=spec.options or None))
+        traj.task_id = str((info or {}).get("task_id", ""))
+        session, traj.turns, images = open_session(template, env, obs)
+        traj.prompt_ids = list(session.rendered.ids)
+        if len(traj.prompt_ids) >= max_context_tokens:
+            stage = "context"
+            raise ContextLimitError(f"the first prompt is {len(traj.prompt_ids)} tokens, "
+                                    f"{'at' if len(traj.prompt_ids) == max_context_tokens else 'over'} "
+                                    f"max_context_tokens={max_context_tokens}: no room for a reply")
+        sampling = sampling.model_copy(update={
+            "stop_token_ids": sorted({*sampling.stop_token_ids, template.stop_token_id}),
+            "return_routed_experts": record_routing})
+        prefix = len(template.generation_prefix())
+        truncated_by = "max_turns"
+        for turn in range(max_turns):
+            stage = "generate"
+            n = len(traj.prompt_ids) + len(traj.completion_ids)
+            request = sampling.model_copy(update={"max_tokens": min(sampling.max_tokens, max_context_tokens - n),
+                                                  "seed": request_seed(spec, turn, sampling.seed)})
+            g0 = time.monotonic()
+            out = await within(generate(traj.token_ids, request, images=images or None, key=spec.id,
+                                        group_key=spec.group_id if turn == 0 and spec.group_id else None))
+            timings["generate_s"] += time.monotonic() - g0
+            finish = getattr(out, "finish_reason", "stop")
+            if finish not in ("stop", "length"):
+                raise GenerationError(f"the engine ended the request with finish_reason {finish!r}")
+            ids = [int(i) for i in out.token_ids]
+            _append_generated(traj, ids, out, record_routing)
+            session.add_generated(ids)
+            said = Turn(role="assistant", start=n - prefix, end=n + len(ids), duration_s=time.monotonic() - g0)
+            traj.turns.append(said)
+            if finish == "length":
+                said.text = template.tok.decode(ids)
+                said.error = f"cut at {request.max_tokens} tokens, before <|end_of_msg|>"
+                truncated_by = "max_tokens" if request.max_tokens == sampling.max_tokens else "context"
+                break
+            try:
+                action: Any = template.parse_assistant(ids).to_message()
+                said.text, said.thinking, said.tool_calls = action.content, action.thinking, action.tool_calls
+            except ToolCallParseError as e:  # the env gets the ids and tells the model what was wrong
+                action, said.text, said.error = ids, template.tok.decode(ids), str(e)
+            stage = "step"
+            e0 = time.monotonic()
+            obs, reward, terminated, truncated, info = await within(asyncio.to_thread(env.step, action))
+            timings["env_s"] += time.monotonic() - e0
+            said.reward = float(reward)
+            traj.reward += float(reward)
+            errors = {c.get("index"): c.get("error") for c in (info or {}).get("tool_calls", [])}
+            for m in observed_messages(obs):
+                start, end = traj.append(session.add(m).ids, generated=False)
+                images.extend(m.images)
+                traj.turns.append(Turn(role=m.role, text=m.content, images=m.images, tool_name=m.tool_name,
+                                       tool_index=m.tool_index, start=start, end=end,
+                                       error=errors.get(m.tool_index) if m.role == "tool" else None))
+            if terminated or truncated:
+                traj.terminated, traj.truncated = bool(terminated), bool(truncated)
+                if truncated:
+                    traj.metadata["truncated_by"] = (info or {}).get("truncated_by") or "env"
+                break
+            if len(traj.prompt_ids) + len(traj.completion_ids) + prefix >= max_context_tokens:
+                truncated_by = "context"
+                break
+            traj.append(session.add_generation_prompt().ids, generated=False)
+        if not (traj.terminated or traj.truncated):
+            traj.truncated, traj.reward = True, 0.0
+            traj.metadata["truncated_by"] = truncated_by
+    except Exception as e:  # an episode's failure is data: recorded, never raised
+        _record_failure(traj, "time_budget" if isinstance(e, TimeBudgetError) else stage, e)
+    finally:
+        if env is not None:
+            try:  # off the event loop: releasing a pooled sandbox schedules work on this loop
+                await asyncio.to_thread(env.close)
+            except Exception as e:  # noqa: BLE001
+                traj.metadata["close_error"] = f"{type(e).__name__}: {e}"
+        traj.timings.update(timings, episode_s=time.monotonic() - t0)
+    return traj
+
+
+def _append_generated(traj: Trajectory, ids: list[int], out: Any, record_routing: bool) -> None:
+    versions = getattr(out, "versions", None) or [getattr(out, "version", 0)] * len(ids)
+    traj.completion_ids.extend(ids)
+    traj.logprobs.extend(float(x) for x in out.logprobs)
+    traj.loss_mask.extend([1] * len(ids))
+    traj.versions.extend(int(v) for v in versions)
+    if record_routing:
+        routed = getattr(out, "routed_experts", None) or [[] for _ in ids]
+        traj.routed_experts.extend([[list(map(int, layer)) for layer in tok] for tok in routed])
+
+
+def _record_failure(traj: Trajectory, stage: str, error: Exception) -> None:
+    traj.error = f"{type(error).__name__}: {error}"
+    traj.reward, traj.terminated, traj.truncated = 0.0, False, False
+    traj.metadata.pop("truncated_by", None)
+    traj.metadata["failed_at"] = stage
+    traj.metadata["traceback"] = "".join(traceback.format_exception(error, limit=-8))
+
+
+# -- scripted policies ------------------------------------------------------------------------------
+def scripted_generate(template: ChatTemplate, policy: Callable[[], Any], version: int = 0) -> Generate:
+    """A `generate` that plays `policy()` instead of sampling: the next assistant message as
+    text (special tokens by name), an assistant Message, or exact token ids. Log-probs are 0;
+    like an engine, the message is cut at `sampling.max_tokens` (finish_reason "length")."""
+
+    async def generate(token_ids, sampling, images=None, key=None, group_key=None) -> GenerationResult:
+        action = policy()
+        ids = [int(i) for i in action] if isinstance(action, (list, tuple)) else action_to_ids(template, action)
+        ids = ids[:sampling.max_tokens]
+        finish = "stop" if ids and ids[-1] == template.stop_token_id else "length"
+        return GenerationResult(request_id=key or "", token_ids=ids, logprobs=[0.0] * len(ids),
+                                versions=[version] * len(ids), finish_reason=finish, prompt_tokens=len(token_ids))
+
+    return generate
+
+
+async def oracle_episode(make_env: Callable[[], Any], spec: EpisodeSpec, template: ChatTemplate, *,
+                         max_tokens: int = NO_LIMIT, max_turns: int = NO_LIMIT, max_context_tokens: int = NO_LIMIT,
+                         time_budget_s: float = math.inf) -> Trajectory:
+    """One episode played by the env's scripted `oracle()` (fails at "generate" when it has none)."""
+    made: list[Any] = []
+
+    def make() -> Any:
+        made.append(make_env())
+        return made[-1]
+
+    generate = scripted_generate(template, lambda: made[-1].unwrapped.oracle())
+    return await run_episode(make, spec, generate, template, SamplingParams(max_tokens=max_tokens),
+                             max_turns=max_turns, max_context_tokens=max_context_tokens, time_budget_s=time_budget_s)
+
+
+def run_oracle_episode(env: Any, seed: int | None = 0, *, options: dict[str, Any] | None = None,
+                       template: ChatTemplate | None = None, **limits: Any) -> Trajectory:
+    """The oracle episode of `env` (a registered id, or an env: wrapped or not, made with its own
+    template) through the episode loop. The env's own `max_turns` applies; `limits` add the loop's."""
+    if isinstance(env, str):
+        import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
+
+        env_id, template = env, template or ChatTemplate()
+
+        def make() -> Any:
+            return gymnasium.make(env_id, **({"template": template} if is_tool_env(env_id) else {}))
+    else:
+        made = env
+        env_id = made.spec.id if made.spec is not None else type(made.unwrapped).__name__
+        template = template or getattr(made.unwrapped, "template", None) or ChatTemplate()
+
+        def make() -> Any:
+            return made
+    spec = EpisodeSpec(id=f"oracle-{seed}", env_id=env_id, seed=seed, options=dict(options or {}))
+    return run_sync(oracle_episode(make, spec, template, **limits))
+
+
+def run_sync(coro: Awaitable) -> Any:
+    """Run a coroutine to the end from synchronous code (in a thread of its own under a running loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+# -- a job's episodes -------------------------------------------------------------------------------
+def make_template(cfg: JobConfig) -> ChatTemplate:
+    """The chat template whose image-token count matches the model's vision tower."""
+    from k3rl.images import num_image_tokens
+
+    vc = getattr(cfg.model.k3_config(), "vision_config", None)
+    kw = {}
+    if vc is not None:
+        for name, key in (("patch_size", "patch_size"), ("in_patch_limit", "in_patch_limit"),
+                          ("side_patch_limit", "patch_limit_on_one_side")):
+            if getattr(vc, key, None) is not None:
+                kw[name] = getattr(vc, key)
+    return ChatTemplate(load_tokenizer(cfg.model.tokenizer), thinking=cfg.model.thinking,
+                        image_tokens=functools.partial(num_image_tokens, **kw))
+
+
+def job_sampling(cfg: JobConfig) -> SamplingParams:
+    s = cfg.rollout.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens_per_turn)
+
+
+def job_limits(cfg: JobConfig) -> dict[str, Any]:
+    """The loop's limits in a job."""
+    return {"max_turns": cfg.envs.max_turns, "max_context_tokens": cfg.rollout.max_context_tokens,
+            "time_budget_s": cfg.envs.episode_time_budget_s}
+
+
+def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:
+    s = cfg.sandbox
+    return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s}
+
+
+def import_env_modules(cfg: JobConfig) -> None:
+    """Import the modules of `envs.imports` (a user's envs register themselves on import)."""
+    import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
+
+    try:
+        from k3rl.envs.registration import import_env_modules as import_modules
+    except ImportError:  # not there yet in this checkout
+        return
+    import_modules(list(getattr(cfg.envs, "imports", None) or []))
+
+
+def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = None,
+             sandbox_factory: Callable[[], Any] | None = None,
+             sandbox_release: Callable[[Any], None] | None = None) -> Any:
+    """The episode's environment. A ToolEnv (registered with its class) also gets the job's chat
+    template, turn limit, time budget and sandbox settings; its `env_kwargs` win. Any other
+    Gymnasium env gets only its `env_kwargs`."""
+    import k3rl.envs  # noqa: F401
+
+    kwargs = dict(spec.env_kwargs)
+    if is_tool_env(spec.env_id):
+        kwargs.setdefault("max_turns", cfg.envs.max_turns)
+        kwargs.setdefault("time_budget_s", cfg.envs.episode_time_budget_s)
+        kwargs.setdefault("template", template or make_template(cfg))
+        kwargs.setdefault("sandbox_backend", cfg.sandbox.backend)
+        kwargs.setdefault("sandbox_limits", sandbox_limits(cfg))
+        if sandbox_factory is not None:
+            kwargs.setdefault("sandbox_factory", sandbox_factory)
+            kwargs.setdefault("sandbox_release", sandbox_release)
+    return gymnasium.make(spec.env_id, disable_env_checker=True, **kwargs)
+
+
+class PreflightError(ValueError):
+    """A training env that cannot work with the job's limits; the message names the field to change."""
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Start-of-job checks, in the driver before Ray starts. For every env of `envs.train`: it
+    can be made and reset, and its first prompt (one seed) fits `rollout.max_context_tokens`;
+    with an SFT warm start, its oracle plays an episode whose messages each fit
+    `rollout.sampling.max_tokens_per_turn`. Raises PreflightError naming the env and the field."""
+    import_env_modules(cfg)
+    template = make_template(cfg)
+    limit = cfg.rollout.max_context_tokens
+    for e in cfg.envs.train:
+        spec = EpisodeSpec(id=f"preflight-{e.id}", env_id=e.id, seed=cfg.learner.seed, env_kwargs=dict(e.kwargs))
+        try:
+            env = make_env(spec, cfg, template)
+            try:
+                obs, _ = env.reset(seed=spec.seed)
+                n = len(open_session(template, env, obs)[0].rendered)
+            finally:
+                env.close()
+        except Exception as err:
+            raise PreflightError(f"{e.id} (kwargs {dict(e.kwargs)}) cannot be made and reset: "
+                                 f"{type(err).__name__}: {err}") from err
+        if n >= limit:
+            raise PreflightError(f"{e.id}: the first prompt is {n} tokens, {'at' if n == limit else 'over'} "
+                                 f"rollout.max_context_tokens={limit}; raise it or shorten the env's opening")
+        if cfg.learner.sft_steps > 0:
+            _check_oracle(spec, cfg, template)
+
+
+def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> None:
+    limits = job_limits(cfg)
+    traj = run_sync(oracle_episode(functools.partial(make_env, spec, cfg, template), spec, template, **limits))
+    field_of = {"max_turns": "envs.max_turns", "context": "rollout.max_context_tokens"}
+    if traj.error:
+        if traj.error.startswith("NoOracleError"):
+            raise PreflightError(f"{spec.env_id}: learner.sft_steps={cfg.learner.sft_steps} warm-starts on oracle "
+                                 f"demonstrations, but the env has no oracle ({traj.error}); define "
+                                 "oracle(history) or set learner.sft_steps=0")
+        raise PreflightError(f"{spec.env_id}: the oracle episode for the SFT warm start failed at "
+                             f"{traj.metadata['failed_at']}: {traj.error}")
+    longest = max((sum(traj.loss_mask[t.start - len(traj.prompt_ids):t.end - len(traj.prompt_ids)])
+                   for t in traj.turns if t.role == "assistant"), default=0)
+    per_turn = cfg.rollout.sampling.max_tokens_per_turn
+    if longest > per_turn:
+        raise PreflightError(f"{spec.env_id}: an oracle message is {longest} tokens, over "
+                             f"rollout.sampling.max_tokens_per_turn={per_turn}; raise it (the SFT warm start would "
+                             "teach messages the policy cannot finish) or set learner.sft_steps=0")
+    by = traj.metadata.get("truncated_by")
+    if traj.truncated and by in field_of:
+        name = field_of[by]
+        value = limits["max_turns" if by == "max_turns" else "max_context_tokens"]
+        raise PreflightError(f"{spec.env_id}: the oracle episode for the SFT warm start was truncated by {by} "
+                             f"({name}={value}); raise {name} or set learner.sft_steps=0")
+
+
+def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajectory]:
+    """`n` oracle episodes for the SFT warm start, through the episode loop with the job's limits
+    (tokens exactly as the template renders them). Raises when one fails or does not finish."""
+    import_env_modules(cfg)
+    template = make_template(cfg)
+    limits = job_limits(cfg)
+
+    async def collect() -> list[Trajectory]:
+        out = []
+        for i in range(n):
+            spec = demonstration_spec(cfg, run_name, i)
+            traj = await oracle_episode(functools.partial(make_env, spec, cfg, template), spec, template,
+                                        max_tokens=cfg.rollout.sampling.max_tokens_per_turn, **limits)
+            if traj.error or not traj.terminated:
+                why = traj.error or f"truncated by {traj.metadata.get('truncated_by')}"
+                raise RuntimeError(f"oracle demonstration {traj.id} of {traj.env_id} did not finish ({why}); "
+                                   f"`k3rl train` checks this at start (preflight), or set learner.sft_steps=0")
+            out.append(traj)
+        return out
+
+    return run_sync(collect())
+
+
+def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:
+    """Demonstration i: the env (by `envs.train` weights) and seed of prompt group i of the job."""
+    rng = random.Random(f"{cfg.learner.seed}:{i}")
+    env = rng.choices(cfg.envs.train, weights=[e.weight for e in cfg.envs.train])[0]
+    gid = f"{run_name}-demo-g{i:07d}"
+    return EpisodeSpec(id=f"{gid}-s0", env_id=env.id, seed=rng.randrange(2**31), group_id=gid,
+                       env_kwargs=dict(env.kwargs))
