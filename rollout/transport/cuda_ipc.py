@@ -10,10 +10,10 @@ the object store instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import ray
 import torch
 
 from k3rl.types import WeightUpdate
@@ -77,8 +77,7 @@ class CudaIpcTransport:
 
     # ----- send half (learner rank 0) -------------------------------------------------------------
     def send(self, update: WeightUpdate, pool) -> dict[str, float]:
-        import time
-
+        """Bring every engine of `pool` (a PoolActor handle) to `update`; returns the timings."""
         t0 = time.perf_counter()
         share = share_cuda_ipc(update, self.device)
         try:

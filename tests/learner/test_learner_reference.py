@@ -22,3 +22,42 @@ def test_reset_reference_makes_kl_zero_at_the_warm_started_policy():
         assert not r.requires_grad
     # the step right after the reset starts at the reference: its KL term is zero
     assert abs(t.train_step(make_trajectories(2, n=4))["kl"]) < 1e-6
+
+
+def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        cfg = LearnerSection(kl_coef=0.1, micro_batch_tokens=64, data_parallel="fsdp", world_size=world)
+        t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), cfg)
+        batch = make_trajectories(0, n=4)
+        t.sft_step(batch)
+        t.sft_step(batch)
+        t.reset_reference()  # collective: every rank gathers the warm-started weights into its reference
+        state = t.full_state_dict()
+        same = all(torch.equal(state[k], v.cpu()) for k, v in t.reference.state_dict().items())
+        kl = t.train_step(make_trajectories(2, n=4))["kl"]
+        if rank == 0:
+            torch.save({"same": same, "kl": kl, "frozen": not any(p.requires_grad for p in t.reference.parameters())},
+                       os.path.join(out, "ref.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reset_reference_under_fsdp(tmp_path):
+    """FSDP + kl_coef > 0 + an SFT warm start: the reference becomes the warm-started policy on
+    every rank (it raised before)."""
+    import torch.multiprocessing as mp
+
+    from k3rl.learner.distributed import free_port
+
+    mp.spawn(_fsdp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "ref.pt")
+    assert got["same"] and got["frozen"]
+    assert abs(got["kl"]) < 1e-6

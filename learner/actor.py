@@ -1,0 +1,187 @@
+"""The learner as Ray actors: `LearnerActor` is one rank (the model or its FSDP / expert shard,
+the optimizer, the checkpoints and, on rank 0, the send half of the weight transport);
+`LearnerGroup` is the ranks as one object, which is what the driver holds.
+
+    group = LearnerGroup(cfg, run_dir, pool)        # pool: the PoolActor handle
+    await group.start()                             # process group, trainers, transport
+    metrics = await group.call("train_step", ref)   # same call on every rank, rank 0's answer
+    report = await group.push_weights(version)      # every engine of the pool runs `version`
+    await group.call("save", step, data_state)
+    group.shutdown()
+
+Every rank sees the same full batch (the trainer's data-parallel contract) and trains on its
+share of the micro-batches; collectives (FSDP gathers, the weight export, checkpoints) need
+every rank, which is why every call goes to all of them.
+
+Checkpoints: `checkpoints/step-000012/` holds what `Trainer.save_checkpoint` writes, and
+`checkpoints/latest` names the newest complete one. A save writes into
+`checkpoints/.step-000012.tmp`, renames it once every rank is done, and only then replaces
+`latest` (written aside, then `os.replace`): a crash at any point leaves `latest` at the
+previous complete step, and the next save removes the leftovers. A `step-*` directory is
+always complete. Under FSDP the ranks must share the run directory's filesystem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from k3rl.config import JobConfig
+from k3rl.types import Trajectory
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (None when it has none): the highest `step-*`
+    directory. Only complete checkpoints have that name, so tmp dirs never count. `latest` names
+    the same one, except after a save interrupted between its rename and `latest`'s move."""
+    complete = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir())
+    return complete[-1] if complete else None
+
+
+class LearnerActor:
+    """One rank of the learner, in its own Ray process. `setup` joins the ranks' process group
+    and builds the trainer; every other method is called on all ranks with the same arguments."""
+
+    def __init__(self, cfg: dict[str, Any], run_dir: str, rank: int = 0, world_size: int = 1, pool=None) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("K3RL_LEARNER_THREADS", "1"))))
+        self.cfg = JobConfig.model_validate(cfg)
+        self.run_dir = Path(run_dir)
+        self.rank, self.world_size = rank, world_size
+        self.pool = pool  # the PoolActor the weights go to (used by rank 0)
+        self.device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
+        self.trainer = None
+        self.transport = None  # rank 0: the send half of rollout.weight_transport
+
+    def rendezvous_address(self) -> str:
+        """A free host:port on this (rank 0's) node for the ranks' process group store."""
+        from k3rl.learner.distributed import free_port, rendezvous_host
+
+        host = rendezvous_host(bool(self.cfg.ray.address))
+        return f"{host}:{free_port(host)}"
+
+    def setup(self, rendezvous: str | None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from k3rl.learner.trainer import Trainer
+        from k3rl.rollout.transport import make_transport
+
+        if self.world_size > 1:
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{rendezvous}", rank=self.rank,
+                                    world_size=self.world_size)
+            if self.device == "cuda":
+                torch.cuda.set_device(0)  # Ray gives each rank its own visible GPU
+        self.trainer = Trainer.from_job(self.cfg, device=self.device)
+        if self.rank == 0:
+            self.transport = make_transport(self.cfg, self.device)
+
+    # ----- training -----------------------------------------------------------------------------
+    def sft(self, demos: list[Trajectory], steps: int) -> list[dict[str, float]]:
+        """`steps` SFT steps, each on one RL batch worth of demonstrations; then the KL term's
+        reference becomes the warm-started policy."""
+        rng = random.Random(self.cfg.learner.seed)
+        size = min(len(demos), self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size)
+        out = [self.trainer.sft_step(rng.sample(demos, k=size)) for _ in range(steps)]
+        self.trainer.reset_reference()  # collective under FSDP
+        return out
+
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        return self.trainer.train_step(trajectories)
+
+    def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        return self.trainer.logprobs(trajectories)
+
+    # ----- weights to the engines -----------------------------------------------------------------
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Every rank exports the whole model (collective under FSDP), in the engines' dtype (the
+        fp32 allow-list stays fp32) and where it is (packed on the GPU, if any); rank 0 sends it."""
+        import torch
+
+        dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
+        update = self.trainer.export_weights(version, dtype=dtype, to_cpu=False)
+        if self.rank != 0:
+            return {}
+        if self.pool is None:
+            raise RuntimeError("this learner has no inference pool to push weights to: pass the PoolActor "
+                               "handle to LearnerGroup(cfg, run_dir, pool)")
+        return self.transport.send(update, self.pool)
+
+    # ----- checkpoints ----------------------------------------------------------------------------
+    def save(self, step: int, data_state: dict[str, Any]) -> str:
+        """Write checkpoint `step` atomically (see the module docstring); a step that already has
+        a complete checkpoint is not written again. Returns its directory."""
+        ckpts = self.run_dir / "checkpoints"
+        final = ckpts / f"step-{step:06d}"
+        if not final.is_dir():
+            tmp = ckpts / f".{final.name}.tmp"
+            if self.rank == 0:  # the leftovers of an interrupted save (before any rank writes: save's barrier)
+                for stale in ckpts.glob(".step-*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            self.trainer.data_state = dict(data_state)
+            self.trainer.save_checkpoint(tmp)  # collective: returns once every rank has written its part
+            if self.rank == 0:
+                tmp.rename(final)
+        if self.rank == 0:
+            marker = ckpts / "latest.tmp"
+            marker.write_text(final.name + "\n")
+            os.replace(marker, ckpts / "latest")
+        return str(final)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint; returns {"step": ..., **the data_state saved with it}."""
+        self.trainer.load_checkpoint(path)
+        return {"step": self.trainer.step, **self.trainer.data_state}
+
+
+class LearnerGroup:
+    """The learner's ranks as one object. The weight transport is chosen here, once, from
+    `cfg.rollout.weight_transport` (its send half lives in rank 0)."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, pool) -> None:
+        import ray
+
+        ranks = cfg.learner.world_size if cfg.learner.data_parallel == "fsdp" else 1
+        actor = ray.remote(num_cpus=1, num_gpus=cfg.learner.gpus / ranks, max_restarts=0)(LearnerActor)
+        self.actors = [actor.remote(cfg.to_dict(), str(run_dir), r, ranks, pool) for r in range(ranks)]
+
+    async def start(self) -> None:
+        """Ranks join their process group and build their trainers (and rank 0 the transport)."""
+        address = await self.actors[0].rendezvous_address.remote() if len(self.actors) > 1 else None
+        await asyncio.gather(*(a.setup.remote(address) for a in self.actors))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """`method(*args)` on every rank; rank 0's answer. An ObjectRef argument is passed as it
+        is (each rank's Ray resolves it); the others are put into the object store once."""
+        import ray
+
+        if len(self.actors) > 1:
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
+        answers = await asyncio.gather(*(getattr(a, method).remote(*args) for a in self.actors))
+        return answers[0]
+
+    async def push_weights(self, version: int) -> dict[str, float]:
+        """Bring every engine of the pool to the learner's weights as `version`. Returns the
+        transport's report: weight_sync/seconds, /bytes, /fallbacks (1 when the update went
+        through the object store after the transport failed) and transport-specific timings."""
+        t0 = time.monotonic()
+        report = await self.call("push_weights", version)
+        return {**report, "weight_sync/seconds": time.monotonic() - t0}
+
+    def shutdown(self) -> None:
+        """Kill every rank (their process groups, transport groups and published weights go with
+        them). Idempotent; never raises."""
+        import ray
+
+        actors, self.actors = self.actors, []
+        for a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
