@@ -12,8 +12,13 @@
 from k3rl.envs.actions import action_to_ids, assistant_text, encode_with_specials, parse_action
 from k3rl.envs.base import EpisodeNotActiveError, NoOracleError, ToolEnv
 from k3rl.envs.builtin import BUILTIN_ENVS, register_all
-from k3rl.envs.episode import Episode, oracle_policy, run_episode, run_oracle_episode
-from k3rl.envs.registration import ENTRY_POINT_GROUP, load_entry_points
+from k3rl.envs.registration import (
+    ENTRY_POINT_GROUP,
+    check_env_ids,
+    import_env_modules,
+    load_entry_points,
+    unknown_env_message,
+)
 from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
 from k3rl.envs.timings import Timings
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, tool
@@ -22,9 +27,8 @@ register_all()
 load_entry_points()
 
 __all__ = [
-    "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "AssistantAction", "ChatMessages", "Episode", "EpisodeNotActiveError",
-    "NoOracleError", "oracle_policy", "run_episode", "run_oracle_episode",
-    "Timings", "Tool", "ToolArgumentError", "ToolEnv", "ToolError", "ToolResult", "action_to_ids",
-    "assistant_text", "encode_with_specials", "load_entry_points", "message_dict", "parse_action", "register_all",
-    "tool",
+    "BUILTIN_ENVS", "ENTRY_POINT_GROUP", "AssistantAction", "ChatMessages", "EpisodeNotActiveError",
+    "NoOracleError", "Timings", "Tool", "ToolArgumentError", "ToolEnv", "ToolError", "ToolResult", "action_to_ids",
+    "assistant_text", "check_env_ids", "encode_with_specials", "import_env_modules", "load_entry_points",
+    "message_dict", "parse_action", "register_all", "tool", "unknown_env_message",
 ]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -32,10 +35,18 @@ SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a c
 
 def _load(config: Optional[Path], overrides: Optional[list[str]]) -> JobConfig:
     try:
-        return JobConfig.load(config, overrides or [])
+        cfg = JobConfig.load(config, overrides or [])
     except ConfigError as e:
-        err.print(f"[bold red]error:[/] {e}")
-        raise typer.Exit(2) from None
+        _refused(e)
+    for note in cfg.notes():
+        err.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    return cfg
+
+
+def _refused(e: ConfigError) -> NoReturn:
+    err.print("[bold red]error:[/] ", end="")
+    err.print(str(e), markup=False, highlight=False, soft_wrap=True)  # the message may hold [brackets]
+    raise typer.Exit(2) from None
 
 
 @config_app.command("show")
@@ -60,6 +71,12 @@ def train(
 ) -> None:
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
+    from k3rl.envs.registration import check_env_ids
+
+    try:
+        check_env_ids(cfg)  # before Ray starts: an unknown env id or an envs.imports module that fails
+    except ConfigError as e:
+        _refused(e)
     from k3rl.job import run_job
 
     result = run_job(cfg, resume=resume)
@@ -102,27 +119,97 @@ def ui(
     tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] = "sqlite:///runs/mlflow.db",
     port: Annotated[int, typer.Option()] = 5000,
 ) -> None:
-    """Start the MLflow UI on the run store (loopback only)."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1", "--port", str(port)]
+    """Start the MLflow UI on the run store (loopback only); Ctrl-C or SIGTERM stops it and its workers."""
+    # one server worker: a local UI has one user, and MLflow's default of 4 slows start-up on small machines
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
     console.print(f"MLflow UI on http://127.0.0.1:{port}  ({' '.join(cmd)})")
-    raise typer.Exit(subprocess.call(cmd))
+    raise typer.Exit(run_until_stopped(cmd))
+
+
+class _Stopped(Exception):
+    pass
+
+
+def run_until_stopped(cmd: list[str], grace_s: float = 10.0) -> int:
+    """Run `cmd` in a process group of its own until it exits, or until this process gets SIGINT,
+    SIGTERM or SIGHUP: then the whole group (the server and every worker it forked) gets SIGTERM,
+    and SIGKILL after `grace_s`. Returns the exit code (128 + signal when stopped)."""
+    def stop(signum, _frame):
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        return proc.wait()
+    except _Stopped as e:
+        return 128 + e.args[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc is not None:
+            _stop_group(proc, grace_s)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is empty: everything has exited
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        if not _group_alive(proc.pid):
+            break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+ImportOpt = Annotated[Optional[list[str]], typer.Option(
+    "--import", help="a module that registers environments when imported, as in envs.imports (repeatable)")]
+
+
+def _import_env_modules(modules: Optional[list[str]]) -> None:
+    from k3rl.envs.registration import import_env_modules
+
+    try:
+        import_env_modules(modules or [], field="--import")
+    except ConfigError as e:
+        _refused(e)
 
 
 @envs_app.command("list")
-def envs_list() -> None:
+def envs_list(import_: ImportOpt = None) -> None:
     """Registered environments under the k3rl namespace (and third-party entry points)."""
+    _import_env_modules(import_)
     from k3rl.envs.cli import list_envs
 
     list_envs(console)
 
 
 @envs_app.command("check")
-def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v0")], seed: int = 0) -> None:
+def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v0")], seed: int = 0,
+               import_: ImportOpt = None) -> None:
     """Run Gymnasium's env checker and one oracle episode, printing the transcript."""
+    _import_env_modules(import_)
     from k3rl.envs.cli import check_env_command
+    from k3rl.envs.registration import unknown_env_message
 
+    unknown = unknown_env_message(env_id)
+    if unknown:
+        err.print("[bold red]error:[/] ", end="")
+        err.print(f"{unknown} (a module of your own: --import MODULE; `k3rl envs list` shows what is registered)",
+                  markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
     raise typer.Exit(check_env_command(env_id, seed=seed, console=console))
 
 

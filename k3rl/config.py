@@ -1,12 +1,15 @@
 """One job configuration: `JobConfig`, loaded from YAML with `--set a.b.c=value` overrides.
 
-Unknown keys and bad values are rejected with the dotted path of the field and what was
-expected (`ConfigError`). `resolve()` gives the fully defaulted config, which is what gets
-printed, saved next to a run and logged to MLflow as params.
+Unknown keys, bad values and combinations of fields that cannot work together are rejected
+before anything starts, each with the dotted path of the field and what to change
+(`ConfigError`). Combinations that work but may surprise are listed by `JobConfig.notes()`.
+The validated config (every default filled in) is what gets printed, saved next to a run and
+logged to MLflow as params.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +19,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FieldProblems(ValueError):
+    """Raised by a cross-field check: (dotted path relative to the section, what is wrong and what to do)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("\n".join(f"{path}: {message}" for path, message in problems))
+
+
+def _refuse(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        raise FieldProblems(problems)
 
 
 class ModelSection(_Section):
@@ -38,6 +54,16 @@ class ModelSection(_Section):
             except ValidationError as e:
                 raise ConfigError(_format(e, prefix="model.overrides")) from None
         return cfg
+
+    def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
+        from k3rl.learner.model import K3Config
+
+        try:
+            return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.overrides}), []
+        except ValidationError as e:
+            return None, [(f"overrides.{'.'.join(str(p) for p in err['loc'])}".rstrip("."),
+                           err["msg"].removeprefix("Value error, ") if err["type"] != "extra_forbidden" else "not a K3Config field")
+                          for err in e.errors()]
 
 
 class SamplingSection(_Section):
@@ -91,7 +117,9 @@ class LearnerSection(_Section):
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
     bf16: bool = False
     activation_checkpointing: bool = False
-    routing_replay: bool = True
+    routing_replay: bool = Field(
+        True, description="train with the experts the engine routed each token to (the embedded engine records "
+                          "them; vLLM cannot: set false with rollout.engine: vllm)")
     qb_frozen: bool = True
     steps: int = Field(20, ge=0)
     checkpoint_every: int = Field(10, ge=0)
@@ -108,29 +136,41 @@ class LearnerSection(_Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _ratio_bounds(self):
+    def _refuse_what_cannot_work(self):
+        problems = []
         if self.ratio_mask_low >= self.ratio_mask_high:
-            raise ValueError(f"ratio_mask_low ({self.ratio_mask_low}) must be below ratio_mask_high ({self.ratio_mask_high})")
-        return self
-
-    @model_validator(mode="after")
-    def _expert_parallel(self):
+            problems.append(("ratio_mask_low", f"{self.ratio_mask_low} must be below ratio_mask_high "
+                                               f"({self.ratio_mask_high})"))
         ep = self.expert_parallel
         if ep > 1 and self.data_parallel != "fsdp":
-            raise ValueError(f"expert_parallel={ep} needs data_parallel='fsdp' (FSDP shards all but the experts)")
+            problems.append(("expert_parallel", f"expert_parallel={ep} needs data_parallel='fsdp' (FSDP shards all "
+                                                f"but the experts); set learner.data_parallel: fsdp"))
         if self.world_size % ep:
-            raise ValueError(f"expert_parallel={ep} must divide world_size={self.world_size}")
+            problems.append(("expert_parallel", f"expert_parallel={ep} must divide world_size={self.world_size}"))
         if self.world_size > 1 and self.data_parallel != "fsdp":
-            raise ValueError(
-                f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's ranks share one model)"
-            )
+            problems.append(("world_size", f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's "
+                                           f"ranks share one model); set learner.data_parallel: fsdp"))
         per_rank = self.gpus / self.world_size
         if self.world_size > 1 and self.gpus > 0 and (per_rank < 1 or per_rank != int(per_rank)):
-            raise ValueError(
-                f"gpus={self.gpus} over world_size={self.world_size} ranks is {per_rank:g} GPU per rank; the ranks' "
-                f"NCCL group needs whole GPUs, one or more per rank (e.g. gpus={self.world_size})"
-            )
+            problems.append(("gpus", f"gpus={self.gpus} over world_size={self.world_size} ranks is {per_rank:g} GPU "
+                                     f"per rank; the ranks' NCCL group needs whole GPUs, one or more per rank "
+                                     f"(e.g. gpus={self.world_size})"))
+        if self.sft_steps > 0 and self.sft_episodes == 0:
+            problems.append(("sft_episodes", f"is 0, but sft_steps={self.sft_steps} needs oracle demonstrations to "
+                                             f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
+        problems += self._fsdp_kl_reference_after_sft()
+        _refuse(problems)
         return self
+
+    def _fsdp_kl_reference_after_sft(self) -> list[tuple[str, str]]:
+        """FSDP + a KL penalty + an SFT warm start: the KL reference is taken after the warm start,
+        which the sharded Trainer cannot do today (Trainer.reset_reference raises)."""
+        if self.data_parallel == "fsdp" and self.kl_coef > 0 and self.sft_steps > 0:
+            return [("kl_coef", f"kl_coef={self.kl_coef} with data_parallel='fsdp' and an SFT warm start "
+                                f"(sft_steps={self.sft_steps}) is not supported: the KL reference of the warm-started "
+                                f"policy cannot be taken from a sharded model; set learner.kl_coef: 0, "
+                                f"learner.sft_steps: 0 or learner.data_parallel: none")]
+        return []
 
 
 class EnvSpec(_Section):
@@ -140,15 +180,30 @@ class EnvSpec(_Section):
 
 
 class EnvsSection(_Section):
-    train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")])
+    train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")], min_length=1)
+    imports: list[str] = Field(
+        default_factory=list,
+        description="modules imported in every process that makes envs (the driver, the rollout workers) before "
+                    "the env ids are looked up; a module registers its envs with gymnasium.register on import")
     max_turns: int = Field(4, ge=1)
     episode_time_budget_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _module_names(self):
+        _refuse([(f"imports.{i}", f"{name!r} is not a module name (dotted Python identifiers, e.g. mypkg.envs); "
+                                  f"a file is imported by its module name once its directory is on PYTHONPATH "
+                                  f"(or in ray.runtime_env.working_dir / py_modules)")
+                 for i, name in enumerate(self.imports)
+                 if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name)])
+        return self
 
 
 class SandboxSection(_Section):
     backend: Literal["auto", "docker", "bwrap"] = "auto"
-    image: str | None = Field(None, description="defaults to the k3rl-sandbox image of this version")
-    memory_mb: int = Field(512, ge=16)
+    image: str | None = Field(
+        None, description="Docker image of the sandboxes (backend docker or auto); None: k3rl-sandbox:<version> from "
+                          "`k3rl sandbox build`. Another image needs python3 and a user 1000 (e.g. FROM that image)")
+    memory_mb: int = Field(512, ge=32, description="memory of one sandbox; Python needs 32 MB or more")
     cpus: float = Field(1.0, gt=0)
     pids: int = Field(128, ge=8)
     exec_timeout_s: float = Field(10.0, gt=0)
@@ -171,6 +226,17 @@ class RaySection(_Section):
     num_cpus: int | None = Field(None, ge=1)
     namespace: str = "k3rl"
     include_dashboard: bool = False
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray runtime_env of the job (working_dir, py_modules, pip, env_vars...): how a cluster's "
+                    "workers get the user's code; its env_vars are merged over the ones the job sets")
+
+    @model_validator(mode="after")
+    def _env_vars_mapping(self):
+        env_vars = self.runtime_env.get("env_vars")
+        if env_vars is not None and not isinstance(env_vars, dict):
+            _refuse([("runtime_env.env_vars", f"must map variable names to values, got {env_vars!r}")])
+        return self
 
 
 class JobConfig(_Section):
@@ -184,32 +250,81 @@ class JobConfig(_Section):
     ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")
-    def _experts_divisible(self):
-        ep = self.learner.expert_parallel
-        if ep > 1:
-            n = self.model.k3_config().num_experts
-            if n % ep:
-                raise ValueError(f"learner.expert_parallel={ep} must divide the model's num_experts={n}")
+    def _refuse_what_cannot_work(self):
+        _refuse(self._model_problems() + self._engine_problems() + self._weight_transport_problems()
+                + self._sandbox_problems())
         return self
 
-    @model_validator(mode="after")
-    def _weight_transport(self):
+    def _model_problems(self) -> list[tuple[str, str]]:
+        k3, problems = self.model._k3_config_or_problems()
+        problems = [(f"model.{path}", message) for path, message in problems]
+        if k3 is None:
+            return problems
+        ep = self.learner.expert_parallel
+        if ep > 1 and k3.num_experts % ep:
+            problems.append(("learner.expert_parallel", f"learner.expert_parallel={ep} must divide the model's "
+                                                        f"num_experts={k3.num_experts}"))
+        from k3rl.tokenizer import ByteTokenizer
+
+        if self.model.tokenizer == "byte" and k3.vocab_size < ByteTokenizer.vocab_size:
+            problems.append(("model.overrides.vocab_size", f"{k3.vocab_size} is smaller than the byte tokenizer's "
+                                                           f"{ByteTokenizer.vocab_size} ids; raise it, or set "
+                                                           f"model.tokenizer to a tokenizer.json directory"))
+        return problems
+
+    def _engine_problems(self) -> list[tuple[str, str]]:
+        if self.rollout.engine != "vllm":
+            return []
+        problems = []
+        if self.learner.routing_replay:
+            problems.append(("learner.routing_replay", "rollout.engine 'vllm' does not return the routed experts "
+                                                       "that routing replay trains with; set "
+                                                       "learner.routing_replay: false (or rollout.engine: embedded)"))
+        if not self.model.checkpoint:
+            problems.append(("model.checkpoint", "rollout.engine 'vllm' serves an HF-layout checkpoint directory; "
+                                                 "set model.checkpoint to one (save_hf writes it), or use "
+                                                 "rollout.engine: embedded"))
+        return problems
+
+    def _weight_transport_problems(self) -> list[tuple[str, str]]:
         t, learner_gpus, engine_gpus = self.rollout.weight_transport, self.learner.gpus, self.rollout.gpus_per_inference_worker
+        where = "rollout.weight_transport"
         if t == "nccl" and (learner_gpus > 0) != (engine_gpus > 0):
-            raise ValueError(
-                f"rollout.weight_transport='nccl' needs the learner and the engines on the same kind of device "
-                f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus}): NCCL between GPUs, "
-                f"gloo between CPU processes")
+            return [(where, f"'nccl' needs the learner and the engines on the same kind of device "
+                            f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus}): NCCL "
+                            f"between GPUs, gloo between CPU processes")]
         if t == "nccl" and engine_gpus > 0 and (engine_gpus < 1 or learner_gpus / self.learner.world_size < 1):
-            raise ValueError(
-                f"rollout.weight_transport='nccl' needs one whole GPU per process (learner.gpus={learner_gpus} over "
-                f"{self.learner.world_size} rank(s), rollout.gpus_per_inference_worker={engine_gpus}): NCCL cannot "
-                f"connect two processes on one GPU; use 'cuda_ipc' when the engines share the learner's GPU")
+            return [(where, f"'nccl' needs one whole GPU per process (learner.gpus={learner_gpus} over "
+                            f"{self.learner.world_size} rank(s), rollout.gpus_per_inference_worker={engine_gpus}): "
+                            f"NCCL cannot connect two processes on one GPU; use 'cuda_ipc' when the engines share the "
+                            f"learner's GPU")]
         if t == "cuda_ipc" and not (learner_gpus > 0 and engine_gpus > 0):
-            raise ValueError(
-                f"rollout.weight_transport='cuda_ipc' needs the learner and the engines on GPUs of one host "
-                f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus})")
-        return self
+            return [(where, f"'cuda_ipc' needs the learner and the engines on GPUs of one host "
+                            f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus})")]
+        return []
+
+    def _sandbox_problems(self) -> list[tuple[str, str]]:
+        if self.sandbox.image and self.sandbox.backend == "bwrap":
+            return [("sandbox.image", f"{self.sandbox.image!r} is a Docker image, but sandbox.backend is 'bwrap'; "
+                                      f"set sandbox.backend: docker (or auto), or remove sandbox.image")]
+        return []
+
+    def notes(self) -> list[str]:
+        """Settings that work but may not do what was meant (printed by `k3rl train` and `k3rl config show`)."""
+        out = []
+        learner, episodes = self.learner, self.rollout.prompts_per_step * self.rollout.group_size
+        if learner.checkpoint_every > learner.steps:
+            out.append(f"learner.checkpoint_every={learner.checkpoint_every} is more than learner.steps="
+                       f"{learner.steps}: only the final checkpoint is written")
+        if learner.steps == 0 and learner.sft_steps == 0:
+            out.append("learner.steps and learner.sft_steps are 0: the job trains nothing")
+        if self.tracking.sample_episodes > episodes:
+            out.append(f"tracking.sample_episodes={self.tracking.sample_episodes} is more than the {episodes} "
+                       f"episodes of a step (rollout.prompts_per_step x rollout.group_size): all of them are logged")
+        if self.sandbox.pool_size > self.sandbox.max_concurrency:
+            out.append(f"sandbox.pool_size={self.sandbox.pool_size} is more than sandbox.max_concurrency="
+                       f"{self.sandbox.max_concurrency}: at most {self.sandbox.max_concurrency} are kept warm")
+        return out
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -275,7 +390,11 @@ def _format(error: ValidationError, prefix: str = "") -> str:
     for err in error.errors():
         loc = ".".join(str(p) for p in err["loc"])
         path = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "<root>")
-        if err["type"] == "extra_forbidden":
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldProblems):  # a cross-field check: paths relative to the section that raised it
+            base = ".".join(p for p in (prefix, loc) if p)
+            lines += [f"{base}.{field}: {message}" if base else f"{field}: {message}" for field, message in cause.problems]
+        elif err["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key (check the spelling; `k3rl config show` prints every valid key)")
         else:
             got = err.get("input")

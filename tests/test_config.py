@@ -38,14 +38,15 @@ def test_bad_value_names_field_and_expectation():
 
 
 def test_cross_field_validation():
-    with pytest.raises(ConfigError, match="ratio_mask_low"):
+    with pytest.raises(ConfigError, match=r"learner.ratio_mask_low: 5.0 must be below ratio_mask_high \(2.0\)"):
         JobConfig.load(None, ["learner.ratio_mask_low=5", "learner.ratio_mask_high=2"])
-    with pytest.raises(ConfigError, match=r"learner: .*world_size=2 needs data_parallel='fsdp'"):
+    with pytest.raises(ConfigError, match=r"learner.world_size: world_size=2 needs data_parallel='fsdp'.*"
+                                          r"set learner.data_parallel: fsdp"):
         JobConfig.load(None, ["learner.world_size=2"])  # ranks of a learner must share one sharded model
 
 
 def test_learner_ranks_need_whole_gpus():
-    with pytest.raises(ConfigError, match=r"learner: .*0.5 GPU per rank; .*whole GPUs"):
+    with pytest.raises(ConfigError, match=r"learner.gpus: gpus=1.0 over world_size=2 ranks is 0.5 GPU per rank; .*whole GPUs"):
         JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2", "learner.gpus=1"])
     JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2", "learner.gpus=2"])
     JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2"])  # CPU ranks (gloo)
@@ -53,12 +54,12 @@ def test_learner_ranks_need_whole_gpus():
 
 def test_weight_transport_must_fit_the_devices():
     # a broadcast group is NCCL between GPUs or gloo between CPUs, never a mix
-    with pytest.raises(ConfigError, match=r"<root>: .*weight_transport='nccl' needs the learner and the engines on the same kind"):
+    with pytest.raises(ConfigError, match=r"rollout.weight_transport: 'nccl' needs the learner and the engines on the same kind"):
         JobConfig.load(None, ["rollout.weight_transport=nccl", "learner.gpus=1"])
     # NCCL cannot connect two processes on one GPU: colocated engines use CUDA IPC
-    with pytest.raises(ConfigError, match=r"one whole GPU per process .* use 'cuda_ipc'"):
+    with pytest.raises(ConfigError, match=r"rollout.weight_transport: 'nccl' needs one whole GPU per process .* use 'cuda_ipc'"):
         JobConfig.load(None, ["rollout.weight_transport=nccl", "learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5"])
-    with pytest.raises(ConfigError, match=r"'cuda_ipc' needs the learner and the engines on GPUs"):
+    with pytest.raises(ConfigError, match=r"rollout.weight_transport: 'cuda_ipc' needs the learner and the engines on GPUs"):
         JobConfig.load(None, ["rollout.weight_transport=cuda_ipc"])
     for ok in (["rollout.weight_transport=nccl"],  # gloo on CPUs
                ["rollout.weight_transport=nccl", "learner.gpus=1", "rollout.gpus_per_inference_worker=1"],
@@ -88,3 +89,74 @@ def test_examples_are_valid():
 
     for f in sorted(Path(__file__).resolve().parents[1].joinpath("examples").glob("*.yaml")):
         JobConfig.load(f)
+
+
+def refusal(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        JobConfig.load(None, list(overrides))
+    return str(e.value)
+
+
+def test_vllm_needs_a_checkpoint_and_no_routing_replay():
+    msg = refusal("rollout.engine=vllm")  # the adapter cannot return routed experts, and serves a checkpoint
+    assert "learner.routing_replay: rollout.engine 'vllm' does not return the routed experts" in msg
+    assert "set learner.routing_replay: false" in msg
+    assert "model.checkpoint: rollout.engine 'vllm' serves an HF-layout checkpoint directory" in msg
+    cfg = JobConfig.load(None, ["rollout.engine=vllm", "learner.routing_replay=false", "model.checkpoint=/ckpt"])
+    assert cfg.rollout.engine == "vllm"
+
+
+def test_sft_warm_start_needs_demonstrations():
+    msg = refusal("learner.sft_steps=10", "learner.sft_episodes=0")
+    assert "learner.sft_episodes: is 0, but sft_steps=10 needs oracle demonstrations" in msg
+    JobConfig.load(None, ["learner.sft_steps=0", "learner.sft_episodes=0"])
+
+
+def test_fsdp_kl_reference_after_an_sft_warm_start_is_refused():
+    msg = refusal("learner.data_parallel=fsdp", "learner.kl_coef=0.1", "learner.sft_steps=5")
+    assert "learner.kl_coef: kl_coef=0.1 with data_parallel='fsdp' and an SFT warm start" in msg
+    for ok in (["learner.data_parallel=fsdp", "learner.kl_coef=0.1", "learner.sft_steps=0"],
+               ["learner.data_parallel=fsdp", "learner.kl_coef=0", "learner.sft_steps=5"],
+               ["learner.kl_coef=0.1", "learner.sft_steps=5"]):
+        JobConfig.load(None, ok)
+
+
+def test_model_overrides_are_checked_with_their_paths():
+    assert "model.overrides.num_experts: Input should be a valid integer" in refusal("model.overrides.num_experts=x")
+    assert "model.overrides.no_such_field: not a K3Config field" in refusal("model.overrides.no_such_field=1")
+    # the byte tokenizer's ids must fit the embedding
+    msg = refusal("model.overrides.vocab_size=300")
+    assert "model.overrides.vocab_size: 300 is smaller than the byte tokenizer's 320 ids" in msg
+
+
+def test_sandbox_settings_that_cannot_work():
+    msg = refusal("sandbox.backend=bwrap", "sandbox.image=myorg/sandbox:1")
+    assert "sandbox.image: 'myorg/sandbox:1' is a Docker image, but sandbox.backend is 'bwrap'" in msg
+    assert "sandbox.memory_mb: Input should be greater than or equal to 32" in refusal("sandbox.memory_mb=16")
+    assert JobConfig.load(None, ["sandbox.image=myorg/sandbox:1"]).sandbox.image == "myorg/sandbox:1"
+
+
+def test_envs_and_ray_settings_that_cannot_work():
+    assert "envs.train: List should have at least 1 item" in refusal("envs.train=[]")
+    msg = refusal("envs.imports=[mypkg.envs, envs/my_env.py]")
+    assert "envs.imports.1: 'envs/my_env.py' is not a module name" in msg and "imports.0" not in msg
+    assert "ray.runtime_env.env_vars: must map variable names to values" in refusal("ray.runtime_env.env_vars=[A]")
+    cfg = JobConfig.load(None, ["envs.imports=[mypkg.envs]", "ray.runtime_env.working_dir=/src"])
+    assert cfg.envs.imports == ["mypkg.envs"] and cfg.ray.runtime_env == {"working_dir": "/src"}
+
+
+def test_every_problem_is_reported_at_once():
+    msg = refusal("rollout.engine=vllm", "sandbox.backend=bwrap", "sandbox.image=x")
+    for path in ("sandbox.image:", "learner.routing_replay:", "model.checkpoint:"):
+        assert f"\n  {path}" in msg, msg
+
+
+def test_notes_name_settings_that_work_but_may_surprise():
+    assert JobConfig().notes() == []
+    notes = JobConfig.load(None, ["learner.steps=5", "tracking.sample_episodes=100", "sandbox.pool_size=20"]).notes()
+    assert notes[0] == "learner.checkpoint_every=10 is more than learner.steps=5: only the final checkpoint is written"
+    assert notes[1].startswith("tracking.sample_episodes=100 is more than the 32 episodes of a step")
+    assert notes[2].startswith("sandbox.pool_size=20 is more than sandbox.max_concurrency=16")
+    assert JobConfig.load(None, ["learner.steps=0"]).notes()[-1] == (
+        "learner.steps and learner.sft_steps are 0: the job trains nothing")
+

@@ -1,0 +1,107 @@
+"""The `k3rl` command line as a user runs it: real subprocesses, a real MLflow server on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3rl.learner.distributed import free_port
+
+K3RL = [sys.executable, "-m", "k3rl.cli"]
+
+
+def k3rl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*K3RL, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "COLUMNS": "200", **(env or {})})
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (read from /proc; zombies count as gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rindex(")") + 2] != "Z"
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_k3rl_ui_stops_the_mlflow_server_it_started(tmp_path, sig):
+    port = free_port()
+    ui = subprocess.Popen([*K3RL, "ui", "--port", str(port), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True)
+    started = set()
+    try:
+        deadline = time.monotonic() + 180
+        while not port_open(port):
+            assert ui.poll() is None, "k3rl ui exited before its server answered"
+            assert time.monotonic() < deadline, "the MLflow server did not answer within 180 s"
+            time.sleep(0.5)
+        started = descendants(ui.pid)
+        assert started, "k3rl ui should run the server as a child process"
+        ui.send_signal(sig)  # to k3rl ui alone, as `kill` or a service manager would (not its process group)
+        assert ui.wait(timeout=60) == 128 + sig
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in started if alive(p)] == [], "a process of the MLflow server survived"
+        assert not port_open(port)
+    finally:
+        for pid in [ui.pid, *started]:  # only what this test started
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_config_show_refuses_what_cannot_work_and_prints_notes():
+    r = k3rl("config", "show", "--set", "rollout.engine=vllm")
+    assert r.returncode == 2
+    assert "learner.routing_replay: rollout.engine 'vllm' does not return the routed experts" in r.stderr
+    assert "model.checkpoint: rollout.engine 'vllm' serves an HF-layout checkpoint" in r.stderr
+    r = k3rl("config", "show", "--set", "learner.steps=3")
+    assert r.returncode == 0, r.stderr
+    assert "note: learner.checkpoint_every=10 is more than learner.steps=3" in r.stderr
+
+
+def test_train_refuses_an_unknown_env_id_before_ray_starts(tmp_path):
+    r = k3rl("train", "--set", "envs.train.0.id=k3rl/KeyLokup-v0", "--set", f"tracking.runs_dir={tmp_path}/runs",
+             "--set", f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "envs.train.0.id: Environment `KeyLokup` doesn't exist in namespace k3rl. Did you mean: `KeyLookup`?" in r.stderr
+    assert not (tmp_path / "runs").exists()  # refused before anything started: no run, no Ray
+
+
+def test_envs_check_suggests_the_registered_id():
+    r = k3rl("envs", "check", "KeyLookup-v0")
+    assert r.returncode == 2
+    assert "Did you mean: `k3rl/KeyLookup-v0`?" in r.stderr
