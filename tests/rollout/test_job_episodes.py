@@ -1,0 +1,105 @@
+"""A job's episodes: the env a JobConfig makes, the start-of-job checks (preflight) and the SFT
+warm start's oracle demonstrations, all through the episode loop."""
+
+import gymnasium
+import pytest
+
+import k3rl.envs  # noqa: F401
+from k3rl.config import JobConfig
+from k3rl.envs import ToolEnv
+from k3rl.envs.key_lookup import KeyLookupEnv
+from k3rl.rollout.episode import (
+    EpisodeSpec,
+    PreflightError,
+    collect_demonstrations,
+    make_env,
+    make_template,
+    preflight,
+)
+
+
+def job(**sections) -> JobConfig:
+    data = {"envs": {"train": [{"id": "k3rl/KeyLookup-v0"}], "max_turns": 3}}
+    for key, value in sections.items():
+        section, _, name = key.partition("__")
+        data.setdefault(section, {})
+        if name:
+            data[section][name] = value
+        else:
+            data[section] = value
+    return JobConfig.from_dict(data)
+
+
+class NoOracle(KeyLookupEnv):
+    oracle = ToolEnv.oracle  # no scripted policy
+
+
+class Broken(KeyLookupEnv):
+    def opening_messages(self, task):
+        raise FileNotFoundError("tasks.json")
+
+
+gymnasium.register("k3rltest/NoOracle-v0", entry_point=NoOracle)
+gymnasium.register("k3rltest/Broken-v0", entry_point=Broken)
+
+
+def test_a_tool_env_gets_the_jobs_settings_and_a_plain_env_only_its_kwargs():
+    cfg = job(envs__max_turns=5, envs__episode_time_budget_s=30.0)
+    template = make_template(cfg)
+    env = make_env(EpisodeSpec("e", "k3rl/KeyLookup-v0", 0, env_kwargs={"num_keys": 2}), cfg, template).unwrapped
+    assert (env.max_turns, env.time_budget_s, env.template, env.num_keys) == (5, 30.0, template, 2)
+    env = make_env(EpisodeSpec("e", "k3rl/KeyLookup-v0", 0, env_kwargs={"max_turns": 1}), cfg, template).unwrapped
+    assert env.max_turns == 1  # the env's own kwargs win
+    plain = make_env(EpisodeSpec("e", "CartPole-v1", 0), cfg, template)  # would fail on a template kwarg
+    assert plain.unwrapped.spec.id == "CartPole-v1"
+
+
+def test_preflight_passes_a_job_that_fits():
+    preflight(job(learner__sft_steps=2, rollout__sampling={"max_tokens_per_turn": 128}))
+
+
+def test_preflight_refuses_a_first_prompt_over_the_context():
+    cfg = job(envs__train=[{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 26}}], rollout__max_context_tokens=64)
+    with pytest.raises(PreflightError, match=r"^k3rl/KeyLookup-v0: the first prompt is (\d+) tokens, over "
+                                             r"rollout.max_context_tokens=64; raise it or shorten the env's opening$"):
+        preflight(cfg)
+
+
+def test_preflight_refuses_oracle_messages_over_max_tokens_per_turn():
+    cfg = job(learner__sft_steps=2, rollout__sampling={"max_tokens_per_turn": 16})
+    with pytest.raises(PreflightError, match=r"k3rl/KeyLookup-v0: an oracle message is \d+ tokens, over "
+                                             r"rollout.sampling.max_tokens_per_turn=16; raise it"):
+        preflight(cfg)
+    preflight(job(learner__sft_steps=0, rollout__sampling={"max_tokens_per_turn": 16}))  # no SFT: no oracle needed
+
+
+def test_preflight_refuses_sft_without_an_oracle_and_envs_that_cannot_start():
+    with pytest.raises(PreflightError, match=r"k3rltest/NoOracle-v0: learner.sft_steps=3 warm-starts on oracle "
+                                             r"demonstrations, but the env has no oracle .*set learner.sft_steps=0"):
+        preflight(job(learner__sft_steps=3, envs__train=[{"id": "k3rltest/NoOracle-v0"}]))
+    preflight(job(envs__train=[{"id": "k3rltest/NoOracle-v0"}]))
+    with pytest.raises(PreflightError, match=r"k3rltest/Broken-v0 \(kwargs \{\}\) cannot be made and reset: "
+                                             r"FileNotFoundError: tasks.json"):
+        preflight(job(envs__train=[{"id": "k3rltest/Broken-v0"}]))
+    with pytest.raises(PreflightError, match=r"oracle episode for the SFT warm start was truncated by max_turns "
+                                             r"\(envs.max_turns=1\); raise envs.max_turns"):
+        preflight(job(learner__sft_steps=1, envs__max_turns=1))
+
+
+def test_demonstrations_are_oracle_episodes_token_exact():
+    cfg = job(envs__train=[{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
+              rollout__sampling={"max_tokens_per_turn": 128})
+    demos = collect_demonstrations(cfg, "run", 3)
+    template = make_template(cfg)
+    assert [d.id for d in demos] == [f"run-demo-g{i:07d}-s0" for i in range(3)]
+    assert len({d.seed for d in demos}) == 3
+    for d in demos:
+        assert d.error is None and d.terminated and d.reward == 1.0 and d.num_turns == 2
+        assert d.metadata["env_kwargs"] == {"num_keys": 2}
+        said = [t for t in d.turns if t.role == "assistant"]
+        trained = [tok for tok, m in zip(d.completion_ids, d.loss_mask, strict=True) if m]
+        assert trained == template.assistant_body("", said[0].tool_calls, None) + \
+            template.assistant_body(said[1].text, [], None)
+    assert [d.completion_ids for d in collect_demonstrations(cfg, "run", 3)] == [d.completion_ids for d in demos]
+    with pytest.raises(RuntimeError, match="did not finish .*truncated by max_tokens"):
+        collect_demonstrations(job(rollout__sampling={"max_tokens_per_turn": 16}), "run", 1)
