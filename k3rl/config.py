@@ -158,19 +158,8 @@ class LearnerSection(_Section):
         if self.sft_steps > 0 and self.sft_episodes == 0:
             problems.append(("sft_episodes", f"is 0, but sft_steps={self.sft_steps} needs oracle demonstrations to "
                                              f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
-        problems += self._fsdp_kl_reference_after_sft()
         _refuse(problems)
         return self
-
-    def _fsdp_kl_reference_after_sft(self) -> list[tuple[str, str]]:
-        """FSDP + a KL penalty + an SFT warm start: the KL reference is taken after the warm start,
-        which the sharded Trainer cannot do today (Trainer.reset_reference raises)."""
-        if self.data_parallel == "fsdp" and self.kl_coef > 0 and self.sft_steps > 0:
-            return [("kl_coef", f"kl_coef={self.kl_coef} with data_parallel='fsdp' and an SFT warm start "
-                                f"(sft_steps={self.sft_steps}) is not supported: the KL reference of the warm-started "
-                                f"policy cannot be taken from a sharded model; set learner.kl_coef: 0, "
-                                f"learner.sft_steps: 0 or learner.data_parallel: none")]
-        return []
 
 
 class EnvSpec(_Section):
