@@ -9,6 +9,7 @@ live in one process (tests, Ray actors) without stepping on each other.
 
 from __future__ import annotations
 
+import logging
 import math
 import posixpath
 import re
@@ -34,7 +35,9 @@ except ImportError:  # pragma: no cover - older MLflow
 
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 RUN_DIR_TAG = "k3rl.run_dir"
+ERROR_TAG = "k3rl.error"  # why a run ended FAILED or KILLED
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+log = logging.getLogger("k3rl.tracking")
 
 
 class TrackingError(RuntimeError):
@@ -290,8 +293,11 @@ class Tracker:
 
     # -- end -------------------------------------------------------------------------------
     def finish(self, status: str = "FINISHED") -> None:
+        """End the run with `status` (FINISHED, FAILED or KILLED). Only the first call counts."""
         if status not in RUN_STATUSES:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
+        if self.finished:
+            return
         self.client.set_terminated(self.run_id, status=status)
         self.finished = True
 
@@ -299,9 +305,27 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.finished:
-            status = "FINISHED" if exc_type is None else "KILLED" if exc_type is KeyboardInterrupt else "FAILED"
+        """FINISHED when the block ends normally (or by sys.exit(0)), FAILED on an exception, KILLED on
+        KeyboardInterrupt, SystemExit or cancellation; the error is kept as the tag `k3rl.error`. A failure
+        to reach the store here is logged, never raised over the block's own exception."""
+        if self.finished:
+            return
+        status = exit_status(exc_type, exc)
+        try:
+            if status != "FINISHED":
+                self.set_tags({ERROR_TAG: f"{exc_type.__name__}: {exc}"})
             self.finish(status)
+        except Exception:
+            if exc_type is None:
+                raise
+            log.exception("could not mark MLflow run %s %s", self.run_id, status)
+
+
+def exit_status(exc_type: type[BaseException] | None, exc: BaseException | None) -> str:
+    """The MLflow status of a run whose `with` block ended with `exc` (None: normally)."""
+    if exc_type is None or (issubclass(exc_type, SystemExit) and getattr(exc, "code", None) in (0, None)):
+        return "FINISHED"
+    return "FAILED" if issubclass(exc_type, Exception) else "KILLED"
 
 
 def metric_history(client, run_id: str, key: str) -> list[tuple[int, float]]:

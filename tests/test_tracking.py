@@ -4,6 +4,7 @@ first start-up runs MLflow's migrations)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import math
 import re
@@ -127,6 +128,56 @@ def test_context_manager_marks_failed_runs(store):
         raise RuntimeError("boom")
     assert MlflowClient(uri).get_run(t.run_id).info.status == "FAILED"
     assert t.log_reward_curve_png(metrics=["nothing/here"]) is None
+
+
+@pytest.mark.parametrize("ending, status", [
+    ("raise RuntimeError('the learner died')", "FAILED"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGINT)", "KILLED"),  # Ctrl-C
+])
+def test_a_job_process_marks_its_run_by_how_it_ended(store, ending, status):
+    """A driver that wraps its job in the Tracker leaves no run RUNNING when it crashes or is stopped."""
+    import subprocess
+    import sys
+
+    uri, _ = store
+    code = (f"from k3rl.tracking import Tracker\n"
+            f"with Tracker(uri={uri!r}, experiment='crashes', run_name={ending!r}) as t:\n"
+            f"    print(t.run_id, flush=True)\n"
+            f"    t.log_metrics({{'reward/mean': 0.5}}, step=1)\n"
+            f"    {ending}\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode == 0) == (status == "FINISHED"), r.stderr
+    run = MlflowClient(uri).get_run(r.stdout.split()[0])
+    assert run.info.status == status
+    assert run.data.metrics["reward/mean"] == 0.5
+    if ending.startswith("raise RuntimeError"):
+        assert run.data.tags["k3rl.error"] == "RuntimeError: the learner died"
+
+
+@pytest.mark.parametrize("error, status", [
+    (None, "FINISHED"), (SystemExit(0), "FINISHED"), (SystemExit(2), "KILLED"), (KeyboardInterrupt(), "KILLED"),
+    (ValueError("bad batch"), "FAILED"),
+])
+def test_the_status_follows_how_the_block_ended(store, error, status):
+    uri, _ = store
+    with pytest.raises(type(error)) if error else contextlib.nullcontext(), Tracker(uri=uri, experiment="exp-c") as t:
+        if error:
+            raise error
+    assert MlflowClient(uri).get_run(t.run_id).info.status == status
+
+
+def test_finish_counts_once_and_the_block_error_is_never_masked(store):
+    uri, _ = store
+    client = MlflowClient(uri)
+    with Tracker(uri=uri, experiment="exp-b", run_name="twice") as t:
+        t.finish("KILLED")  # the driver decided; leaving the block does not overwrite it
+        t.finish("FINISHED")
+    assert client.get_run(t.run_id).info.status == "KILLED"
+    # the store refuses the end-of-run calls (a run it does not hold): the block's own error still surfaces
+    with pytest.raises(ValueError, match="the job's own error"), Tracker(uri=uri, experiment="exp-b") as t:
+        real_run, t.run_id = t.run_id, "0" * 32
+        raise ValueError("the job's own error")
+    client.set_terminated(real_run, "FAILED")
 
 
 def test_key_and_value_limits():
