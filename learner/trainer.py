@@ -49,7 +49,7 @@ __all__ = ["Trainer", "lr_at"]
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Cosine decay with linear warmup (K3_SPEC §8.4), for 0-based `step`.
+    """Cosine decay with linear warmup (docs/model.md §8.4), for 0-based `step`.
 
     warmup W = ceil(warmup_ratio * total):   lr = peak (step + 1) / W             for step < W
     then progress p = (step - W) / max(1, total - W), clamped to [0, 1]:
@@ -112,7 +112,7 @@ class Trainer:
                 g["kind"], g["block_rows"] = "adamw", None
         self.optimizer = PerHeadMuon(groups, lr=config.lr, weight_decay=config.weight_decay)
         self.trainable = [p for g in groups for p in g["params"]]
-        # QK-Clip on the MLA heads (K3_SPEC §8.3), off unless a threshold tau is given
+        # QK-Clip on the MLA heads (docs/model.md §8.3), off unless a threshold tau is given
         tau = qk_clip_tau if qk_clip_tau is not None else getattr(config, "qk_clip_tau", None)
         self.qk_clip = self.max_logits = None
         if tau is not None:
@@ -448,7 +448,7 @@ class Trainer:
                        to_cpu: bool = True) -> WeightUpdate:
         """Every weight under its official HF name, as a versioned WeightUpdate.
 
-        `dtype` casts floating tensors except the fp32 allow-list (K3_SPEC §1.5). `to_cpu=False`
+        `dtype` casts floating tensors except the fp32 allow-list (docs/model.md §1.5). `to_cpu=False`
         keeps the tensors where the model is (for a GPU-to-GPU broadcast or CUDA IPC). Under FSDP
         this is collective: call it on every rank (each gets the same update)."""
         from k3rl.learner.model.model import FP32_PARAM_SUFFIXES

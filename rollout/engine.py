@@ -1,6 +1,6 @@
 """The inference-engine contract and the embedded K3 engine.
 
-`InferenceEngine` (DESIGN §3) is what rollout workers talk to: token ids in, token ids plus
+`InferenceEngine` is what rollout workers talk to: token ids in, token ids plus
 per-token log-probs (plus, on request, routed experts) out, versioned weight updates.
 `EmbeddedEngine` implements it on our own `K3ForCausalLM` with continuous batching.
 
@@ -89,7 +89,7 @@ class EngineLoad:
 
 
 class InferenceEngine(ABC):
-    """Token in, token out, versioned weights (DESIGN §3).
+    """Token in, token out, versioned weights.
 
     Implementations provide `submit` (non-blocking, returns a concurrent Future);
     `generate` (blocking) and `agenerate` (asyncio: many coroutines share one engine) are
