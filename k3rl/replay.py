@@ -258,6 +258,7 @@ def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = Non
     """Run the recorded assistant turns (their exact sampled ids) again through the episode loop,
     in a fresh environment made as the job made it (`cfg`: the run's config, else the defaults);
     collect every divergence of what the env says back, the rewards and the episode's end."""
+    from k3rl.envs.registration import import_env_modules
     from k3rl.rollout.episode import (
         NO_LIMIT,
         EpisodeSpec,
@@ -269,6 +270,10 @@ def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = Non
     )
 
     cfg = cfg or JobConfig()
+    try:
+        import_env_modules(cfg.envs.imports)  # the run's own envs register themselves
+    except ConfigError as e:
+        raise ReplayError(f"cannot re-execute episode {traj.id}: {e}") from None
     template = make_template(cfg)
     spec = EpisodeSpec(id=traj.id, env_id=traj.env_id, seed=traj.seed, group_id=traj.group_id,
                        env_kwargs=dict(env_kwargs or {}))

@@ -57,6 +57,7 @@ from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.envs.actions import action_to_ids
 from k3rl.envs.base import is_tool_env
+from k3rl.envs.registration import import_env_modules
 from k3rl.rollout.engine import GenerationResult
 from k3rl.tokenizer import load_tokenizer
 from k3rl.types import SamplingParams, Trajectory, Turn
@@ -353,17 +354,6 @@ def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:
     return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s}
 
 
-def import_env_modules(cfg: JobConfig) -> None:
-    """Import the modules of `envs.imports` (a user's envs register themselves on import)."""
-    import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
-
-    try:
-        from k3rl.envs.registration import import_env_modules as import_modules
-    except ImportError:  # not there yet in this checkout
-        return
-    import_modules(list(getattr(cfg.envs, "imports", None) or []))
-
-
 def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = None,
              sandbox_factory: Callable[[], Any] | None = None,
              sandbox_release: Callable[[Any], None] | None = None) -> Any:
@@ -394,7 +384,7 @@ def preflight(cfg: JobConfig) -> None:
     can be made and reset, and its first prompt (one seed) fits `rollout.max_context_tokens`;
     with an SFT warm start, its oracle plays an episode whose messages each fit
     `rollout.sampling.max_tokens_per_turn`. Raises PreflightError naming the env and the field."""
-    import_env_modules(cfg)
+    import_env_modules(cfg.envs.imports)
     template = make_template(cfg)
     limit = cfg.rollout.max_context_tokens
     for e in cfg.envs.train:
@@ -445,7 +435,7 @@ def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> 
 def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajectory]:
     """`n` oracle episodes for the SFT warm start, through the episode loop with the job's limits
     (tokens exactly as the template renders them). Raises when one fails or does not finish."""
-    import_env_modules(cfg)
+    import_env_modules(cfg.envs.imports)
     template = make_template(cfg)
     limits = job_limits(cfg)
 

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 from k3rl.config import JobConfig
+from k3rl.envs.registration import import_env_modules
 from k3rl.envs.sandboxed import on_loop_thread
 from k3rl.rollout.episode import (
     EpisodeSpec,
-    import_env_modules,
     job_limits,
     job_sampling,
     make_env,
@@ -38,7 +38,7 @@ class RolloutWorker:
 
         torch.set_num_threads(1)
         self.cfg = JobConfig.model_validate(cfg)
-        import_env_modules(self.cfg)  # a user's envs register themselves in this process too
+        import_env_modules(self.cfg.envs.imports)  # a user's envs register themselves in this process too
         self.pool = pool
         self.buffer = buffer
         self.index = index

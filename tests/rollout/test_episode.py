@@ -251,7 +251,8 @@ def test_request_seeds_are_per_episode_and_turn_but_not_per_run():
 
 
 def test_same_episode_samples_the_same_tokens_on_the_embedded_engine():
-    """Two runs of a group against fresh engines (same init): identical trajectories; siblings differ."""
+    """Two runs of a group against fresh engines (same init), under different run names: the same
+    tokens (the per-request seeds); the two members of the group sample differently."""
     import torch
 
     from k3rl.config import JobConfig
@@ -282,5 +283,7 @@ def test_same_episode_samples_the_same_tokens_on_the_embedded_engine():
     first, second = group("a"), group("b")
     assert all(t.error is None and t.num_generated > 0 for t in first + second)
     for x, y in zip(first, second, strict=True):
-        assert (x.completion_ids, x.logprobs) == (y.completion_ids, y.logprobs)
+        assert x.completion_ids == y.completion_ids
+        # fp32 log-probs of a batch of two may round differently from run to run (batch composition)
+        assert x.logprobs == pytest.approx(y.logprobs, rel=1e-5, abs=1e-5)
     assert first[0].completion_ids != first[1].completion_ids
