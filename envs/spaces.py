@@ -4,7 +4,7 @@
 `k3rl.chat.Message` (role, content, PNG images, tool name/index). `AssistantAction` is a
 `spaces.Text` whose `contains` accepts any string up to `max_length` (model output is not
 limited to a charset; the charset only drives `sample()`), plus the already-parsed forms
-the token-in/token-out agent loop passes (`ParsedAssistant`, an assistant `Message`, token ids).
+the episode loop passes (an assistant `Message` it parsed, or the token ids that did not parse).
 """
 
 from __future__ import annotations

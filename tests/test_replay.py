@@ -1,4 +1,4 @@
-"""`k3rl replay`: episodes recorded by the real agent loop into a real store, shown, written as
+"""`k3rl replay`: episodes recorded by the real episode loop into a real store, shown, written as
 HTML, and re-executed in fresh environments (a Gymnasium env with images defined here, and the
 built-in k3rl/KeyLookup-v0)."""
 

@@ -130,7 +130,7 @@ def test_sandboxes_from_a_pool_go_back_to_it(require_sandbox):
             assert ep_end is not None and pool.leased == 0
         assert pool.live <= 2
 
-        async def close_on_the_loop():  # what an agent loop's `finally: env.close()` does
+        async def close_on_the_loop():  # what the episode loop's `finally: env.close()` does
             env.close()
             await asyncio.sleep(0.5)
             return pool.leased
