@@ -80,9 +80,9 @@ def test_the_readme_env_runs_as_written():
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     try:
         exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
-        c = console()
-        assert check_env_command("mypkg/Echo-v0", seed=5, console=c) == 0, c.file.getvalue()
-        out = c.file.getvalue()
+        result = CliRunner().invoke(app, ["envs", "check", "mypkg/Echo-v0", "--seed", "5"])
+        assert result.exit_code == 0, result.output
+        out = result.output
         assert "env checker passed" in out and "-> shout(text=" in out and "reward 1.0000, 2 turns, terminated" in out
     finally:
         gym.registry.pop("mypkg/Echo-v0", None)
