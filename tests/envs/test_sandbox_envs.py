@@ -9,9 +9,9 @@ from PIL import Image
 import k3rl.envs  # noqa: F401
 from k3rl.envs.chart_match import HEIGHT, WIDTH, chart_task, load_targets
 from k3rl.envs.code_fix_tasks import BUGS
-from k3rl.rollout.episode import run_oracle_episode
 from k3rl.envs.python_tool import FAMILIES, last_integer
 from k3rl.images import PNG_MAGIC, png_size
+from k3rl.rollout.episode import run_oracle_episode
 
 from .conftest import BACKEND
 

@@ -8,11 +8,11 @@ import gymnasium as gym
 import pytest
 
 import k3rl.envs  # noqa: F401
-from k3rl.types import SamplingParams
 from k3rl.chat import ChatTemplate
-from k3rl.rollout.episode import EpisodeSpec, run_episode, run_oracle_episode, scripted_generate
 from k3rl.envs.sandboxed import pooled
+from k3rl.rollout.episode import EpisodeSpec, run_episode, run_oracle_episode, scripted_generate
 from k3rl.sandboxes import SandboxClosedError, SandboxError, SandboxFileError, SandboxPool, open_sandbox
+from k3rl.types import SamplingParams
 
 from .conftest import BACKEND
 
