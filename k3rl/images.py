@@ -1,6 +1,6 @@
 """Image helpers shared by environments, the chat template and the vision tower.
 
-`image_grid` is the MoonViT-V2 resize rule of K3_SPEC §7.1; the chat template uses it to
+`image_grid` is the MoonViT-V2 resize rule of docs/model.md §7.1; the chat template uses it to
 know how many `<|media_pad|>` tokens an image takes (gh * gw / 4), and the vision
 preprocessing uses the same numbers, so the two can never disagree.
 """
@@ -43,7 +43,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 def resized_size(width: int, height: int, patch_size: int = 14, in_patch_limit: int = 65536,
                  side_patch_limit: int = 512) -> tuple[int, int]:
-    """Size after the MoonViT-V2 resize rule (K3_SPEC §7.1 steps 1-2); never upscales.
+    """Size after the MoonViT-V2 resize rule (docs/model.md §7.1 steps 1-2); never upscales.
 
     s = min(1, sqrt(limit / (max(1, w // p) * max(1, h // p))), side/w, side/h), side = side_patch_limit * p
     """

@@ -4,7 +4,7 @@ Plain text never produces a special token: `encode` treats its input as untruste
 (user messages, tool output), so the literal string "<|open|>" becomes ordinary bytes or
 BPE pieces. Structural tokens only enter through `special(name)`, which the chat template
 calls in its trusted segments. This is what makes prompt injection through markup
-impossible (K3_SPEC §9.7).
+impossible (docs/model.md §9.7).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-# The K3 special tokens and their ids in the released vocabulary (K3_SPEC §9.7, §7.4).
+# The K3 special tokens and their ids in the released vocabulary (docs/model.md §9.7, §7.4).
 K3_SPECIAL_IDS: dict[str, int] = {
     "[BOS]": 163584,
     "[EOS]": 163585,

@@ -1,4 +1,4 @@
-"""Per-Head Muon (K3_SPEC §8) with AdamW for the parameters Muon does not own.
+"""Per-Head Muon (docs/model.md §8) with AdamW for the parameters Muon does not own.
 
 Muon, for a matrix parameter W with gradient G (K2 / Moonlight recipe, §8.1):
     M <- mu M + G                                  momentum, mu = 0.95

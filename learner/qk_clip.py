@@ -1,4 +1,4 @@
-"""QK-Clip (MuonClip, K3_SPEC §8.3) for the Gated MLA layers.
+"""QK-Clip (MuonClip, docs/model.md §8.3) for the Gated MLA layers.
 
 During a step's forward passes, `MaxLogitTracker` records each MLA head's largest
 pre-softmax logit S_h = max_{allowed (t, s)} q_h(t) . k_h(s) / sqrt(dn + dr) (causal, per

@@ -176,7 +176,7 @@ def test_images_become_media_blocks_with_the_right_pad_count():
     png = to_png(Image.new("RGB", (303, 181), "white"))
     ids = t.message(Message(role="user", content="look", images=[png])).ids
     pad = t.tok.special("<|media_pad|>")
-    assert ids.count(pad) == 77  # K3_SPEC §10.13: 303x181 -> grid 22x14 -> 77 tokens
+    assert ids.count(pad) == 77  # docs/model.md §10.13: 303x181 -> grid 22x14 -> 77 tokens
     assert "image 303x181" in t.tok.decode(ids)
 
 

@@ -1,4 +1,5 @@
-"""Causal attention with fp32 output for Gated MLA (K3_SPEC §3.2-3.3): reference, fused GPU path (SDPA), dispatcher."""
+"""Causal attention with fp32 output for Gated MLA (docs/model.md §3.2-3.3): reference, fused GPU path
+(SDPA), dispatcher."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def causal_attention(q, k, v, scale, cu_seqlens=None, kv_lengths=None, backend="
     positions, as in chunked prefill or decode against a cache). ``cu_seqlens`` [N+1] makes
     the mask block-diagonal per document (B = 1, S = T); ``kv_lengths`` [B] masks keys at
     positions >= kv_lengths[b] (right-padded batches). Scores and softmax are fp32; returns
-    o [B, T, H, Dv] in fp32 (K3_SPEC §3.3: cast to bf16 only at the o_proj input).
+    o [B, T, H, Dv] in fp32 (docs/model.md §3.3: cast to bf16 only at the o_proj input).
     ``backend="triton"`` (the CUDA default) is not a Triton kernel: it is PyTorch's fused SDPA on
     fp32 inputs (``sdpa.py`` says why); "torch" is the explicit reference.
     """

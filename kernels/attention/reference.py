@@ -1,4 +1,4 @@
-"""Causal softmax attention in fp32 (K3_SPEC §3.2 step 4, §3.3): the PyTorch reference.
+"""Causal softmax attention in fp32 (docs/model.md §3.2 step 4, §3.3): the PyTorch reference.
 
 scores[i, j] = scale * q_i . k_j for allowed (i, j), softmax in fp32 over j, o_i = sum_j p_ij v_j.
 Allowed: j <= i + (S - T) (queries are the last T of S positions), same document when

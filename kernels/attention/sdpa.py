@@ -2,7 +2,7 @@
 
 We do not ship a Triton flash-attention kernel. On CUDA, ``causal_attention`` upcasts q, k, v to
 fp32 and calls ``torch.nn.functional.scaled_dot_product_attention``, whose memory-efficient kernel
-accepts fp32: scores, softmax and the output tile are fp32 (K3_SPEC §3.3) and memory is O(T),
+accepts fp32: scores, softmax and the output tile are fp32 (docs/model.md §3.3) and memory is O(T),
 not the O(T^2) score matrix of the reference. The price is fp32 arithmetic instead of bf16
 tensor cores; a bf16-input kernel with an fp32 output tile would be faster and is not written.
 """

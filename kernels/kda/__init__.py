@@ -2,8 +2,8 @@
 
 - ``chunk_kda``             training / prefill entry point (Triton on CUDA, reference elsewhere)
 - ``fused_recurrent_kda``   decode entry point (Triton on CUDA, per-token loop elsewhere)
-- ``naive_recurrent_kda``   per-token loop of K3_SPEC §2.4 (ground truth)
-- ``chunk_kda_reference``   chunkwise algorithm of K3_SPEC §2.5 in PyTorch
+- ``naive_recurrent_kda``   per-token loop of docs/model.md §2.4 (ground truth)
+- ``chunk_kda_reference``   chunkwise algorithm of docs/model.md §2.5 in PyTorch
 - ``kda_chunk_transition`` / ``kda_transition``  M_chunk of §2.5 step 7 and its product (§9.3)
 - ``kda_gate``, ``l2norm``  the gate and q/k normalisation the kernels fuse in
 """

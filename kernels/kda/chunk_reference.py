@@ -1,4 +1,4 @@
-"""Chunkwise-parallel KDA in plain PyTorch (K3_SPEC §2.5), and the chunk transition matrix.
+"""Chunkwise-parallel KDA in plain PyTorch (docs/model.md §2.5), and the chunk transition matrix.
 
 Per chunk of C tokens (per head; Q already scaled):
   1. G = cumsum(g) inside the chunk; Gamma = exp(G); Gamma_C its last row.
@@ -111,7 +111,7 @@ def kda_chunk_transition(
     dt_bias=None,
     lower_bound=-5.0,
 ):
-    """Per-chunk transition matrices M_chunk [B, H, N_chunks, K, K] (K3_SPEC §2.5 step 7).
+    """Per-chunk transition matrices M_chunk [B, H, N_chunks, K, K] (docs/model.md §2.5 step 7).
 
     k, g [B, T, H, K], beta [B, T, H]. With V = 0 the chunk maps its entering state S [K, V]
     to ``M_chunk @ S``. The last chunk is padded with identity steps when T is not a multiple

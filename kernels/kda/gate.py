@@ -1,4 +1,4 @@
-"""KDA decay gate and the q/k L2 normalisation (K3_SPEC §2.2 steps 4 and 7, §2.3).
+"""KDA decay gate and the q/k L2 normalisation (docs/model.md §2.2 steps 4 and 7, §2.3).
 
 Both run in fp32 (fp64 when given fp64) whatever the input dtype.
 """

@@ -1,4 +1,4 @@
-"""Naive per-token KDA recurrence (K3_SPEC §2.4): the ground truth for every other form.
+"""Naive per-token KDA recurrence (docs/model.md §2.4): the ground truth for every other form.
 
 Per head, with state S [K, V], alpha_t = exp(g_t):
     S' = Diag(alpha_t) S                 (scale row i by alpha_{t,i})

@@ -1,4 +1,4 @@
-"""Chunkwise KDA in Triton: forward and backward (K3_SPEC §2.5-2.6), chunk C = 64, 16-token sub-tiles.
+"""Chunkwise KDA in Triton: forward and backward (docs/model.md §2.5-2.6), chunk C = 64, 16-token sub-tiles.
 
 Kernels (one program per (chunk, head) unless said otherwise):
   gate_cumsum_fwd   g = lower_bound * sigmoid(exp(A_log) (z + dt_bias)) (optional), G = chunk-local cumsum

@@ -1,4 +1,4 @@
-"""Fused recurrent KDA in Triton for decoding (K3_SPEC §2.4, §2.7): state in, state out, forward only.
+"""Fused recurrent KDA in Triton for decoding (docs/model.md §2.4, §2.7): state in, state out, forward only.
 
 One program per (sequence, head, V-block) keeps its [K, BV] slice of the fp32 state in registers
 and runs the tokens in order, with the q/k L2 norm and the gate fused in:

@@ -1,4 +1,4 @@
-"""Latent MoE expert block (K3_SPEC §5.3 steps 2-3): permute, grouped expert GEMMs, combine, unpermute.
+"""Latent MoE expert block (docs/model.md §5.3 steps 2-3): permute, grouped expert GEMMs, combine, unpermute.
 
 Two paths behind ``latent_experts``:
 - ``"torch"``: a loop over the experts that received tokens (any device / dtype; the reference);

@@ -1,4 +1,4 @@
-"""Batched Newton-Schulz orthogonalisation for (Per-Head) Muon (K3_SPEC §8.1-8.2).
+"""Batched Newton-Schulz orthogonalisation for (Per-Head) Muon (docs/model.md §8.1-8.2).
 
 For each matrix X of the batch: X <- X / (||X||_F + 1e-7); work on X^T when rows > cols;
 5 times  A = X X^T,  X <- a X + (b A + c A^2) X  with (a, b, c) = (3.4445, -4.7750, 2.0315).

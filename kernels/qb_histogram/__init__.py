@@ -1,4 +1,4 @@
-"""Quantile Balancing histogram estimator (K3_SPEC §6.3): histogram scatter-add and quantile read-out.
+"""Quantile Balancing histogram estimator (docs/model.md §6.3): histogram scatter-add and quantile read-out.
 
 ``qb_histogram`` counts every (token, expert) value r = alpha_i - s_ij into bin
 floor((r - lo) / width), clamped to [0, bins - 1]; per-rank histograms add up exactly
@@ -54,7 +54,7 @@ def qb_histogram_reference(r, lo, width, bins, token_mask=None):
 
 
 def qb_quantile(hist, q, lo, width):
-    """b^_j from a histogram [n, bins] (K3_SPEC §6.3 step 4), fp32 [n].
+    """b^_j from a histogram [n, bins] (docs/model.md §6.3 step 4), fp32 [n].
 
     beta_j = first bin whose cumulative count (itself included) reaches ceil(q);
     c_j = count before it, h_j = count in it; b^_j = lo + (beta_j + clip((q - c_j) / h_j, 0, 1)) * width.

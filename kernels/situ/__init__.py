@@ -1,4 +1,4 @@
-"""SiTU-GLU activation (K3_SPEC §5.4): reference, fused Triton kernel, dispatcher."""
+"""SiTU-GLU activation (docs/model.md §5.4): reference, fused Triton kernel, dispatcher."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SiTU-GLU reference (K3_SPEC §5.4).
+"""SiTU-GLU reference (docs/model.md §5.4).
 
     f(g, u) = [b1 tanh(g / b1) sigmoid(g)] * [b2 tanh(u / b2)],   b1 = 4 (gate), b2 = 25 (up)
 

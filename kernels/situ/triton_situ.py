@@ -3,7 +3,7 @@
 Forward  f = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]
 Backward df/dg = u~ [(1 - tanh^2(g/b1)) sigmoid(g) + b1 tanh(g/b1) sigmoid(g)(1 - sigmoid(g))],
          df/du = a(g) (1 - tanh^2(u/b2))
-Only the (bf16) inputs are kept for backward (K3_SPEC §5.4 memory trick).
+Only the (bf16) inputs are kept for backward (docs/model.md §5.4 memory trick).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The Kimi K3 model in plain PyTorch (K3_SPEC.md §1-§7): KDA, Gated MLA, Block AttnRes,
-Stable LatentMoE with Quantile Balancing, MoonViT-V2, incremental decoding, HF checkpoints."""
+"""The Kimi K3 model (arXiv 2607.24653) in plain PyTorch (docs/model.md §1-§7): KDA, Gated MLA,
+Block AttnRes, Stable LatentMoE with Quantile Balancing, MoonViT-V2, incremental decoding, HF checkpoints."""
 
 from .cache import K3Cache
 from .checkpoint import load_hf, load_state_into, save_hf

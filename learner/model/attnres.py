@@ -1,4 +1,4 @@
-"""Block Attention Residuals (K3_SPEC §4): the aggregation operator and its two-phase form.
+"""Block Attention Residuals (docs/model.md §4): the aggregation operator and its two-phase form.
 
 Agg(v_0..v_{S-1}; w, gamma), per token, in fp32:
     kappa_i = v_i / sqrt(mean_d(v_i^2) + eps)          RMS normalisation without affine weight

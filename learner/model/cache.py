@@ -1,4 +1,4 @@
-"""K3Cache: per-sequence decoding state of the whole model (§2.7, §3.4).
+"""K3Cache: per-sequence decoding state of the whole model (docs/model.md §2.7, §3.4).
 
 For each KDA layer: the fp32 recurrent state [B, H, K, V] and the last W-1 pre-conv
 projections of q, k, v. For each MLA layer: the normalised latent c and the shared key slice

@@ -30,7 +30,8 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm_eps(x; gamma) = gamma * x / sqrt(mean(x^2) + eps).
 
-    The statistic is fp32; gamma multiplies after the downcast to the input dtype (§0, [P]).
+    The statistic is fp32; gamma multiplies after the downcast to the input dtype, as the
+    reference code does (docs/model.md §0).
     """
 
     def __init__(self, dim: int, eps: float):
@@ -47,8 +48,8 @@ class RMSNorm(nn.Module):
 class SiTUGLUMLP(nn.Module):
     """down( SiTU-GLU(gate(x), up(x)) ): the dense layer-0 MLP and the fused shared experts.
 
-    SiTU-GLU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)] (§5.4), computed by the
-    kernels op. Two shared experts of width f equal one expert of width 2f (§5.3 step 5),
+    SiTU-GLU(g, u) = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)] (docs/model.md §5.4), computed
+    by the kernels op. Two shared experts of width f equal one expert of width 2f (§5.3 step 5),
     so they are stored fused at full width.
     """
 

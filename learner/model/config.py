@@ -1,4 +1,4 @@
-"""K3Config: every hyperparameter of K3_SPEC.md §1, presets, and the official config.json.
+"""K3Config: every hyperparameter of docs/model.md §1, presets, and the official config.json.
 
 Field names follow the released `config.json` keys ([C] in the spec) so that `from_hf` /
 `to_hf` are plain renames: the text model's keys live in `text_config`, the KDA keys in

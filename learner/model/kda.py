@@ -1,4 +1,4 @@
-"""Kimi Delta Attention token mixer (K3_SPEC §2).
+"""Kimi Delta Attention token mixer (docs/model.md §2).
 
     q~, k~, v~ = x Wq^T, x Wk^T, x Wv^T                        [B, T, H*D]
     q, k, v    = SiLU(causal depthwise conv_4(.))  (fp32 weights, reset at documents)

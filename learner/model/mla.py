@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (K3_SPEC §3).
+"""Gated Multi-head Latent Attention with NoPE (docs/model.md §3).
 
     c_q   = RMSNorm_1e-6(x Wqa^T);       q = c_q Wqb^T -> [T, H, dn | dr]
     ckv   = x Wkva^T -> c = RMSNorm_1e-6(ckv[:, :r]) [T, r],  kx = ckv[:, r:] [T, dr] (shared, no rotation)

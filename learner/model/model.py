@@ -1,6 +1,6 @@
 """K3ForCausalLM: the decoder stack with Block AttnRes, the vision path and the LM head.
 
-Per decoder layer l (K3_SPEC §4.3), with a bank Bk of completed blocks and a partial sum Pt:
+Per decoder layer l (docs/model.md §4.3), with a bank Bk of completed blocks and a partial sum Pt:
     a  = Agg(Bk + [Pt]; attn query)   (a = Pt = embedding at l = 0)
     if l % block_size == 0: Bk.append(Pt); Pt = None
     Pt = Pt + Mixer_l(RMSNorm_in(a))                  KDA or Gated MLA

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (K3_SPEC §5): fp32 sigmoid router, latent routed experts, shared experts.
+"""Stable LatentMoE (docs/model.md §5): fp32 sigmoid router, latent routed experts, shared experts.
 
     s  = sigmoid(x W_r^T)                    fp32 [N, E]
     T  = argtop_k(s + b)                     b (QB bias) only selects; top-(k+1) gives QB's cutoff

@@ -1,4 +1,4 @@
-"""Exact parameter counts from a config (K3_SPEC §1.6).
+"""Exact parameter counts from a config (docs/model.md §1.6).
 
 `count_parameters(config) -> (total, active)` counts the text model: total is every text
 parameter (the QB bias included, the vision tower and projector excluded); active replaces

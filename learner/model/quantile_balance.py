@@ -1,6 +1,7 @@
-"""Quantile Balancing of the MoE routing bias (K3_SPEC §6).
+"""Quantile Balancing of the MoE routing bias (docs/model.md §6).
 
-Exact form (Eq. 14), one step for one layer, scores s [m, n], bias b [n], k routes per token:
+Exact form (the K3 report, arXiv 2607.24653, Eq. 14), one step for one layer, scores s [m, n],
+bias b [n], k routes per token:
     alpha_i  = (k+1)-th largest of s_i + b                   the token's cutoff under the old bias
     b^_j     = -( (q+1)-th largest of s_{:,j} - alpha ),  q = m k / n
     b_new    = b^ - mean(b^)                                 a common shift changes no Top-k

@@ -7,7 +7,7 @@ Our modules already carry the official names (`model.layers.{i}.self_attn.q_proj
 - routed experts are stored stacked, `mlp.experts.w1` [E, f, l]; the checkpoint has one
   tensor per expert, `mlp.experts.{e}.w1.weight` [f, l] (same for w3; w2 is [l, f]);
 - KDA `A_log` is [H] in the model; the checkpoint stores it zero-padded to a multiple of 128
-  (§2.1: [96] used, [128] stored), and loading takes the first H entries.
+  (docs/model.md §2.1: [96] used, [128] stored), and loading takes the first H entries.
 """
 
 from __future__ import annotations

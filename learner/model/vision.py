@@ -1,4 +1,4 @@
-"""MoonViT-V2 vision tower, sd2_tpool merge and patchmergerv2 projector (K3_SPEC §7.2-§7.4).
+"""MoonViT-V2 vision tower, sd2_tpool merge and patchmergerv2 projector (docs/model.md §7.2-§7.4).
 
     x   = PatchEmbed(patches) + bilinear(pos_grid -> (gh, gw)) [+ temporal sincos if t > 1]
     x   = x + Wo Attn(RMSNorm(x))        joint bidirectional attention within each media item,

@@ -1,4 +1,4 @@
-"""MoonViT-V2 image and video preprocessing (K3_SPEC §7.1).
+"""MoonViT-V2 image and video preprocessing (docs/model.md §7.1).
 
     s    = min(1, sqrt(limit / (max(1, w//14) max(1, h//14))), 7168/w, 7168/h)   never upscale
     new  = min(max(1, floor(w s)), 7168) (same for h), bicubic

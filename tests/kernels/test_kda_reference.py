@@ -1,4 +1,4 @@
-"""KDA references: chunk form == recurrent form == naive loop (K3_SPEC §10.1-10.3, §10.5)."""
+"""KDA references: chunk form == recurrent form == naive loop (docs/model.md §10.1-10.3, §10.5)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The Triton kernels on a CUDA GPU in bf16, against the fp32 PyTorch references (K3_SPEC §10.1:
+"""The Triton kernels on a CUDA GPU in bf16, against the fp32 PyTorch references (docs/model.md §10.1:
 "Triton/bf16 kernel against an fp32 reference: rtol of order 1e-2"). Skipped without CUDA.
 
 The CPU interpreter tests cover the kernels' logic in fp32 only: Triton's interpreter computes

@@ -1,4 +1,4 @@
-"""Batched Newton-Schulz (K3_SPEC §8.1, §10.14)."""
+"""Batched Newton-Schulz (docs/model.md §8.1, §10.14)."""
 
 import pytest
 import torch

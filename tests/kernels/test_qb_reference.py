@@ -1,4 +1,4 @@
-"""Quantile Balancing histogram and quantile read-out (K3_SPEC §6.3, §10.10)."""
+"""Quantile Balancing histogram and quantile read-out (docs/model.md §6.3, §10.10)."""
 
 import math
 

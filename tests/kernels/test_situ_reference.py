@@ -1,4 +1,4 @@
-"""SiTU-GLU values and gradients (K3_SPEC §5.4, §10.8, §10.11)."""
+"""SiTU-GLU values and gradients (docs/model.md §5.4, §10.8, §10.11)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Per-Head Muon (K3_SPEC §8, §10.14) and the AdamW side of the optimizer."""
+"""Per-Head Muon (docs/model.md §8, §10.14) and the AdamW side of the optimizer."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block AttnRes invariants (K3_SPEC §4, §10.7)."""
+"""Block AttnRes invariants (docs/model.md §4, §10.7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""K3Config presets, the official config.json, and exact parameter counts (K3_SPEC §1, §10.12)."""
+"""K3Config presets, the official config.json, and exact parameter counts (docs/model.md §1, §10.12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Incremental decoding with K3Cache (K3_SPEC §2.7, §3.4, §10.4): token by token == one full forward."""
+"""Incremental decoding with K3Cache (docs/model.md §2.7, §3.4, §10.4): token by token == one full
+forward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KDA token mixer (K3_SPEC §2, §10.2, §10.4) against a per-token reference written from the spec."""
+"""KDA token mixer (docs/model.md §2, §10.2, §10.4) against a per-token reference written from it."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def make_layer(lower_bound=-5.0, seed=0) -> KimiDeltaAttention:
 
 
 def reference_layer(layer: KimiDeltaAttention, x: torch.Tensor) -> torch.Tensor:
-    """Spec §2.2-§2.8 step by step, with the §2.4 per-token recurrence."""
+    """docs/model.md §2.2-§2.8 step by step, with the §2.4 per-token recurrence."""
     B, T, _ = x.shape
     H, D = layer.num_heads, layer.head_dim
 

@@ -1,4 +1,5 @@
-"""Gated MLA with NoPE (K3_SPEC §3, §10.6): naive == absorbed, eps placement, packing, decode cache."""
+"""Gated MLA with NoPE (docs/model.md §3, §10.6): naive == absorbed, eps placement, packing, decode
+cache."""
 
 from __future__ import annotations
 

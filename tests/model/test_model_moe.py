@@ -1,4 +1,4 @@
-"""Stable LatentMoE, router and SiTU-GLU invariants (K3_SPEC §5, §10.8, §10.9, §10.11)."""
+"""Stable LatentMoE, router and SiTU-GLU invariants (docs/model.md §5, §10.8, §10.9, §10.11)."""
 
 from __future__ import annotations
 

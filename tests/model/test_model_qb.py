@@ -1,4 +1,5 @@
-"""Quantile Balancing (K3_SPEC §6, §10.10): Eq. 14 exactly, the histogram estimator, the per-layer state."""
+"""Quantile Balancing (docs/model.md §6, §10.10): report Eq. 14 exactly, the histogram estimator, the
+per-layer state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MoonViT-V2 preprocessing, tower, merge and the multimodal token stream (K3_SPEC §7, §10.13)."""
+"""MoonViT-V2 preprocessing, tower, merge and the multimodal token stream (docs/model.md §7, §10.13)."""
 
 from __future__ import annotations
 
