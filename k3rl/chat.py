@@ -1,4 +1,4 @@
-"""The K3 chat template (XML-like markup, K3_SPEC §9.7), rendered straight to token ids.
+"""The K3 chat template (XML-like markup, docs/model.md §9.7), rendered straight to token ids.
 
 An element is `[open]tag attr="v"[sep] body [close]tag[sep]` where [open], [sep] and
 [close] are the structural special tokens `<|open|>`, `<|sep|>`, `<|close|>`. A message:
