@@ -1,6 +1,6 @@
 """Docker backend: one long-lived container per sandbox, driven through the `docker` SDK.
 
-Secure by default (DESIGN.md §4): `network_mode=none` (only `lo`), read-only root with tmpfs
+Secure by default (docs/architecture.md, "Sandboxes"): `network_mode=none` (only `lo`), read-only root with tmpfs
 `/work` and `/tmp`, `cap_drop=ALL`, `no-new-privileges`, uid 1000, memory (no swap) / CPU /
 pids limits, and labels `k3rl.job` / `k3rl.sandbox` / `k3rl.owner` so `gc` finds leftovers.
 PID 1 is a tiny reaper (below; it first copies the image's /tmp seed, e.g. matplotlib's font
