@@ -1,4 +1,4 @@
-"""The Sandbox contract (DESIGN.md §3, §4), checked against each real backend.
+"""The Sandbox contract (docs/architecture.md, "Sandboxes"), checked against each real backend.
 
 Isolation is checked by looking (interfaces, routes, capabilities, mounts), never by
 sending traffic anywhere.
