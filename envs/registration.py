@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 import types
 import warnings
 from importlib.metadata import entry_points
@@ -52,9 +54,15 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> dict[str, str]:
 
 def import_env_modules(modules: list[str], field: str = "envs.imports") -> None:
     """Import each module (which registers its environments); a module that cannot be imported raises
-    ConfigError naming it, the setting it came from (`field`) and the error."""
+    ConfigError naming it, the setting it came from (`field`) and the error.
+
+    Modules are found on PYTHONPATH, in installed packages, and in the current directory (the Ray
+    workers of a job get the driver's current directory on their path too, unless the job ships a
+    `working_dir`)."""
     from k3rl.config import ConfigError
 
+    if modules and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     for i, name in enumerate(modules):
         try:
             importlib.import_module(name)
@@ -103,15 +111,14 @@ def check_env_ids(cfg: Any) -> None:
 
 def _not_a_tool_env(env_id: str) -> str | None:
     import gymnasium as gym
-    from gymnasium.envs.registration import load_env_creator
 
-    from k3rl.envs.base import ToolEnv
+    from k3rl.envs.base import ToolEnv, registered_entry_point
 
-    entry = gym.spec(env_id).entry_point
     try:
-        creator = load_env_creator(entry) if isinstance(entry, str) else entry
+        creator = registered_entry_point(env_id)
     except Exception as e:
-        return f"{env_id!r} is registered, but its entry point {entry!r} cannot be loaded: {type(e).__name__}: {e}"
+        return (f"{env_id!r} is registered, but its entry point {gym.spec(env_id).entry_point!r} cannot be loaded: "
+                f"{type(e).__name__}: {e}")
     if isinstance(creator, type) and not issubclass(creator, ToolEnv):
         return (f"{env_id!r} is a {creator.__name__}, not a k3rl.envs.ToolEnv: the agent loop talks to "
                 f"environments in chat messages and tools (see `k3rl envs list`)")

@@ -1,0 +1,197 @@
+"""A user's own environment, defined in a module outside the package, reaches `k3rl envs check`, the
+driver's env-id check and the Ray workers of a job (local Ray and a `ray start --head` cluster), by
+`envs.imports` / `--import`, the `k3rl.envs` entry points, and `ray.runtime_env`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from k3rl.config import ConfigError, JobConfig
+from k3rl.envs.registration import check_env_ids, import_env_modules
+from k3rl.learner.distributed import free_port
+
+K3RL_BIN = str(Path(sys.executable).with_name("k3rl"))  # the console script a user runs
+
+# A user's env module: registers one ToolEnv (with an oracle, so `envs check` can play it) on import.
+ENV_MODULE = textwrap.dedent('''
+    import gymnasium
+    from k3rl.chat import Message
+    from k3rl.envs import ToolEnv, tool
+
+    class Reverse(ToolEnv):
+        def generate_task(self, rng, options):
+            return "".join(chr(97 + int(i)) for i in rng.integers(26, size=5))
+        def opening_messages(self, task):
+            return [Message(role="user", content=f"reverse {task} with the tool, then answer with the result")]
+        def score(self, final_text):
+            return float(final_text.strip() == self.task[::-1])
+        @tool
+        def reverse(self, text: str) -> str:
+            """Reverse the text."""
+            return text[::-1]
+        def oracle(self, history=None):
+            if self.turn == 0:
+                return self.say(tool_calls=[{"name": "reverse", "arguments": {"text": self.task}}])
+            return self.say(self.task[::-1])
+
+    def register():
+        gymnasium.register("{namespace}/Reverse-v0", entry_point=Reverse)
+''')
+
+
+def write_module(directory: Path, name: str, namespace: str, register_on_import: bool = True) -> Path:
+    path = directory / f"{name}.py"
+    path.write_text(ENV_MODULE.replace("{namespace}", namespace) + ("register()\n" if register_on_import else ""))
+    return path
+
+
+def write_dist(directory: Path, name: str, entry_point: str) -> None:
+    """An installed distribution (as pip leaves it) whose k3rl.envs entry point is `entry_point`."""
+    info = directory / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f'[k3rl.envs]\n{name} = {entry_point}\n')
+
+
+def k3rl(*args: str, cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("PYTHONPATH", None)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run([K3RL_BIN, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def test_envs_check_finds_a_users_module_by_import(tmp_path):
+    write_module(tmp_path, "my_envs", "user")
+    r = k3rl("envs", "check", "user/Reverse-v0", "--import", "my_envs", cwd=tmp_path)  # the module is in the cwd
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "env checker passed" in r.stdout and "reward 1.0000" in r.stdout
+    r = k3rl("envs", "check", "user/Reverse-v0", cwd=tmp_path)  # not imported: refused with the way to do it
+    assert r.returncode == 2
+    assert "Namespace user not found" in r.stderr and "--import MODULE" in r.stderr
+    r = k3rl("envs", "check", "user/Reverse-v0", "--import", "my_env", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "--import: cannot import 'my_env': ModuleNotFoundError: No module named 'my_env'" in r.stderr
+
+
+@pytest.mark.parametrize("entry_point", ["plugin_envs", "plugin_envs:register"])
+def test_the_entry_point_group_takes_a_module_or_a_function(tmp_path, entry_point):
+    site = tmp_path / "site"
+    site.mkdir()
+    write_module(site, "plugin_envs", "plugin", register_on_import=":" not in entry_point)
+    write_dist(site, "plugin_envs", entry_point)
+    r = k3rl("envs", "check", "plugin/Reverse-v0", cwd=tmp_path, pythonpath=site)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reward 1.0000" in r.stdout
+
+
+def test_unknown_env_ids_and_modules_are_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_module(tmp_path, "driver_envs", "driver")
+    with pytest.raises(ConfigError) as e:
+        check_env_ids(JobConfig.load(None, ["envs.imports=[driver_envs]", "envs.train.0.id=driver/Revers-v0"]))
+    assert "envs.train.0.id: Environment `Revers` doesn't exist in namespace driver. Did you mean: `Reverse`?" in str(e.value)
+    check_env_ids(JobConfig.load(None, ["envs.imports=[driver_envs]", "envs.train.0.id=driver/Reverse-v0"]))
+    with pytest.raises(ConfigError, match=r"envs.imports.1: cannot import 'no_such_envs': ModuleNotFoundError"):
+        import_env_modules(["driver_envs", "no_such_envs"])
+    (tmp_path / "broken_envs.py").write_text("raise RuntimeError('half-written module')\n")
+    with pytest.raises(ConfigError, match=r"envs.imports.0: cannot import 'broken_envs': RuntimeError: half-written"):
+        import_env_modules(["broken_envs"])
+
+
+def make_env_in_a_ray_actor(modules: list[str], env_id: str) -> dict:
+    """In a Ray worker of the job: import `modules` as the rollout workers do, make the env, play its oracle."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def make(modules, env_id):  # defined here: shipped by value, the worker needs no test module
+        import os
+
+        import gymnasium
+
+        from k3rl.envs.registration import import_env_modules
+        from k3rl.rollout.episode import run_oracle_episode
+
+        import_env_modules(modules)
+        env = gymnasium.make(env_id)
+        episode = run_oracle_episode(env, seed=3)
+        return {"class": type(env.unwrapped).__name__, "reward": episode.reward,
+                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RAY_AUTH_MODE", "K3RL_TEST_VAR")}}
+
+    return ray.get(make.remote(modules, env_id), timeout=300)
+
+
+@pytest.mark.slow
+def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_path):
+    import ray
+
+    from k3rl.cluster import init_ray
+
+    code = tmp_path / "project"
+    code.mkdir()
+    write_module(code, "shipped_envs", "shipped")
+    cfg = JobConfig.load(None, ["ray.num_cpus=2", "envs.imports=[shipped_envs]", f"ray.runtime_env.working_dir={code}",
+                                "ray.runtime_env.env_vars.K3RL_TEST_VAR=from-config"])
+    ray.shutdown()
+    try:
+        init_ray(cfg)  # the driver has not imported the module and does not have it on its path
+        got = make_env_in_a_ray_actor(cfg.envs.imports, "shipped/Reverse-v0")
+    finally:
+        ray.shutdown()
+    assert got["class"] == "Reverse" and got["reward"] == 1.0
+    assert got["env"] == {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "K3RL_TEST_VAR": "from-config"}
+
+
+@pytest.mark.slow
+def test_a_cluster_job_ships_the_users_module_by_py_modules(tmp_path):
+    """`ray.address` joins a `ray start --head` cluster (stopped through its own process, so other Ray
+    processes are untouched); the user's package travels as `ray.runtime_env.py_modules`."""
+    import ray
+
+    from k3rl.cluster import init_ray
+
+    package = tmp_path / "cluster_envs"
+    package.mkdir()
+    write_module(package, "__init__", "cluster")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    port = free_port()
+    head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ray.shutdown()
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the GCS answers on the loopback port once the head is up
+            assert head.poll() is None, "ray start --head exited early"
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() < deadline, "ray start --head did not come up within 180 s"
+            time.sleep(0.5)
+        cfg = JobConfig.load(None, [f"ray.address=127.0.0.1:{port}", "envs.imports=[cluster_envs]",
+                                    f"ray.runtime_env.py_modules=[{package}]"])
+        init_ray(cfg)
+        got = make_env_in_a_ray_actor(cfg.envs.imports, "cluster/Reverse-v0")
+        assert got["class"] == "Reverse" and got["reward"] == 1.0
+        assert got["env"]["OMP_NUM_THREADS"] == "1"  # the job's env vars reach a cluster's workers too
+    finally:
+        ray.shutdown()
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        # what `ray stop` would tidy: the pointer a later bare ray.init() would follow to a dead cluster
+        current = "/tmp/ray/ray_current_cluster"
+        if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
+            os.unlink(current)
