@@ -99,7 +99,9 @@ class EngineWorker:
     async def update_weights(self, message) -> int:
         """Receive a weight transport's message (`rollout/transport/`) and switch to its weights;
         returns the engine's version. An update the engine already has is received (a broadcast
-        needs every member) but not applied again."""
+        needs every member) but not applied again. A WeightUpdate is applied as it is."""
+        if isinstance(message, WeightUpdate):
+            return await self.engine.aupdate_weights(message)
         kind = getattr(message, "transport", None)
         if kind not in TRANSPORTS:
             raise TypeError(f"{self.name}: expected a weight transport message ({sorted(TRANSPORTS)}), "
