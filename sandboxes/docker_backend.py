@@ -9,6 +9,10 @@ protects a namespace's init), reaps orphans so killed fork bombs do not keep pid
 lets `reset` kill everything else. One long-lived agent per container (`inside_helper.py serve`,
 started with one `docker exec`, see `agent_channel`) runs every request, so a tool call costs
 no `docker exec`; if a command kills the agent, the next call starts a new one.
+
+The container is started with auto-remove: when the host process dies, the daemon closes the
+agent's stdin, the agent stops the reaper (SIGTERM, its only way out), and the daemon removes
+the container. What that cannot catch (the owner died while the agent was down) `gc` removes.
 """
 
 from __future__ import annotations
@@ -40,15 +44,16 @@ try:
         shutil.copytree(os.path.join("/etc/k3rl/tmp-seed", name), os.path.join("/tmp", name), dirs_exist_ok=True)
 except OSError:
     pass
-signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+signals = {signal.SIGCHLD, signal.SIGTERM}  # blocked, so they queue for sigwait (an unhandled signal to init is dropped)
+signal.pthread_sigmask(signal.SIG_BLOCK, signals)
 while True:
     try:
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
     except ChildProcessError:
         pass
-    signal.sigwait({signal.SIGCHLD})
+    if signal.sigwait(signals) == signal.SIGTERM:  # from the agent when the host is gone, or `docker stop`
+        os._exit(0)
 """
 
 SANDBOX_ENV = {
@@ -124,9 +129,9 @@ class DockerSandbox(Sandbox):
         try:
             self.client.images.get(self.image)
         except docker.errors.ImageNotFound as exc:
-            raise BackendUnavailableError(
-                f"sandbox image {self.image} is not built: run `k3rl sandbox build` (or sandboxes/host_setup.sh)"
-            ) from exc
+            fix = ("run `k3rl sandbox build` (or sandboxes/host_setup.sh)" if self.image == image_tag()
+                   else "pull or build it on this host (sandbox.image of the job config)")
+            raise BackendUnavailableError(f"sandbox image {self.image} is not on this host: {fix}") from exc
         self._oom = _oom_path(self.client)
         self.container_id: str | None = None
         self._agent: AgentChannel | None = None
@@ -163,6 +168,7 @@ class DockerSandbox(Sandbox):
                 ulimits=[Ulimit(name="nofile", soft=4096, hard=4096)],
                 ipc_mode="private",
                 log_config=LogConfig(type="none"),
+                auto_remove=True,
             )
             self.container_id = container.id
             self._start_agent().request("ping", {}, None, 60.0)  # warm, and fail here if it cannot run
@@ -236,7 +242,7 @@ class DockerSandbox(Sandbox):
     def _destroy(self) -> None:
         agent = getattr(self, "_agent", None)
         if agent is not None:
-            agent.close()
+            agent.close()  # the agent sees its stdin close and stops the container (auto-remove)
         for attempt in range(3):
             try:
                 self.api.remove_container(self.id, force=True, v=True)
@@ -245,9 +251,22 @@ class DockerSandbox(Sandbox):
                 return
             except docker.errors.APIError as exc:
                 if "already in progress" in str(exc):
-                    return
+                    return self._wait_removed()
                 if attempt == 2:
                     log.error(
                         "could not remove sandbox container %s: %s (run `k3rl sandbox gc`)", self.id, exc
                     )
                 time.sleep(0.2)
+
+    def _wait_removed(self, timeout_s: float = 30.0) -> None:
+        """The daemon is removing the container already: return once it is gone."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.api.inspect_container(self.id)
+            except docker.errors.NotFound:
+                return
+            except docker.errors.DockerException:
+                pass
+            time.sleep(0.05)
+        log.error("sandbox container %s is still being removed after %.0fs (run `k3rl sandbox gc`)", self.id, timeout_s)

@@ -16,8 +16,9 @@ def default_job() -> str:
     return os.environ.get("K3RL_JOB_ID") or f"adhoc-{os.getpid()}"
 
 
-def choose_backend(backend: str = "auto") -> str:
-    """Resolve "auto": Docker when a daemon answers and the image is built, else bubblewrap (logged)."""
+def choose_backend(backend: str = "auto", image: str | None = None) -> str:
+    """Resolve "auto": Docker when a daemon answers and the image is there, else bubblewrap (logged).
+    A Docker `image` named by the caller is never silently replaced: without it "auto" raises."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
@@ -26,14 +27,17 @@ def choose_backend(backend: str = "auto") -> str:
     from .docker_backend import docker_client
     from .image import image_exists, image_tag
 
+    tag = image or image_tag()
     try:
         client = docker_client()
-        if image_exists(client):
-            log.info("sandbox backend auto -> docker (daemon answers, image %s present)", image_tag())
+        if image_exists(client, tag):
+            log.info("sandbox backend auto -> docker (daemon answers, image %s present)", tag)
             return "docker"
-        reason = f"image {image_tag()} is not built (run `k3rl sandbox build`)"
+        reason = f"image {tag} is not " + ("built (run `k3rl sandbox build`)" if image is None else "on this host")
     except BackendUnavailableError as exc:
         reason = str(exc)
+    if image is not None:
+        raise BackendUnavailableError(f"sandboxes in the Docker image {image} cannot run here: {reason}")
     if bwrap_path() is None:
         raise BackendUnavailableError(
             f"no sandbox backend available: Docker: {reason}; bubblewrap: not installed "
@@ -61,7 +65,7 @@ def open_sandbox(
     base = limits or SandboxLimits()
     if limit_overrides:
         base = SandboxLimits.from_kwargs(**{**base.__dict__, **limit_overrides})
-    chosen = choose_backend(backend)
+    chosen = choose_backend(backend, image)
     job = job or default_job()
     if chosen == "docker":
         from .docker_backend import DockerSandbox

@@ -227,11 +227,12 @@ def extract_rootfs(log: Log = print) -> Path:
     return target
 
 
-def image_exists(client) -> bool:
+def image_exists(client, tag: str | None = None) -> bool:
+    """Whether the daemon holds `tag` (default: the k3rl-sandbox image of this version)."""
     import docker.errors
 
     try:
-        client.images.get(image_tag())
+        client.images.get(tag or image_tag())
         return True
     except docker.errors.ImageNotFound:
         return False

@@ -21,6 +21,9 @@ Modes:
            (symlinks resolved) leaves /work.
 - `reset`: kill every process but PID 1 and itself, empty /work and /tmp, re-seed /tmp (pool reuse).
 - `ping`:  health check.
+
+When its stdin closes (the host closed the sandbox, or the host process died) the agent ends the
+sandbox (`end_sandbox`), so a crashed job leaves no running container behind.
 """
 
 import json
@@ -322,6 +325,16 @@ def read_exact(stream, n):
     return buf
 
 
+def end_sandbox():
+    """The host closed our stream: it closed the sandbox, or its process died (then nobody ever will).
+    PID 1 of a Docker sandbox is its reaper, which exits on SIGTERM: the container stops, and the
+    daemon removes it. (bubblewrap's PID 1 ignores this; its sandbox dies with the host process.)"""
+    try:
+        os.kill(1, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def serve():
     """Agent loop: framed requests on stdin, one thread each, framed replies on stdout."""
     inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
@@ -335,11 +348,11 @@ def serve():
     while True:
         head = read_exact(inp, 12)
         if head is None:
-            return  # host closed the stream: the sandbox is being closed
+            return end_sandbox()  # the host closed the stream
         req_id, length = struct.unpack(">QI", head)
         message = read_exact(inp, length)
         if message is None:
-            return
+            return end_sandbox()
         line, _, data = message.partition(b"\n")
         meta = json.loads(line)
         work = (req_id, meta, data if meta.get("has_stdin") else None)

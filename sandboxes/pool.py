@@ -17,6 +17,7 @@
   or, with `reuse="recreate"` / after `max_uses` leases / when the reset fails, replaced by
   a fresh one.
 - `close()` closes every sandbox it ever handed out, leased or idle: nothing is left behind.
+  It is idempotent. `image` names the Docker image of the sandboxes (the job's `sandbox.image`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class SandboxPool:
         reuse: str = "reset",
         max_uses: int | None = None,
         job: str | None = None,
+        image: str | None = None,
         limits: SandboxLimits | None = None,
         **limit_overrides,
     ):
@@ -96,6 +98,7 @@ class SandboxPool:
         self.reuse = reuse
         self.max_uses = max_uses
         self.job = job or default_job()
+        self.image = image  # Docker image of the sandboxes (None: the k3rl-sandbox image)
         base = limits or SandboxLimits()
         self.limits = (
             SandboxLimits.from_kwargs(**{**base.__dict__, **limit_overrides}) if limit_overrides else base
@@ -123,7 +126,7 @@ class SandboxPool:
         if self._started:
             return self
         self._started = True
-        self.backend = await in_thread(choose_backend, self.backend)
+        self.backend = await in_thread(choose_backend, self.backend, self.image)
         self._cond = asyncio.Condition()
         self._wake = asyncio.Event()
         self._maintainer = asyncio.create_task(self._maintain(), name="k3rl-sandbox-pool")
@@ -269,7 +272,7 @@ class SandboxPool:
 
     def _open_blocking(self) -> Sandbox | None:
         """Open one sandbox (worker thread); registered in `_all` so `close()` always finds it."""
-        sb = open_sandbox(self.backend, job=self.job, limits=self.limits)
+        sb = open_sandbox(self.backend, job=self.job, image=self.image, limits=self.limits)
         with self._all_lock:
             if not self._closed:
                 self._all.add(sb)

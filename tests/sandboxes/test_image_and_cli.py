@@ -102,7 +102,38 @@ def test_missing_image_or_rootfs_says_how_to_build_it(tmp_path):
     reason = docker_skip_reason()
     if reason:
         pytest.skip(reason)
-    with pytest.raises(BackendUnavailableError, match="k3rl sandbox build"):
+    with pytest.raises(BackendUnavailableError, match="k3rl-sandbox:not-built-anywhere is not on this host: pull or build"):
         open_sandbox("docker", image="k3rl-sandbox:not-built-anywhere")
+    # "auto" never swaps a Docker image the job named for bubblewrap
+    with pytest.raises(BackendUnavailableError, match="Docker image k3rl-sandbox:not-built-anywhere cannot run here"):
+        open_sandbox("auto", image="k3rl-sandbox:not-built-anywhere")
     with pytest.raises(BackendUnavailableError, match="k3rl sandbox build"):
         open_sandbox("bwrap", rootfs=tmp_path)  # an empty dir is no rootfs
+
+
+@pytest.mark.docker
+def test_a_pool_runs_its_sandboxes_in_the_image_it_is_given():
+    """The job's `sandbox.image` reaches the containers (here: another tag of the sandbox image)."""
+    import asyncio
+    import os
+
+    from k3rl.sandboxes import SandboxPool, image_tag
+    from k3rl.sandboxes.docker_backend import docker_client
+
+    reason = docker_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    client = docker_client()
+    custom = f"k3rl-test-image:{os.getpid()}"
+    client.images.get(image_tag()).tag(custom)
+
+    async def main():
+        async with SandboxPool("auto", max_size=1, min_idle=0, image=custom, job=f"image-{os.getpid()}") as pool:
+            async with pool.sandbox(timeout=120) as sb:
+                assert (await sb.aexec("echo ok")).stdout == "ok\n"
+                return client.api.inspect_container(sb.id)["Config"]["Image"]
+
+    try:
+        assert asyncio.run(main()) == custom
+    finally:
+        client.images.remove(custom)
