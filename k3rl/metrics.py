@@ -40,14 +40,17 @@ def trainable(stats: dict[str, Any]) -> bool:
     return not stats.get("error") and stats.get("generated", 0) > 0
 
 
-def step_metrics(trained: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """Reward, success, length and staleness of the episodes trained at `step` (by env too)."""
+def step_metrics(batch: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """Reward, success, length and staleness of the episodes trained at `step` (by env too), and
+    the share of the batch's episodes that failed (stored, never trained)."""
+    trained = [s for s in batch if trainable(s)]
     if not trained:
         return {}
     n = len(trained)
     rewards = [s["reward"] for s in trained]
     m = _mean_std("reward", rewards)
     m["episodes/success_rate"] = sum(r >= 1.0 - 1e-6 for r in rewards) / n
+    m["episodes/failed_rate"] = 1.0 - n / len(batch)
     m["episodes/truncated_rate"] = sum(bool(s.get("truncated")) for s in trained) / n
     m["episodes/turns"] = sum(s["turns"] for s in trained) / n
     m["episodes/tokens"] = sum(s["tokens"] for s in trained) / n

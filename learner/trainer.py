@@ -307,9 +307,6 @@ class Trainer:
         )  # fmt: skip
         (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
         ratio_max = stats.pop("ratio_max").double().cpu()
-        vmask = (mb.mask > 0) & (mb.versions >= 0)
-        stats["staleness_sum"] = ((self.step - mb.versions) * vmask).sum()
-        stats["versioned_tokens"] = vmask.sum()
         for k, v in stats.items():
             sums[k] = sums.get(k, 0) + v.double().cpu()
         return ratio_max
@@ -355,7 +352,6 @@ class Trainer:
             "tis_truncated_frac": float(sums["truncated"]) / tokens,
             "is_ratio_mean": float(sums["ratio_sum"]) / tokens,
             "is_ratio_max": float(ratio_max),
-            "staleness_mean": float(sums["staleness_sum"]) / max(1.0, float(sums["versioned_tokens"])),
             "grad_norm": grad_norm,
             "lr": lr,
             "reward_mean": float(rewards.mean()),

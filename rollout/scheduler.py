@@ -86,7 +86,7 @@ class Scheduler:
     """Issues groups under the lag bound, runs their episodes on the rollout workers, and hands
     the driver batches of finished groups that the lag invariant allows."""
 
-    def __init__(self, cfg: JobConfig, run_name: str, make_worker, buffer, *, next_index: int = 0,
+    def __init__(self, cfg: JobConfig, run_name: str, make_worker, buffer, *, first_step: int = 1, next_index: int = 0,
                  reopen: list[int] = (), max_attempts: int = 5, episode_deadline_s: float | None = None) -> None:
         r = cfg.rollout
         self.cfg, self.run_name, self.buffer = cfg, run_name, buffer
@@ -103,7 +103,7 @@ class Scheduler:
         self.next_index = next_index
         self.reopen = collections.deque(reopen)  # groups open at the checkpoint we resumed from
         self.serving = 0  # the version the engines serve
-        self.next_step = 1  # the step whose batch has not been taken yet
+        self.next_step = first_step  # the step whose batch has not been taken yet
         self.tasks: set[asyncio.Task] = set()
         self.pings: dict[Any, asyncio.Future] = {}  # worker -> its first answer
         self.failed_streak: list[str] = []  # errors of the groups failed whole since the last good one

@@ -1,7 +1,8 @@
 """RolloutWorker: a Ray actor that runs many episodes at once (asyncio).
 
 Each episode runs the episode loop (`k3rl.rollout.episode`) against the inference pool and
-goes to the TrajectoryBuffer by `buffer.put`; the driver gets a small summary back. An episode
+goes to the TrajectoryBuffer by `buffer.put`; the driver gets its small stats back
+(`k3rl.metrics.episode_stats`), never the tokens. An episode
 that fails (env construction, reset, a tool, the sandbox, the engine, the context, the time
 budget) is recorded with its error and never takes the worker down. Sandboxes come from the
 worker's warm `SandboxPool`, started at the first episode that needs one and closed by `close()`.
@@ -17,6 +18,7 @@ from typing import Any
 from k3rl.config import JobConfig
 from k3rl.envs.registration import import_env_modules
 from k3rl.envs.sandboxed import on_loop_thread
+from k3rl.metrics import episode_stats
 from k3rl.rollout.episode import (
     EpisodeSpec,
     job_limits,
@@ -98,10 +100,7 @@ class RolloutWorker:
         traj.metadata["worker"] = self.index
         accepted = await self.buffer.put.remote(traj)
         self.finished += 1
-        return {"id": traj.id, "group_id": traj.group_id, "reward": traj.reward, "error": traj.error,
-                "failed_at": traj.metadata.get("failed_at"), "truncated_by": traj.metadata.get("truncated_by"),
-                "tokens": len(traj.token_ids), "generated": traj.num_generated, "turns": traj.num_turns,
-                "seconds": time.monotonic() - t0, "env_id": traj.env_id, "accepted": accepted}
+        return {**episode_stats(traj), "accepted": accepted, "seconds": time.monotonic() - t0}
 
     async def close(self) -> None:
         """Close the worker's sandboxes (warm and leased); idempotent."""

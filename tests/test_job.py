@@ -40,25 +40,27 @@ def test_synchronous_mode_is_on_policy(sync_run):
     _, _, first, resumed = sync_run
     for m in first["history"] + resumed["history"]:
         # every generated token came from the weights the learner then trained (version lag 0) ...
-        assert m["staleness/max"] == 0.0
+        assert m["staleness/max"] == 0.0 and m["policy_version"] == m["step"]
         # ... so the learner's recomputed log-probs equal the behaviour log-probs: ratios are 1
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3
         assert m["is_ratio_max"] < 1.01
 
 
-def test_killed_rollout_worker_loses_and_duplicates_nothing(sync_run):
+def test_killed_rollout_worker_and_resume_lose_and_duplicate_nothing(sync_run):
     from k3rl.store import TrajectoryStore
 
     tmp, cfg, first, resumed = sync_run
     assert first["completed"] and first["restarts"] >= 1
-    store = TrajectoryStore(tmp / "runs" / "t", readonly=True)
-    ids = [t.id for t in store.read()]
+    rows = TrajectoryStore(tmp / "runs" / "t", readonly=True).summary()
+    ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids))
-    for step in range(5):
-        consumed = store.read(step=step)
+    assert {r["status"] for r in rows} <= {"trained", "failed", "unused"}
+    for step in range(1, 6):
         groups = {}
-        for t in consumed:
-            groups.setdefault(t.group_id, []).append(t.id)
+        for r in rows:
+            if r["step"] == step and r["status"] == "trained":
+                groups.setdefault(r["id"].rsplit("-s", 1)[0], []).append(r["id"])
+                assert r["policy_version"] == step  # tagged with the step (and version) that trained it
         # each training step consumed exactly P complete groups of G distinct episodes
         assert len(groups) == 2 and all(len(set(v)) == 2 for v in groups.values()), (step, groups)
 
@@ -74,6 +76,8 @@ def test_resume_continues_the_curve_in_the_same_mlflow_run(sync_run):
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")]
     assert sorted(steps) == [1, 2, 3, 4, 5]
     assert run.info.status == "FINISHED"
+    ckpts = sorted(p.name for p in (tmp / "runs" / "t" / "checkpoints").iterdir())
+    assert ckpts == ["latest", *(f"step-{s:06d}" for s in range(1, 6))]  # no temporary directory left
 
 
 def test_mlflow_run_has_the_metrics_params_and_artifacts(sync_run):
@@ -84,10 +88,12 @@ def test_mlflow_run_has_the_metrics_params_and_artifacts(sync_run):
     run = client.get_run(first["mlflow_run_id"])
     metrics = set(run.data.metrics)
     for key in ["reward/mean", "reward/std", "reward/k3rl_KeyLookup-v0/mean", "episodes/success_rate",
-                "episodes/turns", "episodes/tokens", "throughput/rollout_tokens_per_s",
-                "throughput/train_tokens_per_s", "staleness/mean", "time/weight_sync_s", "loss", "pg_loss",
-                "grad_norm", "entropy", "kl", "clip_frac", "is_ratio_mean", "is_ratio_max"]:
+                "episodes/turns", "episodes/tokens", "episodes/failed_rate", "throughput/rollout_tokens_per_s",
+                "throughput/train_tokens_per_s", "staleness/mean", "policy_version", "time/weight_sync_s", "loss",
+                "pg_loss", "grad_norm", "entropy", "kl", "clip_frac", "is_ratio_mean", "is_ratio_max",
+                "groups/issued", "workers/restarts"]:
         assert key in metrics, key
+    assert "staleness_mean" not in metrics  # one staleness convention
     assert run.data.params["learner.lr"] == str(cfg.learner.lr)
     arts = _artifacts(client, run.info.run_id)
     assert "config.yaml" in arts and "reward_curve.png" in arts
@@ -101,10 +107,11 @@ def _artifacts(client, run_id, path=None):
     return out
 
 
-def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path):
+@pytest.mark.parametrize("step", ["2", "5"])  # 5: the last step
+def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path, step):
     tmp, cfg, _, _ = sync_run
     html = tmp_path / "ep.html"
-    r = subprocess.run([sys.executable, "-m", "k3rl.cli", "replay", str(tmp / "runs" / "t"), "--step", "2",
+    r = subprocess.run([sys.executable, "-m", "k3rl.cli", "replay", str(tmp / "runs" / "t"), "--step", step,
                         "--html", str(html)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "<html" in html.read_text().lower()
@@ -202,8 +209,11 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
     for m in summary["history"]:
         assert m["staleness/max"] == 0.0
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
+    for m in summary["history"][:-1]:  # nothing is pushed after the last step
         assert m["weight_sync/bytes"] == pytest.approx(model_bytes, rel=0.02)  # the whole model, every step
         assert m["weight_sync/broadcast_s"] > 0 and m["weight_sync/wait_for_engines_s"] >= 0
+        assert m["weight_sync/fallbacks"] == 0.0
+    assert "weight_sync/bytes" not in summary["history"][-1]
 
 
 def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path):
@@ -223,8 +233,9 @@ def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path):
         ray.shutdown()
     assert summary["completed"] and summary["steps"] == 3
     h = summary["history"]
-    assert h[0].get("weight_sync/fallbacks") == 1.0 and "weight_sync/bytes" not in h[0]
-    assert all("weight_sync/fallbacks" not in m and m["weight_sync/bytes"] > 0 for m in h[1:])  # group re-formed
+    assert h[0]["weight_sync/fallbacks"] == 1.0 and "weight_sync/broadcast_s" not in h[0]  # the object store's
+    assert h[1]["weight_sync/fallbacks"] == 0.0 and h[1]["weight_sync/new_group"] == 1.0  # group re-formed
+    assert h[1]["weight_sync/broadcast_s"] > 0
     for m in h:
         assert m["staleness/max"] == 0.0
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01

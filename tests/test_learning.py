@@ -46,4 +46,4 @@ def test_short_job_learns_keylookup(tmp_path, seed):
     assert sum(rewards) / len(rewards) > 0.05, rewards
     # ... and RL keeps it: no collapse of the format over the RL steps
     assert rewards[-1] > 0.0, rewards
-    assert all(m["episodes/error_rate"] < 0.5 for m in summary["history"])
+    assert all(m["episodes/failed_rate"] < 0.5 for m in summary["history"])

@@ -1,0 +1,40 @@
+"""A user's environment module outside the package, for the fault-injection job tests: importing it
+registers `faulty/FlakyLookup-v0`, a KeyLookup whose infrastructure fails at random.
+
+* `reset` raises for a share `reset_fails` of the seeds (whole prompt groups fail: their episodes
+  share the seed); seed 0, which the start-of-job check uses, never does;
+* the `lookup` tool dies with a SandboxError (an infrastructure failure: the episode fails, the
+  model is not told) with probability `tool_failure` per call.
+"""
+
+from __future__ import annotations
+
+import random
+
+import gymnasium
+
+from k3rl.envs.key_lookup import KeyLookupEnv
+from k3rl.envs.tools import tool
+from k3rl.sandboxes import SandboxError
+
+
+class FlakyLookupEnv(KeyLookupEnv):
+    def __init__(self, tool_failure: float = 0.3, reset_fails: float = 0.25, **kwargs):
+        self.tool_failure, self.reset_fails = tool_failure, reset_fails
+        super().__init__(**kwargs)
+
+    def reset(self, *, seed=None, options=None):
+        if seed and (seed % 1000) < 1000 * self.reset_fails:
+            raise RuntimeError(f"injected: reset failed for seed {seed}")
+        return super().reset(seed=seed, options=options)
+
+    @tool
+    def lookup(self, key: str) -> str:
+        """Value of a key."""
+        if random.random() < self.tool_failure:
+            raise SandboxError("injected: the tool's backend died")
+        return KeyLookupEnv.lookup.fn(self, key)
+
+
+if "faulty/FlakyLookup-v0" not in gymnasium.registry:
+    gymnasium.register("faulty/FlakyLookup-v0", entry_point=FlakyLookupEnv)
