@@ -72,14 +72,13 @@ def train(
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
     from k3rl.envs.registration import check_env_ids
+    from k3rl.job import run_job
 
     try:
         check_env_ids(cfg)  # before Ray starts: an unknown env id or an envs.imports module that fails
-    except ConfigError as e:
+        result = run_job(cfg, resume=resume)
+    except ConfigError as e:  # refused by the job's own checks before it started
         _refused(e)
-    from k3rl.job import run_job
-
-    result = run_job(cfg, resume=resume)
     raise typer.Exit(0 if result.get("completed", True) else 1)
 
 
