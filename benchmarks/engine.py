@@ -126,7 +126,7 @@ def _update_for(model) -> WeightUpdate:
 def object_store_gbps(update: WeightUpdate) -> float:
     import ray
 
-    from k3rl.rollout.weight_sync import publish, receive
+    from k3rl.rollout.transport import ObjectStoreTransport, publish
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
@@ -136,7 +136,7 @@ def object_store_gbps(update: WeightUpdate) -> float:
     @ray.remote(num_cpus=0)
     class Receiver:
         def take(self, packed) -> int:
-            upd = receive(packed)
+            upd = ObjectStoreTransport().receive(packed, "receiver")
             copies = [t.clone() for t in upd.state_dict().values()]  # what loading into parameters costs
             return sum(c.numel() * c.element_size() for c in copies)
 
@@ -154,9 +154,9 @@ def object_store_gbps(update: WeightUpdate) -> float:
 
 
 def _collective_receiver(port: int, backend: str, device: str, rounds: int) -> None:
-    from k3rl.rollout.weight_sync import CollectiveWeightSync
+    from k3rl.rollout.transport import BroadcastGroup
 
-    sync_ = CollectiveWeightSync(1, 2, port=port, backend=backend, device=device)
+    sync_ = BroadcastGroup(1, 2, port=port, backend=backend, device=device)
     for _ in range(rounds):
         sync_.recv()
 
@@ -164,13 +164,13 @@ def _collective_receiver(port: int, backend: str, device: str, rounds: int) -> N
 def collective_gbps(update: WeightUpdate, backend: str, devices: tuple[str, str], rounds: int = 3) -> float:
     import torch.multiprocessing as mp
 
-    from k3rl.rollout.weight_sync import CollectiveWeightSync
+    from k3rl.rollout.transport import BroadcastGroup
 
     port = free_port()
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_collective_receiver, args=(port, backend, devices[1], rounds + 1))
     proc.start()
-    sender = CollectiveWeightSync(0, 2, port=port, backend=backend, device=devices[0])
+    sender = BroadcastGroup(0, 2, port=port, backend=backend, device=devices[0])
     buckets = [b.model_copy(update={"tensors": {k: v.to(devices[0]) for k, v in b.tensors.items()}})
                for b in update.buckets]
     upd = update.model_copy(update={"buckets": buckets})
@@ -185,7 +185,7 @@ def collective_gbps(update: WeightUpdate, backend: str, devices: tuple[str, str]
 
 
 def _ipc_receiver(share, queue) -> None:
-    from k3rl.rollout.weight_sync import open_cuda_ipc
+    from k3rl.rollout.transport import open_cuda_ipc
 
     t = time.perf_counter()
     upd = open_cuda_ipc(share)
@@ -195,7 +195,7 @@ def _ipc_receiver(share, queue) -> None:
 def cuda_ipc_gbps(update: WeightUpdate) -> float:
     import torch.multiprocessing as mp
 
-    from k3rl.rollout.weight_sync import share_cuda_ipc
+    from k3rl.rollout.transport import share_cuda_ipc
 
     t = time.perf_counter()
     share = share_cuda_ipc(update)
