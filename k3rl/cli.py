@@ -71,15 +71,13 @@ def train(
 ) -> None:
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
-    from k3rl.envs.registration import check_env_ids
     from k3rl.job import run_job
 
-    try:
-        check_env_ids(cfg)  # before Ray starts: an unknown env id or an envs.imports module that fails
+    try:  # the job checks env ids, envs.imports and its first prompts before Ray starts
         result = run_job(cfg, resume=resume)
     except ConfigError as e:  # refused by the job's own checks before it started
         _refused(e)
-    raise typer.Exit(0 if result.get("completed", True) else 1)
+    raise typer.Exit(0 if result["completed"] else 130)  # 130: stopped by Ctrl-C, with a checkpoint
 
 
 @app.command()

@@ -206,7 +206,7 @@ class TrackingSection(_Section):
     experiment: str = "k3rl"
     run_name: str | None = None
     runs_dir: str = "runs"
-    log_every: int = Field(1, ge=1)
+    sample_every: int = Field(5, ge=1, description="log sample episodes every this many steps (and at the last)")
     sample_episodes: int = Field(4, ge=0, description="episodes rendered as HTML artifacts per logging step")
 
 

@@ -43,10 +43,9 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
             kill_learner_at_step: int | None = None) -> dict[str, Any]:
     """Run (or with `resume`, continue) the job. `kill_*_at_step` kill rollout worker 0, inference
     engine 0 or learner rank 0 after that step's training (the failure tests)."""
-    from k3rl.envs.registration import check_env_ids, import_env_modules
+    from k3rl.envs.registration import check_env_ids
     from k3rl.rollout.episode import preflight
 
-    import_env_modules(cfg.envs.imports)
     check_env_ids(cfg)  # before Ray starts: an unknown id, a prompt over the context, a bad oracle
     preflight(cfg)
     faults = {"worker": kill_worker_at_step, "engine": kill_engine_at_step, "learner": kill_learner_at_step}
@@ -171,7 +170,7 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                 history.append(m)
                 tracker.log_metrics(m, step=step)
                 _show(live if use_live else None, quiet, step, cfg.learner.steps, m)
-                if cfg.tracking.sample_episodes and (step % (5 * cfg.tracking.log_every) == 0 or step == cfg.learner.steps):
+                if cfg.tracking.sample_episodes and (step % cfg.tracking.sample_every == 0 or step == cfg.learner.steps):
                     _log_samples(tracker, run_dir, stats, step, cfg.tracking.sample_episodes)
                 if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
                     await save(step)

@@ -54,7 +54,7 @@ from typing import Any
 import gymnasium
 
 from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
-from k3rl.config import JobConfig
+from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.actions import action_to_ids
 from k3rl.envs.base import is_tool_env
 from k3rl.envs.registration import import_env_modules
@@ -351,7 +351,7 @@ def job_limits(cfg: JobConfig) -> dict[str, Any]:
 
 def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:
     s = cfg.sandbox
-    return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s}
+    return {"memory_mb": s.memory_mb, "cpus": s.cpus, "pids": s.pids, "timeout_s": s.exec_timeout_s, "image": s.image}
 
 
 def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = None,
@@ -375,7 +375,7 @@ def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = 
     return gymnasium.make(spec.env_id, disable_env_checker=True, **kwargs)
 
 
-class PreflightError(ValueError):
+class PreflightError(ConfigError):
     """A training env that cannot work with the job's limits; the message names the field to change."""
 
 

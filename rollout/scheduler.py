@@ -235,7 +235,8 @@ class Scheduler:
                     f"{len(self.failed_streak)} groups in a row failed in every episode; the errors:\n  "
                     + "\n  ".join(f"{n}x {e}" for e, n in common)
                     + "\nfix the environment (try `k3rl envs check ENV_ID`) or the sandbox (`k3rl sandbox doctor`)")
-            ready = sorted((g for g in self.open.values() if g.done), key=lambda g: g.index)
+            # groups that finished while the drop was awaited are judged on the next pass
+            ready = sorted((g for g in self.open.values() if g.done and self._fresh(g, step)), key=lambda g: g.index)
             if len(ready) >= self.P:
                 batch = ready[: self.P]
                 for g in batch:

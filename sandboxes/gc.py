@@ -5,13 +5,21 @@ bubblewrap in `<dir>/k3rl-owner.json` (its cgroups are named after the sandbox i
 default `gc` removes only orphans — sandboxes whose owner process on this host is gone —
 so it is safe to run while other jobs are live. `job=` removes every sandbox of that job,
 `all=True` every k3rl sandbox.
+
+A job's driver killed with SIGKILL also leaves Ray processes behind: its local Ray's raylet and
+GCS die with it, but agents and workers started by the raylet live on, re-parented to init.
+`gc_ray_orphans` removes every Ray process whose session (`/tmp/ray/session_*`, read off the
+files it holds open) has no raylet alive any more; a live cluster always has its raylet, so
+running jobs are never touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 from pathlib import Path
 
@@ -116,6 +124,54 @@ def _remove_cgroups(sandbox_id: str) -> None:
         SandboxCgroup(1, dirs).remove()
 
 
+SESSION = re.compile(r"/session_\d{4}-\d\d-\d\d_[\d-]+_\d+_\d+")
+
+
+def _ray_process(pid: int) -> tuple[str, str | None, bool] | None:
+    """(name, session dir, is_raylet) of a Ray process, None for any other process."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    argv = [a.decode(errors="replace") for a in argv if a]
+    if not argv:
+        return None
+    name = argv[0]
+    raylet = name.endswith("/raylet")
+    if not (name.startswith("ray::") or raylet or any("/site-packages/ray/" in a for a in argv[:3])):
+        return None
+    found = next((m.group(0) for a in argv if (m := SESSION.search(a))), None)
+    if found is None:  # renamed processes (ray::...) name their session only through their open files
+        try:
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                with_session = SESSION.search(os.readlink(fd.path))
+                if with_session:
+                    found = with_session.group(0)
+                    break
+        except OSError:
+            pass
+    return name.split()[0], found, raylet
+
+
+def orphaned_ray_processes() -> list[tuple[int, str]]:
+    """(pid, name) of every Ray process whose session has no live raylet."""
+    procs = {int(d): info for d in os.listdir("/proc") if d.isdigit() and (info := _ray_process(int(d)))}
+    live = {session for _, session, raylet in procs.values() if raylet and session}
+    return [(pid, name) for pid, (name, session, _) in procs.items() if session and session not in live]
+
+
+def gc_ray_orphans() -> list[str]:
+    removed = []
+    for pid, name in orphaned_ray_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"ray process {pid} ({name})")
+        except ProcessLookupError:
+            pass
+    return removed
+
+
 def gc(job: str | None = None, all: bool = False) -> list[str]:
-    """Remove orphaned sandboxes of both backends (see module doc); return what was removed."""
-    return gc_docker(job=job, all=all) + gc_bwrap(job=job, all=all)
+    """Remove orphaned sandboxes of both backends and Ray processes of dead sessions (see module
+    doc); return what was removed."""
+    return gc_docker(job=job, all=all) + gc_bwrap(job=job, all=all) + gc_ray_orphans()
