@@ -14,7 +14,7 @@ import random
 import gymnasium
 
 from k3rl.envs.key_lookup import KeyLookupEnv
-from k3rl.envs.tools import tool
+from k3rl.envs.tools import ToolError, tool
 from k3rl.sandboxes import SandboxError
 
 
@@ -38,3 +38,27 @@ class FlakyLookupEnv(KeyLookupEnv):
 
 if "faulty/FlakyLookup-v0" not in gymnasium.registry:
     gymnasium.register("faulty/FlakyLookup-v0", entry_point=FlakyLookupEnv)
+
+
+class SandboxedLookupEnv(KeyLookupEnv):
+    """KeyLookup whose table lives in the episode's sandbox: reset writes one file per key into it
+    and `lookup` reads the file there (so every episode holds a real container or bwrap sandbox)."""
+
+    uses_sandbox = True
+
+    def opening_messages(self, task):
+        for key, value in zip(task.keys, task.values, strict=True):
+            self.sandbox.write_file(f"keys/{key}", value)
+        return super().opening_messages(task)
+
+    @tool
+    def lookup(self, key: str) -> str:
+        """Value of a key."""
+        self._looked_up.append(key)
+        if key not in self.task.keys:
+            raise ToolError(f"no key {key!r}; keys: {' '.join(self.task.keys)}")
+        return self.sandbox.exec(["cat", f"keys/{key}"], timeout=10).stdout.strip()
+
+
+if "faulty/SandboxedLookup-v0" not in gymnasium.registry:
+    gymnasium.register("faulty/SandboxedLookup-v0", entry_point=SandboxedLookupEnv)
