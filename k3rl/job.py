@@ -17,6 +17,7 @@ import contextlib
 import json
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,144 +54,160 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
 
 
 async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None]) -> dict[str, Any]:
-    import ray
+    async with contextlib.AsyncExitStack() as stack:  # every actor, episode and the MLflow run end on every exit
+        job = await Job.start(cfg, resume, stack)
+        await job.warm_start()
+        step, steps, history, t_job = job.step, cfg.learner.steps, [], time.monotonic()
+        await job.push(step + 1)
+        stop = _ctrl_c()
+        with _progress(quiet, step, steps) as show:
+            while step < steps:
+                t0 = time.monotonic()
+                batch = await _unless(stop, job.sched.next_batch(step + 1))  # fresh groups, under the lag bound
+                if batch is None:  # Ctrl-C: end with a checkpoint of the last complete step
+                    break
+                step += 1
+                ref = (await job.buffer.take_ref.remote([g.id for g in batch], step))[0]  # tokens go by reference
+                stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
+                t1 = time.monotonic()
+                m = {**step_metrics(stats, step), "policy_version": float(step),
+                     **await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}")}
+                t2 = time.monotonic()
+                _inject_faults(faults, step, job)
+                if step < steps:  # nothing samples from the weights of the last step
+                    m.update(await job.push(step + 1))
+                m.update(_timings(stats, t0, t1, t2), **job.sched.metrics())
+                history.append(m)
+                job.tracker.log_metrics(m, step=step)
+                show(step, m)
+                if cfg.tracking.sample_episodes and (step % cfg.tracking.sample_every == 0 or step == steps):
+                    _log_samples(job, stats, step)
+                if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
+                    await job.save(step)
+        await job.save(step)  # a no-op when that step already has its checkpoint
+        await job.sched.stop()
+        await job.buffer.flush_unused.remote(step + 1)  # rolled back and re-issued if the run is resumed
+        summary = {"completed": step >= steps, "steps": step, "run_dir": str(job.run_dir),
+                   "mlflow_run_id": job.tracker.run_id, "history": history,
+                   "buffer": await job.buffer.get_stats.remote(), "accounting": job.sched.metrics(),
+                   "restarts": int(job.sched.counts["workers/restarts"]), "seconds": time.monotonic() - t_job}
+        job.tracker.log_reward_curve_png()
+        job.tracker.finish("FINISHED" if summary["completed"] else "KILLED")
+    _report(job, summary, quiet)
+    return summary
 
-    from k3rl.cluster import init_ray
-    from k3rl.learner.actor import LearnerGroup, latest_checkpoint
-    from k3rl.rollout.buffer import TrajectoryBuffer
-    from k3rl.rollout.episode import collect_demonstrations
-    from k3rl.rollout.pool import EngineSpec, PoolActor
-    from k3rl.rollout.scheduler import Scheduler
-    from k3rl.rollout.worker import RolloutWorker
-    from k3rl.store import TrajectoryStore
-    from k3rl.tracking import Tracker
 
-    run_name = cfg.tracking.run_name or cfg.name
-    run_dir = Path(cfg.tracking.runs_dir) / run_name
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None and not resume:
-        raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
-                         f"or set tracking.run_name to start a new one")
-    ckpt = ckpt if resume else None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg.save(run_dir / "config.yaml")
-    meta_file = run_dir / "run.json"
-    meta = json.loads(meta_file.read_text()) if (resume and meta_file.exists()) else {}
-    init_ray(cfg)
+@dataclass
+class Job:
+    """The job's parts, started (and registered for release on `stack`) by `Job.start`."""
 
-    async with contextlib.AsyncExitStack() as job:  # every actor and episode is released on every exit
-        tracker = job.enter_context(Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
-                                            run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir))
-        meta["mlflow_run_id"] = tracker.run_id
-        meta_file.write_text(json.dumps(meta))
+    cfg: JobConfig
+    run_dir: Path
+    tracker: Any
+    pool: Any
+    learner: Any
+    buffer: Any
+    sched: Any
+    step: int  # training steps done (the checkpoint's, on resume)
+    resumed: bool
+
+    @classmethod
+    async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack) -> Job:
+        import ray
+
+        from k3rl.cluster import init_ray
+        from k3rl.learner.actor import LearnerGroup, latest_checkpoint
+        from k3rl.rollout.buffer import TrajectoryBuffer
+        from k3rl.rollout.pool import EngineSpec, PoolActor
+        from k3rl.rollout.scheduler import Scheduler
+        from k3rl.rollout.worker import RolloutWorker
+        from k3rl.store import TrajectoryStore
+        from k3rl.tracking import Tracker
+
+        run_name = cfg.tracking.run_name or cfg.name
+        run_dir = Path(cfg.tracking.runs_dir) / run_name
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None and not resume:
+            raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
+                             f"or set tracking.run_name to start a new one")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.save(run_dir / "config.yaml")
+        meta_file = run_dir / "run.json"
+        meta = json.loads(meta_file.read_text()) if (resume and meta_file.exists()) else {}
+        init_ray(cfg)
+        tracker = stack.enter_context(Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
+                                              run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir))
+        meta_file.write_text(json.dumps({**meta, "mlflow_run_id": tracker.run_id}))
         if not resume:
             tracker.log_params(cfg.flat())
             tracker.log_artifact_file(str(run_dir / "config.yaml"))
 
-        spec = EngineSpec(kind=cfg.rollout.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
+        r = cfg.rollout
+        spec = EngineSpec(kind=r.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
                           checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype, seed=cfg.model.seed,
-                          device="cuda" if cfg.rollout.gpus_per_inference_worker > 0 else "cpu",
-                          engine_kwargs={"max_num_seqs": cfg.rollout.max_batch_sequences})
-        pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(
-            cfg.rollout.num_inference_workers, spec, actor_options={
-                "num_cpus": 1, "num_gpus": cfg.rollout.gpus_per_inference_worker, "max_concurrency": 10_000})
-        job.push_async_callback(_stop_pool, pool)
+                          device="cuda" if r.gpus_per_inference_worker > 0 else "cpu",
+                          engine_kwargs={"max_num_seqs": r.max_batch_sequences})
+        pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={
+            "num_cpus": 1, "num_gpus": r.gpus_per_inference_worker, "max_concurrency": 10_000})
+        stack.push_async_callback(_stop_pool, pool)
         learner = LearnerGroup(cfg, run_dir, pool)
-        job.callback(learner.shutdown)
+        stack.callback(learner.shutdown)
         await within(asyncio.gather(pool.wait_ready.remote(), learner.start()), LEARNER_START_S,
                      "the inference engines and the learner ranks to build their models")
+        ckpt = ckpt if resume else None
         state = await within(learner.call("load", str(ckpt)), LEARNER_START_S, f"loading {ckpt}") if ckpt else {}
         step = int(state.get("step", 0))
         # episodes decided after the checkpoint are re-issued under the same ids (exactly once)
         TrajectoryStore(run_dir).rollback(step if ckpt else -1)
-        buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(
-            cfg.rollout.group_size, store_dir=str(run_dir))
-        job.callback(lambda: ray.kill(buffer))
+        buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(r.group_size, store_dir=str(run_dir))
+        stack.callback(ray.kill, buffer)
         workers = []
 
         def make_worker(i: int):
-            workers.append(ray.remote(num_cpus=0, max_concurrency=cfg.rollout.episodes_per_worker + 1, max_restarts=0)(
+            workers.append(ray.remote(num_cpus=0, max_concurrency=r.episodes_per_worker + 1, max_restarts=0)(
                 RolloutWorker).remote(cfg.to_dict(), pool, buffer, i))
             return workers[-1]
 
-        job.push_async_callback(_close_workers, workers)
-        sched = Scheduler(cfg, run_name, make_worker, buffer, first_step=step + 1, next_index=int(state.get("next_group", 0)),
-                          reopen=state.get("open_groups", []))
-        job.push_async_callback(sched.stop)
-        P = cfg.rollout.prompts_per_step
+        stack.push_async_callback(_close_workers, workers)
+        sched = Scheduler(cfg, run_name, make_worker, buffer, first_step=step + 1,
+                          next_index=int(state.get("next_group", 0)), reopen=state.get("open_groups", []))
+        stack.push_async_callback(sched.stop)
+        return cls(cfg, run_dir, tracker, pool, learner, buffer, sched, step, ckpt is not None)
 
-        if ckpt is None and cfg.learner.eval_before_training:  # the reward curve's step 0: the untrained policy
-            m0 = rollout_metrics(await sched.evaluate(P, version=0), version=0)
-            tracker.log_metrics(m0, step=0)
+    async def warm_start(self) -> None:
+        """A fresh run: the untrained policy's reward (the curve's step 0), then SFT on oracle demonstrations,
+        collected in a Ray task so the driver never holds their tokens."""
+        import ray
+
+        from k3rl.rollout.episode import collect_demonstrations
+
+        cfg, P = self.cfg, self.cfg.rollout.prompts_per_step
+        if self.resumed:
+            return
+        if cfg.learner.eval_before_training:
+            m0 = rollout_metrics(await self.sched.evaluate(P, version=0), version=0)
+            self.tracker.log_metrics(m0, step=0)
             console.log(f"untrained policy: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
-        if ckpt is None and cfg.learner.sft_steps > 0:  # warm start on oracle demonstrations
-            demos = await asyncio.to_thread(collect_demonstrations, cfg, run_name, cfg.learner.sft_episodes)
-            sft = await within(learner.call("sft", demos, cfg.learner.sft_steps), TRAIN_STEP_S * 4, "the SFT warm start")
+        if cfg.learner.sft_steps > 0:
+            demos = ray.remote(num_cpus=0)(collect_demonstrations).remote(cfg, self.run_dir.name, cfg.learner.sft_episodes)
+            sft = await within(self.learner.call("sft", demos, cfg.learner.sft_steps), 4 * TRAIN_STEP_S, "the SFT warm start")
             for i, m in enumerate(sft):
-                tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
-            console.log(f"SFT warm start: {len(demos)} oracle episodes, {len(sft)} steps, loss "
+                self.tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
+            console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes, {len(sft)} steps, loss "
                         f"{sft[0].get('loss', float('nan')):.3f} -> {sft[-1].get('loss', float('nan')):.3f}")
 
-        async def push(version: int) -> dict[str, float]:
-            t = time.monotonic()
-            report = await within(learner.push_weights(version), 2 * cfg.rollout.weight_sync_timeout_s + 120,
-                                  f"the weights of version {version} to reach the engines")
-            sched.set_serving(version)  # admission opens the groups this version may sample
-            return {**report, "time/weight_sync_s": time.monotonic() - t}
+    async def push(self, version: int) -> dict[str, float]:
+        """The learner's weights to every engine as `version`; admission then opens what it may sample."""
+        t = time.monotonic()
+        report = await within(self.learner.push_weights(version), 2 * self.cfg.rollout.weight_sync_timeout_s + 120,
+                              f"the weights of version {version} to reach the engines")
+        self.sched.set_serving(version)
+        return {**report, "time/weight_sync_s": time.monotonic() - t}
 
-        async def save(step: int) -> None:
-            data = {"next_group": sched.next_index, "open_groups": sched.open_indices()}
-            await within(learner.call("save", step, data), TRAIN_STEP_S, f"the checkpoint of step {step}")
-
-        stop = asyncio.Event()
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
-        await push(step + 1)
-        history: list[dict[str, float]] = []
-        t_job = time.monotonic()
-        live = Live(step_table(step, cfg.learner.steps, {}), console=console, refresh_per_second=2)
-        use_live = not quiet and console.is_terminal
-        with live if use_live else contextlib.nullcontext():
-            while step < cfg.learner.steps:
-                t0 = time.monotonic()
-                batch = await _unless(stop, sched.next_batch(step + 1))
-                if batch is None:  # Ctrl-C: end with a checkpoint of the last complete step
-                    break
-                step += 1
-                ref = (await buffer.take_ref.remote([g.id for g in batch], step))[0]
-                stats = [s for g in batch for s in g.results.values()]
-                t1 = time.monotonic()
-                m = {**step_metrics(stats, step), "policy_version": float(step),
-                     **await within(learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}")}
-                t2 = time.monotonic()
-                _inject_faults(faults, step, sched, pool, learner)
-                if step < cfg.learner.steps:  # nothing samples from the weights of the last step
-                    m.update(await push(step + 1))
-                m.update(_timings(stats, t0, t1, t2), **sched.metrics())
-                history.append(m)
-                tracker.log_metrics(m, step=step)
-                _show(live if use_live else None, quiet, step, cfg.learner.steps, m)
-                if cfg.tracking.sample_episodes and (step % cfg.tracking.sample_every == 0 or step == cfg.learner.steps):
-                    _log_samples(tracker, run_dir, stats, step, cfg.tracking.sample_episodes)
-                if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
-                    await save(step)
-
-        completed = step >= cfg.learner.steps
-        await save(step)  # a no-op when that step already has its checkpoint
-        await sched.stop()
-        await buffer.flush_unused.remote(step + 1)  # rolled back and re-issued if the run is resumed
-        summary = {"completed": completed, "steps": step, "run_dir": str(run_dir), "mlflow_run_id": tracker.run_id,
-                   "history": history, "buffer": await buffer.get_stats.remote(), "accounting": sched.metrics(),
-                   "restarts": int(sched.counts["workers/restarts"]), "seconds": time.monotonic() - t_job}
-        tracker.log_reward_curve_png()
-        tracker.finish("FINISHED" if completed else "KILLED")
-    (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=1))
-    if not quiet:
-        console.print(f"\n[bold]done[/]: {step} steps in {summary['seconds']:.0f}s; run dir {run_dir}")
-        console.print(f"  MLflow UI:   k3rl ui --tracking-uri {cfg.tracking.uri}")
-        console.print(f"  reward plot: k3rl compare {run_name} --tracking-uri {cfg.tracking.uri}")
-        console.print(f"  episodes:    k3rl replay {run_dir} --html {run_dir}/episode.html")
-    return summary
+    async def save(self, step: int) -> None:
+        """A checkpoint, with the scheduler's state: a resume re-issues the groups open now, under their ids."""
+        data = {"next_group": self.sched.next_index, "open_groups": self.sched.open_indices()}
+        await within(self.learner.call("save", step, data), TRAIN_STEP_S, f"the checkpoint of step {step}")
 
 
 # ----- small pieces of the loop -------------------------------------------------------------------
@@ -228,15 +245,15 @@ async def _close_workers(workers: list) -> None:
             ray.kill(w, no_restart=True)
 
 
-def _inject_faults(faults: dict[str, int | None], step: int, sched, pool, learner) -> None:
+def _inject_faults(faults: dict[str, int | None], step: int, job: Job) -> None:
     import ray
 
     if faults["learner"] == step:
-        ray.kill(learner.actors[0], no_restart=True)
+        ray.kill(job.learner.actors[0], no_restart=True)
     if faults["worker"] == step:
-        ray.kill(sched.workers[0], no_restart=True)
+        ray.kill(job.sched.workers[0], no_restart=True)
     if faults["engine"] == step:
-        ray.kill(ray.get(pool.worker_handles.remote())[0], no_restart=True)
+        ray.kill(ray.get(job.pool.worker_handles.remote())[0], no_restart=True)
 
 
 def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, float]:
@@ -250,20 +267,44 @@ def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, fl
             "throughput/episodes_per_s": len(stats) / max(step_s, 1e-9)}
 
 
-def _show(live, quiet: bool, step: int, total: int, m: dict[str, float]) -> None:
-    if live is not None:
-        live.update(step_table(step, total, m))
-    elif not quiet:  # logs and CI: one line per step
-        console.log(f"step {step}: reward {m.get('reward/mean', float('nan')):.3f} "
-                    f"success {m.get('episodes/success_rate', float('nan')):.2f} loss {m.get('loss', float('nan')):.4f} "
-                    f"staleness {m.get('staleness/mean', 0):.2f} failed {m.get('episodes/failed', 0):.0f}")
+def _ctrl_c() -> asyncio.Event:
+    stop = asyncio.Event()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+    return stop
 
 
-def _log_samples(tracker, run_dir: Path, stats: list[dict], step: int, n: int) -> None:
+@contextlib.contextmanager
+def _progress(quiet: bool, step: int, total: int):
+    """`show(step, metrics)`: a live table on a terminal, one line per step in logs and CI."""
+    if quiet:
+        yield lambda step, m: None
+    elif console.is_terminal:
+        with Live(step_table(step, total, {}), console=console, refresh_per_second=2) as live:
+            yield lambda step, m: live.update(step_table(step, total, m))
+    else:
+        yield lambda step, m: console.log(
+            f"step {step}: reward {m.get('reward/mean', float('nan')):.3f} success "
+            f"{m.get('episodes/success_rate', float('nan')):.2f} loss {m.get('loss', float('nan')):.4f} "
+            f"staleness {m.get('staleness/mean', 0):.2f} failed {m.get('episodes/failed', 0):.0f}")
+
+
+def _report(job: Job, summary: dict[str, Any], quiet: bool) -> None:
+    (job.run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=1))
+    if not quiet:
+        name, uri = job.run_dir.name, job.cfg.tracking.uri
+        console.print(f"\n[bold]done[/]: {summary['steps']} steps in {summary['seconds']:.0f}s; run dir {job.run_dir}")
+        console.print(f"  MLflow UI:   k3rl ui --tracking-uri {uri}")
+        console.print(f"  reward plot: k3rl compare {name} --tracking-uri {uri}")
+        console.print(f"  episodes:    k3rl replay {job.run_dir} --html {job.run_dir}/episode.html")
+
+
+def _log_samples(job: Job, stats: list[dict], step: int) -> None:
     """The step's best episodes as HTML artifacts, read back from the store (the driver holds no tokens)."""
     from k3rl.store import TrajectoryStore
 
+    n = job.cfg.tracking.sample_episodes
     best = {s["id"] for s in sorted(filter(trainable, stats), key=lambda s: -s["reward"])[:n]}
-    for t in TrajectoryStore(run_dir, readonly=True).read(step=step):
+    for t in TrajectoryStore(job.run_dir, readonly=True).read(step=step):
         if t.id in best:
-            tracker.log_episode_html(t, step=step)
+            job.tracker.log_episode_html(t, step=step)
