@@ -44,16 +44,14 @@ class ModelSection(_Section):
     seed: int = 0
 
     def k3_config(self):
-        """The K3Config this section describes (preset + overrides), validated."""
-        from k3rl.learner.model import K3Config
+        """The K3Config this section describes (preset + overrides), validated: the one combination
+        of the two (`k3rl.learner.model.model_config`) that the learner and the engines build from."""
+        from k3rl.learner.model import model_config
 
-        cfg = K3Config.preset(self.preset)
-        if self.overrides:
-            try:
-                cfg = K3Config.model_validate({**cfg.model_dump(), **self.overrides})
-            except ValidationError as e:
-                raise ConfigError(_format(e, prefix="model.overrides")) from None
-        return cfg
+        try:
+            return model_config(self.preset, self.overrides)
+        except ValidationError as e:
+            raise ConfigError(_format(e, prefix="model.overrides")) from None
 
     def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
         from k3rl.learner.model import K3Config
