@@ -32,13 +32,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3rl.config import JobConfig
 from k3rl.metrics import trainable
-
 
 WORKER_START_S = 600.0
 

@@ -5,15 +5,13 @@ driver's env-id check and the Ray workers of a job (local Ray and a `ray start -
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from ray_head import ray_head
 
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.registration import check_env_ids, import_env_modules
@@ -155,43 +153,16 @@ def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_pa
 def test_a_cluster_job_ships_the_users_module_by_py_modules(tmp_path):
     """`ray.address` joins a `ray start --head` cluster (stopped through its own process, so other Ray
     processes are untouched); the user's package travels as `ray.runtime_env.py_modules`."""
-    import ray
 
     from k3rl.cluster import init_ray
 
     package = tmp_path / "cluster_envs"
     package.mkdir()
     write_module(package, "__init__", "cluster")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    port = free_port()
-    head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    ray.shutdown()
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # the GCS answers on the loopback port once the head is up
-            assert head.poll() is None, "ray start --head exited early"
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "ray start --head did not come up within 180 s"
-            time.sleep(0.5)
-        cfg = JobConfig.load(None, [f"ray.address=127.0.0.1:{port}", "envs.imports=[cluster_envs]",
+    with ray_head(free_port()) as address:
+        cfg = JobConfig.load(None, [f"ray.address={address}", "envs.imports=[cluster_envs]",
                                     f"ray.runtime_env.py_modules=[{package}]"])
         init_ray(cfg)
         got = make_env_in_a_ray_actor(cfg.envs.imports, "cluster/Reverse-v0")
         assert got["class"] == "Reverse" and got["reward"] == 1.0
         assert got["env"]["OMP_NUM_THREADS"] == "1"  # the job's env vars reach a cluster's workers too
-    finally:
-        ray.shutdown()
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        # what `ray stop` would tidy: the pointer a later bare ray.init() would follow to a dead cluster
-        current = "/tmp/ray/ray_current_cluster"
-        if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
-            os.unlink(current)

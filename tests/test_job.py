@@ -1,7 +1,6 @@
 """The agentic RL job end to end: real Ray, the embedded K3 engine, MLflow SQLite, Parquet store."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -118,47 +117,26 @@ def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path, step):
 
 
 def test_job_against_a_local_ray_start_head_cluster(tmp_path):
-    """`ray.address` joins an existing cluster (here: `ray start --head --block` on loopback; the
-    cluster is stopped through its own `ray start` process, so other Ray processes are untouched)."""
-    import signal
-    import socket
-    import time
+    """`ray.address` joins an existing cluster (`ray start --head` on loopback) and trains on a user's
+    env from a module outside the package (`envs.imports`), which the cluster's workers get through
+    `ray.runtime_env`; the sandboxes it used are gone when the job ends."""
+    from pathlib import Path
 
-    import ray
+    from ray_head import ray_head
 
     from k3rl.job import run_job
+    from k3rl.learner.distributed import free_port
 
-    ray.shutdown()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    port = 26379  # outside Ray's default worker-port range (10002-19999)
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                             "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:  # the GCS answers on the loopback port once the head is up
-            assert head.poll() is None, "ray start --head exited early"
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "ray start --head did not come up within 180 s"
-            time.sleep(0.5)
-        cfg = _cfg(tmp_path, f"ray.address=127.0.0.1:{port}", "learner.steps=1", "name=cluster")
+    tests = str(Path(__file__).resolve().parent)
+    with ray_head(free_port(), num_cpus=4) as address:
+        cfg = _cfg(tmp_path, f"ray.address={address}", "learner.steps=1", "name=cluster", "envs.imports=[faulty_envs]",
+                   "envs.train.0.id=faulty/SandboxedLookup-v0", f"ray.runtime_env.env_vars.PYTHONPATH={tests}")
         summary = run_job(cfg, quiet=True)
-        assert summary["completed"] and summary["steps"] == 1
-        assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
-    finally:
-        ray.shutdown()
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        # what `ray stop` would tidy: the pointer a later bare ray.init() would follow to a dead cluster
-        current = "/tmp/ray/ray_current_cluster"
-        if os.path.exists(current) and open(current).read().strip().endswith(f":{port}"):
-            os.unlink(current)
+    assert summary["completed"] and summary["steps"] == 1
+    assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
+    assert summary["buffer"]["trained"] == 4
+    ps = subprocess.run(["docker", "ps", "-aq", "--filter", "label=k3rl.job=cluster"], capture_output=True, text=True)
+    assert ps.stdout.split() == []
 
 
 def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):

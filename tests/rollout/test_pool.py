@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import ray
@@ -19,17 +18,6 @@ from k3rl.types import SamplingParams, WeightUpdate
 torch.set_num_threads(1)
 SPEC = EngineSpec(preset="k3-tiny", seed=0, engine_kwargs={"max_num_seqs": 16})
 NO_CPU_SLOT = {"num_cpus": 0}  # schedulable whatever Ray cluster another test module left running
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _prompt(n: int, offset: int = 0) -> list[int]:

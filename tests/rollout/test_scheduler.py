@@ -19,10 +19,8 @@ from k3rl.types import Trajectory
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+def local_ray(ray_cluster):
     yield
-    ray.shutdown()
 
 
 @ray.remote

@@ -4,8 +4,6 @@ local Ray cluster. CUDA IPC needs engines on the sender's GPU and is skipped wit
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import ray
 import torch
@@ -20,17 +18,6 @@ from k3rl.types import SamplingParams, WeightUpdate
 torch.set_num_threads(1)
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(11)]
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _pool(device: str = "cpu"):

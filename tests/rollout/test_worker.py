@@ -36,17 +36,6 @@ class SandboxOpening(PythonToolEnv):
 gymnasium.register("k3rltest/SandboxOpening-v0", entry_point=SandboxOpening)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _spec(i: int, env_id: str, **kwargs) -> dict:
     return {"id": f"wt-g{i:07d}-s0", "env_id": env_id, "seed": i, "group_id": f"wt-g{i:07d}", "env_kwargs": kwargs,
             "issued_version": 0}
