@@ -95,10 +95,10 @@ def test_check_reports_an_env_without_an_oracle():
     class Plain(KeyLookupEnv):
         oracle = ToolEnv.oracle  # no scripted policy
 
-    gym.register("k3rltest/NoOracle-v0", entry_point=Plain)
+    gym.register("k3rltest/PlainNoOracle-v0", entry_point=Plain)
     try:
         c = console()
-        assert check_env_command("k3rltest/NoOracle-v0", console=c) == 1
+        assert check_env_command("k3rltest/PlainNoOracle-v0", console=c) == 1
         assert "oracle episode failed at generate: NoOracleError: Plain defines no scripted oracle" in c.file.getvalue()
     finally:
-        gym.registry.pop("k3rltest/NoOracle-v0", None)
+        gym.registry.pop("k3rltest/PlainNoOracle-v0", None)

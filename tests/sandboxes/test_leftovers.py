@@ -102,7 +102,7 @@ def test_a_closed_pool_leaves_no_sandbox_and_no_sandbox_process(backend):
 
     ids, pids = asyncio.run(main())
     assert remaining(backend, job, ids) == set()
-    assert alive(pids) == set()
+    assert alive(pids, within_s=10.0) == set()  # killed on close; a loaded machine may take a moment to reap
 
 
 CRASHING_OWNER = textwrap.dedent(
@@ -165,7 +165,7 @@ def test_the_sandboxes_of_a_killed_owner_go_away_and_gc_removes_the_rest(backend
         assert f"{backend}:{headless}" in r.stdout  # an orphan: its owner is dead
         assert f"{backend}:{live.id}" not in r.stdout  # its owner (this process) is alive
         assert remaining(backend, job, [*pooled, headless]) == {live.id}
-        assert alive(pids) == set()
+        assert alive(pids, within_s=10.0) == set()  # killed on close; a loaded machine may take a moment to reap
         r = subprocess.run([*K3RL, "sandbox", "gc", "--job", job], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and f"{backend}:{live.id}" in r.stdout  # --job: everything of that job
     assert remaining(backend, job, [*pooled, headless, live.id]) == set()
