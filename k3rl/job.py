@@ -28,7 +28,7 @@ from k3rl.config import JobConfig
 from k3rl.metrics import rollout_metrics, step_metrics, step_table, trainable
 
 console = Console()
-LEARNER_START_S, TRAIN_STEP_S, ENGINES_READY_S = 1800.0, 3600.0, 900.0
+LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
 
 
 async def within(awaitable, seconds: float, what: str):
@@ -67,7 +67,8 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                 if batch is None:  # Ctrl-C: end with a checkpoint of the last complete step
                     break
                 step += 1
-                ref = (await job.buffer.take_ref.remote([g.id for g in batch], step))[0]  # tokens go by reference
+                ref = (await within(job.buffer.take_ref.remote([g.id for g in batch], step), BUFFER_S,
+                                    f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
                 stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
                 t1 = time.monotonic()
                 m = {**step_metrics(stats, step), "policy_version": float(step),
@@ -86,10 +87,12 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                     await job.save(step)
         await job.save(step)  # a no-op when that step already has its checkpoint
         await job.sched.stop()
-        await job.buffer.flush_unused.remote(step + 1)  # rolled back and re-issued if the run is resumed
+        # what finished but was not trained is stored as unused; a resume rolls it back and re-issues it
+        await within(job.buffer.flush_unused.remote(step + 1), BUFFER_S, "the buffer to store the unused episodes")
         summary = {"completed": step >= steps, "steps": step, "run_dir": str(job.run_dir),
                    "mlflow_run_id": job.tracker.run_id, "history": history,
-                   "buffer": await job.buffer.get_stats.remote(), "accounting": job.sched.metrics(),
+                   "buffer": await within(job.buffer.get_stats.remote(), BUFFER_S, "the buffer's counts"),
+                   "accounting": job.sched.metrics(),
                    "restarts": int(job.sched.counts["workers/restarts"]), "seconds": time.monotonic() - t_job}
         job.tracker.log_reward_curve_png()
         job.tracker.finish("FINISHED" if summary["completed"] else "KILLED")
