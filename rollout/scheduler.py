@@ -38,7 +38,7 @@ from typing import Any
 from k3rl.config import JobConfig
 from k3rl.metrics import trainable
 
-WORKER_START_S = 600.0
+WORKER_START_S, BUFFER_S = 600.0, 300.0  # a rollout worker's start-up; one call to the buffer actor
 
 
 class EpisodesFailingError(RuntimeError):
@@ -185,7 +185,7 @@ class Scheduler:
 
     async def _lost(self, spec: dict[str, Any], error: str) -> dict[str, Any]:
         self.counts["episodes/lost"] += 1
-        return await self.buffer.put_lost.remote(spec, error)
+        return await asyncio.wait_for(self.buffer.put_lost.remote(spec, error), BUFFER_S)
 
     async def _acquire_slot(self) -> int:
         while min(self.running) >= self.per_worker:
@@ -222,7 +222,7 @@ class Scheduler:
                     self.counts["groups/stale"] += 1
                     self.counts["episodes/stale"] += sum(trainable(s) for s in g.results.values())
             if dropped:
-                await self.buffer.drop.remote([g.id for g in dropped], step)
+                await asyncio.wait_for(self.buffer.drop.remote([g.id for g in dropped], step), BUFFER_S)
                 for g in dropped:
                     del self.open[g.id]
                 self.counts["groups/reissued"] += len(dropped)
@@ -263,7 +263,7 @@ class Scheduler:
         while not all(g.done for g in groups):
             self.changed.clear()
             await self.changed.wait()
-        await self.buffer.drop.remote([g.id for g in groups], step, "eval")
+        await asyncio.wait_for(self.buffer.drop.remote([g.id for g in groups], step, "eval"), BUFFER_S)
         return [s for g in groups for s in g.results.values()]
 
     # -- the end ---------------------------------------------------------------------------------
