@@ -10,7 +10,8 @@ Accepted actions:
     A string with no special token at all is a plain final answer (content only).
 
 A missing `<|close|>message<|sep|><|end_of_msg|>` trailer is added (engines may strip the
-stop token); anything else malformed raises `ToolCallParseError` for the env to report.
+stop token); anything else malformed raises `ToolCallParseError` for the env to report. Text
+that parses becomes the chat template's own tokens (each text piece encoded on its own).
 """
 
 from __future__ import annotations
@@ -91,10 +92,16 @@ def action_to_ids(template: ChatTemplate, action: Any) -> list[int]:
     trailer = template.end_of_message
     if ids[-len(trailer):] != trailer:
         # engines may stop before / strip the stop token; complete the trailer, never change content
-        for k in range(len(trailer) - 1, 0, -1):
-            if ids[-k:] == trailer[:k]:
-                return ids + trailer[k:]
-        ids = ids + trailer
+        k = next((k for k in range(len(trailer) - 1, 0, -1) if ids[-k:] == trailer[:k]), 0)
+        ids = ids + trailer[k:]
+    if isinstance(action, str):
+        # text becomes the renderer's tokens: with a BPE tokenizer a run of text between specials
+        # encoded in one go is not cut into the pieces the model was trained on
+        try:
+            parsed = template.parse_assistant(ids)
+        except ToolCallParseError:
+            return ids  # the env reports it
+        return template.assistant_body(parsed.content, parsed.tool_calls, parsed.thinking)
     return ids
 
 

@@ -1,40 +1,55 @@
-"""The K3 chat template (XML-like markup, docs/model.md §9.7), rendered straight to token ids.
+"""The K3 chat template, exact to the encoder shipped with the checkpoint, rendered to token ids.
 
-An element is `[open]tag attr="v"[sep] body [close]tag[sep]` where [open], [sep] and
-[close] are the structural special tokens `<|open|>`, `<|sep|>`, `<|close|>`. A message:
+The format (docs/model.md §9.7; K3 report, appendix "chat template") is XML-like markup whose
+brackets are special tokens. An element is
 
-    [open]message role="R"[sep] ... [close]message[sep][end_of_msg]
+    [open]tag key="value"[sep] body [close]tag[sep]
 
-Context order: tool declaration, reasoning effort, the input messages, then the
-generation prefix `[open]message role="assistant"[sep]` + `[open]response[sep]` (instruct)
-or `[open]think[sep]` (thinking).
+and a message is `[open]message role="R"[ name="N"][sep] ... [close]message[sep][end_of_msg]`.
+A prompt is, in order: the tool declaration, the thinking effort (thinking mode only), the
+messages, the per-request options (`tool_choice`, `response_format`), then the generation
+prefix `[open]message role="assistant"[sep]` + `[open]think[sep]` (thinking) or
+`[open]response[sep]` (instruct).
+
+Pieces. The official encoder cuts a prompt into pieces and tokenizes each piece on its own:
+a special token, a tag name, and for each attribute ` key`, `="`, the escaped value and `"`,
+then each body text. `render_pieces` returns exactly those pieces (`Special` for a special
+token, `str` for text); `render` encodes each text piece with `tokenizer.encode`, which never
+yields a special token, so markup inside content stays text. With a BPE tokenizer, encoding
+`message role="user"` in one go would give other ids than the model was trained on.
 
 Guarantees (tested):
-  * Token in, token out: each message renders on its own, so appending message n+1 never
-    changes the tokens of messages 1..n (`ChatSession` appends, `render` == concatenation).
-  * Untrusted text (user, tool, argument values) is encoded with `tokenizer.encode`, which
-    never yields a structural token, so markup inside content cannot inject structure.
+  * Token in, token out: `ChatSession.add` appends a message's tokens and never changes earlier
+    ones, and `render` equals the session that adds the same messages.
   * The loss mask covers exactly the assistant-generated tokens: everything after the
     generation prefix up to and including `[close]message[sep][end_of_msg]`.
-  * `parse_assistant(render(calls))` gives the calls back; malformed output raises
+  * `generation_prefix()` + sampled ids == the rendering of the parsed message, whenever the
+    sampled ids are the canonical tokens of their text (the renderer drops whitespace-only
+    thinking, as the official encoder does).
+  * `parse_assistant(assistant_body(...))` gives the message back; malformed output raises
     `ToolCallParseError` with a message precise enough to show the model.
 
-Images (user messages, and, as a k3rl extension, tool results) are media blocks
-`<|media_begin|>image WxH<|media_content|><|media_pad|>*N<|media_end|>` placed before the
-text, N = the tokens the vision tower makes of the image (k3rl.images.num_image_tokens).
+Images are media blocks `[media_begin]image WxH[media_content][media_pad]*N[media_end]` (W x H
+the original size, N the vision tower's token count; the official encoder writes one pad and
+its processor expands it) placed where the content has an image: at each
+`<|kimi_image_placeholder|>` of the text, at each image part of OpenAI content parts, or, with
+no placeholder, before the text.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from k3rl.images import num_image_tokens, png_size
+from k3rl.images import num_image_tokens, png_size, to_png
 from k3rl.tokenizer import ByteTokenizer, Tokenizer
 from k3rl.types import ToolCall
 
@@ -42,26 +57,126 @@ OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
     "<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",
 )
-EFFORT_LEVELS = ("low", "medium", "high", "max")
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+# The encoder accepts these three; its own prompt text also lists `medium`, which it rejects.
+EFFORT_LEVELS = ("low", "high", "max")
 ARG_TYPES = ("string", "number", "boolean", "null", "object", "array")
+
+# The option texts of the official encoder, word for word.
+TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
+NEW_TOOLS_HEADER = (
+    "## New Tools Available\n"
+    "The system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\n"
+    "Here are the specs for the extended tools.\n\n"
+)
+EFFORT_TEXT = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+    "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+    "Now the system is invoked with `thinking_effort={}`."
+)
+TOOL_CHOICE_TEXT = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+_RAW_JSON = "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+JSON_OBJECT_TEXT = "The system is invoked with `response_format=json_object`.\n" + _RAW_JSON
+JSON_SCHEMA_TEXT = ("The system is invoked with `response_format=json_schema`.\n" + _RAW_JSON +
+                    "\nThe JSON data must match the following schema:\n```json\n{}\n```")
 
 
 class ToolCallParseError(ValueError):
     """Generated tokens that do not form a valid assistant message; the text is meant for the model."""
 
 
+class RawToolCall(ToolCall):
+    """A call whose arguments are text that is not JSON, kept as written: in history it renders as
+    `[open]json type="object"[sep]RAW[close]json[sep]` (`arguments` stays empty)."""
+
+    raw_arguments: str
+
+    @model_validator(mode="after")
+    def _really_raw(self) -> RawToolCall:
+        if self.arguments:
+            raise ValueError("a RawToolCall has raw_arguments only; leave `arguments` empty")
+        if not self.raw_arguments.strip():
+            raise ValueError("raw_arguments is blank: a call without arguments is a ToolCall with arguments={}")
+        try:
+            json.loads(self.raw_arguments)
+        except json.JSONDecodeError:
+            return self
+        raise ValueError(f"raw_arguments {self.raw_arguments[:60]!r} is valid JSON: pass it as ToolCall(arguments=...)")
+
+
+def tool_call(name: str, arguments: Any = None, index: int = 1, id: str | None = None) -> ToolCall:
+    """A call from OpenAI-style arguments: a dict, or JSON text (text that is not JSON gives a RawToolCall)."""
+    extra = {"id": id} if id is not None else {}
+    if arguments is None or isinstance(arguments, dict):
+        return ToolCall(name=name, arguments=arguments or {}, index=index, **extra)
+    if not isinstance(arguments, str):
+        raise ValueError(f"tool call {name!r}: arguments must be a dict or JSON text, got {type(arguments).__name__}")
+    if not arguments.strip():
+        return ToolCall(name=name, arguments={}, index=index, **extra)
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return RawToolCall(name=name, raw_arguments=arguments, index=index, **extra)
+    if not isinstance(value, dict):
+        raise ValueError(f"tool call {name!r}: arguments {arguments[:60]!r} are JSON but not an object; "
+                         "K3 tool calls take an object of named arguments")
+    return ToolCall(name=name, arguments=value, index=index, **extra)
+
+
+def _openai_call(item: Any, position: int) -> Any:
+    if not isinstance(item, dict) or not ("function" in item or isinstance(item.get("arguments"), str)):
+        return item  # a ToolCall, or a ToolCall's fields
+    fn = item.get("function", item)
+    if not isinstance(fn, dict) or not fn.get("name"):
+        raise ValueError(f"tool call {position} has no function name")
+    return tool_call(fn["name"], fn.get("arguments"), index=position, id=item.get("id"))
+
+
+def _image_part(part: dict[str, Any], where: str) -> bytes:
+    """PNG bytes of an OpenAI image part: {"type": "image_url", "image_url": {"url": "data:..."}} or
+    {"type": "image", "image": PNG bytes / base64 / PIL image}."""
+    value = part.get(part["type"])
+    if isinstance(value, dict):
+        value = value.get("url")
+    if isinstance(value, str) and value.startswith("data:"):
+        try:
+            data = base64.b64decode(value.split(",", 1)[1], validate=True)
+        except (IndexError, binascii.Error):
+            raise ValueError(f"{where}: the data URL is not base64 ('data:image/png;base64,...')") from None
+        from PIL import Image
+
+        return to_png(Image.open(io.BytesIO(data)))
+    if isinstance(value, str) and "://" in value:
+        raise ValueError(f"{where}: k3rl does not fetch images ({value[:40]}...); pass a data: URL or PNG bytes")
+    if isinstance(value, str):
+        value = base64.b64decode(value, validate=True)
+    return to_png(value)
+
+
 class Message(BaseModel):
+    """One chat message. Also accepts the OpenAI forms: `content` as a list of parts (text, image,
+    image_url) or None, `tool_calls` with `function.arguments` as JSON text, `reasoning_content` /
+    `reasoning` for `thinking`, and `tool` for `tool_name`."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[bytes] = Field(default_factory=list)
-    thinking: str | None = None
+    thinking: str | None = Field(None, validation_alias=AliasChoices("thinking", "reasoning_content", "reasoning"))
     tool_calls: list[ToolCall] = Field(default_factory=list)
     name: str | None = None
-    tool_name: str | None = Field(None, description="tool messages: the tool that produced this result")
+    tool_name: str | None = Field(None, validation_alias=AliasChoices("tool_name", "tool"),
+                                  description="tool messages: the tool that produced this result")
     tool_index: int | None = Field(None, ge=1, description="tool messages: 1-based index of the call it answers")
+    tool_call_id: str | None = Field(None, description="tool messages: the id of the call it answers")
     tools: list[dict[str, Any]] | None = Field(None, description="system messages: extend the toolset mid-session")
+    # the content parts as given (text, or None for an image): each text part is its own piece
+    _parts: list[str | None] | None = PrivateAttr(None)
 
     @field_validator("images", mode="before")
     @classmethod
@@ -70,22 +185,84 @@ class Message(BaseModel):
 
         return [_check_png(_unb64(x)) for x in (v or [])]
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _calls(cls, v):
+        return [_openai_call(c, i) for i, c in enumerate(v or [], start=1)]
 
-@dataclass
-class Rendered:
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
+    @model_validator(mode="wrap")
+    @classmethod
+    def _content_parts(cls, data: Any, handler: Callable[[Any], Message]) -> Message:
+        parts = None
+        if isinstance(data, dict) and data.get("content", "") is None:
+            data = {**data, "content": ""}
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            if data.get("images"):
+                raise ValueError("give images either as content parts or in `images`, not both")
+            parts, images = [], []
+            for i, part in enumerate(data["content"], start=1):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    if IMAGE_PLACEHOLDER in part["text"]:
+                        raise ValueError(f"content part {i}: text parts cannot hold {IMAGE_PLACEHOLDER}; "
+                                         "give the image as its own part")
+                    parts.append(part["text"])
+                elif kind in ("image", "image_url"):
+                    images.append(_image_part(part, f"content part {i}"))
+                    parts.append(None)
+                else:
+                    raise ValueError(f"content part {i} must be {{'type': 'text', 'text': ...}}, "
+                                     f"{{'type': 'image_url', ...}} or {{'type': 'image', ...}}; got {part!r:.80}")
+            data = {**data, "content": "".join(IMAGE_PLACEHOLDER if p is None else p for p in parts),
+                    "images": images}
+        msg = handler(data)
+        if parts is not None:
+            msg._parts = parts
+        return msg
 
-    def add(self, ids: list[int], trained: bool = False) -> Rendered:
-        self.ids.extend(ids)
-        self.mask.extend([1 if trained else 0] * len(ids))
+    @model_validator(mode="after")
+    def _consistent(self) -> Message:
+        if self.tools is not None and self.role != "system":
+            raise ValueError(f"only system messages declare tools (this one is {self.role})")
+        if self.tools and (self.content or self.images):
+            raise ValueError("a system message with tools renders as the tool declaration alone (the official "
+                             "encoder drops its content); put the text in a system message of its own")
+        if self.images and self.role == "assistant":
+            raise ValueError("assistant messages cannot carry images: their tokens are trained")
+        n = self.content.count(IMAGE_PLACEHOLDER)
+        if self.images and n not in (0, len(self.images)):
+            raise ValueError(f"{len(self.images)} images but {n} {IMAGE_PLACEHOLDER} in the content: mark each "
+                             "image's place once, or not at all (images then come before the text)")
         return self
 
-    def __add__(self, other: Rendered) -> Rendered:
-        return Rendered(self.ids + other.ids, self.mask + other.mask)
+    def content_parts(self) -> list[str | None]:
+        """The content as text parts and image slots (None), in order."""
+        if self._parts is not None and self._parts.count(None) == len(self.images) and \
+                "".join(IMAGE_PLACEHOLDER if p is None else p for p in self._parts) == self.content:
+            return self._parts
+        if not self.images:
+            return [self.content]
+        if IMAGE_PLACEHOLDER not in self.content:
+            return [None] * len(self.images) + [self.content]
+        parts: list[str | None] = []
+        for text in self.content.split(IMAGE_PLACEHOLDER):
+            parts += [text, None]
+        return parts[:-1]
 
-    def __len__(self) -> int:
-        return len(self.ids)
+
+# -- pieces ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Special:
+    """A special token in a piece list; every other piece is text, encoded on its own."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+Piece = str | Special
+_OPEN, _CLOSE, _SEP, _EOM = Special(OPEN), Special(CLOSE), Special(SEP), Special(EOM)
 
 
 def _escape(value: str) -> str:
@@ -94,6 +271,30 @@ def _escape(value: str) -> str:
 
 def _unescape(value: str) -> str:
     return value.replace("&quot;", '"').replace("&amp;", "&")
+
+
+def _open(tag: str, *attrs: tuple[str, Any]) -> list[Piece]:
+    pieces: list[Piece] = [_OPEN, tag]
+    for key, value in attrs:
+        pieces += [f" {key}", '="', _escape(str(value)), '"']
+    return pieces + [_SEP]
+
+
+def _close(tag: str) -> list[Piece]:
+    return [_CLOSE, tag, _SEP]
+
+
+def _message(attrs: list[tuple[str, Any]], body: list[Piece]) -> list[Piece]:
+    return _open("message", *attrs) + body + _close("message") + [_EOM]
+
+
+def _system(kind: str, body: str) -> list[Piece]:
+    return _message([("role", "system"), ("type", kind)], [body.strip()])
+
+
+def _json_sorted(value: Any) -> str:
+    """Compact JSON with keys deep-sorted and non-ASCII kept (tool declarations, schemas)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
 def _arg_type(value: Any) -> str:
@@ -112,8 +313,74 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"tool-call argument of type {type(value).__name__} cannot be rendered; use JSON types")
 
 
-def _compact(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+def _schema(response_format: dict[str, Any]) -> Any:
+    js = response_format.get("json_schema")
+    if isinstance(js, dict):
+        js = js.get("schema", js.get("json_schema", js))
+    if js is None:
+        raise ValueError("response_format json_schema needs a schema: "
+                         "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    return js
+
+
+def order_tool_results(messages: list[Message]) -> list[Message]:
+    """Each run of tool results that all name, by `tool_call_id`, calls of the assistant message
+    before them, re-sorted into call order (as the official encoder does). A run not wholly matched
+    stays as given, its ids ignored."""
+    out: list[Message] = []
+    positions: dict[str, int] = {}
+    i = 0
+    while i < len(messages):
+        if messages[i].role != "tool":
+            if messages[i].role == "assistant":
+                positions = {}
+                for p, call in enumerate(messages[i].tool_calls, start=1):
+                    positions.setdefault(call.id, p)
+            out.append(messages[i])
+            i += 1
+            continue
+        j = i
+        while j < len(messages) and messages[j].role == "tool":
+            j += 1
+        run = messages[i:j]
+        if all(m.tool_call_id in positions for m in run):
+            run = sorted(run, key=lambda m: positions[m.tool_call_id])
+        else:
+            run = [m.model_copy(update={"tool_call_id": None}) if m.tool_call_id else m for m in run]
+        out += run
+        i = j
+    return out
+
+
+@dataclass
+class _Turn:
+    """What rendering a message needs from before it: the last assistant message's calls and the
+    tool results since (a tool result's index counts them)."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    results: int = 0
+
+
+@dataclass
+class Rendered:
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+
+    def add(self, ids: list[int], trained: bool = False) -> Rendered:
+        self.ids.extend(ids)
+        self.mask.extend([1 if trained else 0] * len(ids))
+        return self
+
+    def __add__(self, other: Rendered) -> Rendered:
+        return Rendered(self.ids + other.ids, self.mask + other.mask)
+
+    def __iadd__(self, other: Rendered) -> Rendered:
+        self.ids.extend(other.ids)
+        self.mask.extend(other.mask)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 class ChatTemplate:
@@ -124,98 +391,166 @@ class ChatTemplate:
         self.image_tokens = image_tokens
         self._s = {n: self.tok.special(n) for n in (OPEN, CLOSE, SEP, EOM, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)}
 
-    # -- pieces ------------------------------------------------------------------------
-    def _open(self, tag: str, **attrs: Any) -> list[int]:
-        header = tag + "".join(f' {k}="{_escape(str(v))}"' for k, v in attrs.items() if v is not None)
-        return [self._s[OPEN], *self.tok.encode(header), self._s[SEP]]
-
-    def _close(self, tag: str) -> list[int]:
-        return [self._s[CLOSE], *self.tok.encode(tag), self._s[SEP]]
-
-    def _element(self, tag: str, body: list[int], **attrs: Any) -> list[int]:
-        return self._open(tag, **attrs) + body + self._close(tag)
-
-    def _media(self, png: bytes) -> list[int]:
-        w, h = png_size(png)
-        n = self.image_tokens(w, h)
-        return [self._s[MEDIA_BEGIN], *self.tok.encode(f"image {w}x{h}"), self._s[MEDIA_CONTENT],
-                *([self._s[MEDIA_PAD]] * n), self._s[MEDIA_END]]
-
-    def _message(self, body: list[int], **attrs: Any) -> list[int]:
-        return self._open("message", **attrs) + body + self._close("message") + [self._s[EOM]]
-
-    @property
-    def end_of_message(self) -> list[int]:
-        return self._close("message") + [self._s[EOM]]
+    def encode(self, pieces: list[Piece]) -> list[int]:
+        """Token ids of pieces: each special by id, each text piece encoded on its own."""
+        ids: list[int] = []
+        for p in pieces:
+            if isinstance(p, Special):
+                ids.append(self._s[p.name] if p.name in self._s else self.tok.special(p.name))
+            elif p:
+                ids.extend(self.tok.encode(p))
+        return ids
 
     @property
     def stop_token_id(self) -> int:
         return self._s[EOM]
 
-    def tool_declaration(self, tools: list[dict[str, Any]]) -> Rendered:
-        body = "# Tools\n\n```json\n" + _compact(tools) + "\n```"
-        return Rendered().add(self._message(self.tok.encode(body), role="system", type="tool-declare"))
+    @property
+    def end_of_message(self) -> list[int]:
+        return self.encode(_close("message") + [_EOM])
 
-    def effort(self, level: str) -> Rendered:
-        if level not in EFFORT_LEVELS:
-            raise ValueError(f"reasoning effort {level!r} is not one of {EFFORT_LEVELS}")
-        body = f"Reasoning effort: {level}."
-        return Rendered().add(self._message(self.tok.encode(body), role="system", type="thinking-effort"))
+    # -- the pieces of each part of a prompt -------------------------------------------------------
+    def _media(self, png: bytes) -> list[Piece]:
+        w, h = png_size(png)
+        return [Special(MEDIA_BEGIN), f"image {w}x{h}", Special(MEDIA_CONTENT),
+                *[Special(MEDIA_PAD)] * self.image_tokens(w, h), Special(MEDIA_END)]
 
-    def generation_prefix(self) -> list[int]:
-        return self._open("message", role="assistant") + self._open("think" if self.thinking else "response")
+    def _content(self, msg: Message) -> list[Piece]:
+        images = iter(msg.images)
+        return [p for part in msg.content_parts() for p in ([part] if part is not None else self._media(next(images)))]
 
-    def assistant_body(self, content: str, tool_calls: list[ToolCall], thinking: str | None) -> list[int]:
-        """The tokens an assistant produces after the generation prefix, [end_of_msg] included."""
-        ids: list[int] = []
-        if self.thinking:
-            ids += self.tok.encode(thinking or "") + self._close("think") + self._open("response")
-        ids += self.tok.encode(content) + self._close("response")
+    def _tool_declaration(self, tools: list[dict[str, Any]], dynamic: bool = False) -> list[Piece]:
+        header = NEW_TOOLS_HEADER if dynamic else TOOLS_HEADER
+        return _message([("role", "system"), ("type", "tool-declare")],
+                        [header + "```json\n" + _json_sorted(tools) + "\n```"])
+
+    def _preamble(self, tools: list[dict[str, Any]] | None, effort: str | None) -> list[Piece]:
+        if effort is not None and effort not in EFFORT_LEVELS:
+            hint = (" (the official encoder rejects it, although its prompt text lists it)" if effort == "medium"
+                    else "")
+            raise ValueError(f"thinking effort {effort!r} is not one of {', '.join(EFFORT_LEVELS)}{hint}")
+        pieces = self._tool_declaration(tools) if tools else []
+        if effort and self.thinking:  # the encoder writes no effort in instruct mode
+            pieces += _system("thinking-effort", EFFORT_TEXT.format(effort))
+        return pieces
+
+    def _request_options(self, tool_choice: str | None, response_format: str | dict[str, Any] | None) -> list[Piece]:
+        pieces: list[Piece] = []
+        if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_TEXT:
+            pieces += _system("tool-choice", TOOL_CHOICE_TEXT[tool_choice])
+        elif tool_choice not in (None, "auto"):
+            raise ValueError(f"tool_choice {tool_choice!r}: the K3 format renders 'required' and 'none' ('auto' and "
+                             "None add nothing); it has no way to force one named function")
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        if kind == "json_object":
+            pieces += _system("response-format", JSON_OBJECT_TEXT)
+        elif kind == "json_schema":
+            if not isinstance(response_format, dict):
+                _schema({})  # raises: a schema is needed
+            pieces += _system("response-format", JSON_SCHEMA_TEXT.format(_json_sorted(_schema(response_format))))
+        elif kind not in (None, "text"):
+            raise ValueError(f"response_format type {kind!r}: the K3 format renders json_object and json_schema "
+                             "('text' and None add nothing)")
+        return pieces
+
+    def _generation_prefix(self) -> list[Piece]:
+        return _open("message", ("role", "assistant")) + _open("think" if self.thinking else "response")
+
+    def _assistant_body(self, content: str, tool_calls: list[ToolCall], thinking: str | None) -> list[Piece]:
+        """The pieces after the generation prefix (which opens the think or the response channel)."""
+        pieces: list[Piece] = []
+        if self.thinking:  # always present in thinking mode; whitespace-only thinking is dropped
+            pieces += ([thinking] if thinking and thinking.strip() else []) + _close("think") + _open("response")
+        pieces += [content] + _close("response")
         if tool_calls:
-            ids += self._open("tools")
+            pieces += _open("tools")
             for i, call in enumerate(tool_calls, start=1):
-                args: list[int] = []
+                pieces += _open("call", ("tool", call.name), ("index", i))
+                if isinstance(call, RawToolCall):
+                    pieces += _open("json", ("type", "object")) + [call.raw_arguments] + _close("json")
                 for key, value in call.arguments.items():
-                    t = _arg_type(value)
-                    text = value if t == "string" else _compact(value)
-                    args += self._element("argument", self.tok.encode(text), key=key, type=t)
-                ids += self._element("call", args, tool=call.name, index=call.index or i)
-            ids += self._close("tools")
-        return ids + self.end_of_message
+                    kind = _arg_type(value)
+                    text = value if kind == "string" else json.dumps(value, ensure_ascii=False)
+                    pieces += _open("argument", ("key", key), ("type", kind)) + [text] + _close("argument")
+                pieces += _close("call")
+            pieces += _close("tools")
+        return pieces + _close("message") + [_EOM]
 
-    def message(self, msg: Message) -> Rendered:
-        """One input message. Assistant messages carry a loss mask over their generated part."""
+    def _message(self, msg: Message, turn: _Turn) -> tuple[list[Piece], list[Piece]]:
+        """(untrained, trained) pieces of one message; updates `turn`."""
+        named = [("name", msg.name)] if msg.name else []
         if msg.role == "assistant":
-            prefix = self.generation_prefix()
-            return Rendered().add(prefix).add(self.assistant_body(msg.content, msg.tool_calls, msg.thinking), trained=True)
-        out = Rendered()
+            turn.calls, turn.results = list(msg.tool_calls), 0
+            return (_open("message", ("role", "assistant"), *named) + _open("think" if self.thinking else "response"),
+                    self._assistant_body(msg.content, msg.tool_calls, msg.thinking))
         if msg.role == "system" and msg.tools:
-            out.add(self.tool_declaration(msg.tools).ids)  # dynamic tool declaration mid-session
-            if not msg.content:
-                return out
-        body: list[int] = []
-        for png in msg.images:
-            body += self._media(png)
-        body += self.tok.encode(msg.content)
-        if msg.role == "tool":
-            if not msg.tool_name or msg.tool_index is None:
-                raise ValueError("a tool message needs tool_name and tool_index (the 1-based call it answers)")
-            return out.add(self._message(body, role="tool", tool=msg.tool_name, index=msg.tool_index))
-        return out.add(self._message(body, role=msg.role, name=msg.name))
+            return self._tool_declaration(msg.tools, dynamic=True), []
+        if msg.role != "tool":
+            return _message([("role", msg.role), *named], self._content(msg)), []
+        turn.results += 1
+        name = msg.tool_name or msg.name
+        if msg.tool_call_id is not None:
+            matched = [p for p, c in enumerate(turn.calls, start=1) if c.id == msg.tool_call_id]
+            if matched and matched[0] != turn.results:
+                raise ValueError(f"the result of call {matched[0]} ({msg.tool_call_id}) comes as tool result "
+                                 f"{turn.results}: add results in call order (render() re-sorts whole histories)")
+            if matched:
+                name = turn.calls[matched[0] - 1].name
+        if not name and turn.results <= len(turn.calls):
+            name = turn.calls[turn.results - 1].name
+        if not name:
+            raise ValueError(f"tool result {turn.results} has no tool name: set tool_name, or add it after the "
+                             "assistant message whose call it answers")
+        if msg.tool_index is not None and msg.tool_index != turn.results:
+            raise ValueError(f"a tool message says tool_index={msg.tool_index} but is result {turn.results} since "
+                             "the last assistant message: results are numbered by position, in call order")
+        return _message([("role", "tool"), ("tool", name), ("index", turn.results)], self._content(msg)), []
+
+    # -- public rendering --------------------------------------------------------------------------
+    def render_pieces(self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+                      effort: str | None = None, *, tool_choice: str | None = None,
+                      response_format: str | dict[str, Any] | None = None,
+                      add_generation_prompt: bool = True) -> list[Piece]:
+        """The pieces of a prompt, exactly as the official encoder cuts them (empty texts left out)."""
+        turn, pieces = _Turn(), self._preamble(tools, effort)
+        for msg in order_tool_results(list(messages)):
+            untrained, trained = self._message(msg, turn)
+            pieces += untrained + trained
+        pieces += self._request_options(tool_choice, response_format)
+        if add_generation_prompt:
+            pieces += self._generation_prefix()
+        return [p for p in pieces if p != ""]
 
     def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, effort: str | None = None,
+               *, tool_choice: str | None = None, response_format: str | dict[str, Any] | None = None,
                add_generation_prompt: bool = True) -> Rendered:
+        """Token ids and loss mask of a prompt; tool results are re-sorted by `tool_call_id` first."""
         session = self.session(tools=tools, effort=effort)
-        for m in messages:
+        for m in order_tool_results(list(messages)):
             session.add(m)
         if add_generation_prompt:
-            session.add_generation_prompt()
+            session.add_generation_prompt(tool_choice=tool_choice, response_format=response_format)
+        else:
+            session.rendered.add(self.encode(self._request_options(tool_choice, response_format)))
         return session.rendered
 
     def session(self, tools: list[dict[str, Any]] | None = None, effort: str | None = None) -> ChatSession:
         return ChatSession(self, tools, effort)
 
-    # -- parsing -----------------------------------------------------------------------
+    def message(self, msg: Message) -> Rendered:
+        """One message on its own (a tool message needs its tool_name and tool_index)."""
+        turn = _Turn(results=(msg.tool_index or 1) - 1)
+        untrained, trained = self._message(msg, turn)
+        return Rendered().add(self.encode(untrained)).add(self.encode(trained), trained=True)
+
+    def generation_prefix(self) -> list[int]:
+        return self.encode(self._generation_prefix())
+
+    def assistant_body(self, content: str, tool_calls: list[ToolCall], thinking: str | None) -> list[int]:
+        """The tokens an assistant produces after the generation prefix, [end_of_msg] included."""
+        return self.encode(self._assistant_body(content, tool_calls, thinking))
+
+    # -- parsing -----------------------------------------------------------------------------------
     def parse_assistant(self, ids: list[int]) -> ParsedAssistant:
         """Parse tokens generated after the generation prefix into thinking, text and tool calls."""
         return _Parser(self, ids).assistant()
@@ -232,38 +567,37 @@ class ParsedAssistant:
 
 
 class ChatSession:
-    """Incremental rendering: every `add` appends tokens and never touches earlier ones."""
+    """Incremental rendering: every `add` appends tokens and never touches earlier ones.
 
-    def __init__(self, template: ChatTemplate, tools: list[dict[str, Any]] | None, effort: str | None) -> None:
+    Per-request options given to `add_generation_prompt` stay in the stream where they were shown
+    (`render` of a whole history writes them once, at its end, as the encoder does per request).
+    """
+
+    def __init__(self, template: ChatTemplate, tools: list[dict[str, Any]] | None = None,
+                 effort: str | None = None) -> None:
         self.t = template
-        self.rendered = Rendered()
-        self._tool_results_since_assistant = 0
-        if tools:
-            self.rendered += template.tool_declaration(tools)
-        if effort:
-            self.rendered += template.effort(effort)
+        self.rendered = Rendered().add(template.encode(template._preamble(tools, effort)))
+        self._turn = _Turn()
 
     def add(self, msg: Message) -> Rendered:
-        if msg.role == "tool":
-            self._tool_results_since_assistant += 1
-            if msg.tool_index is None:
-                msg = msg.model_copy(update={"tool_index": self._tool_results_since_assistant})
-        elif msg.role == "assistant":
-            self._tool_results_since_assistant = 0
-        piece = self.t.message(msg)
+        untrained, trained = self.t._message(msg, self._turn)
+        piece = Rendered().add(self.t.encode(untrained)).add(self.t.encode(trained), trained=True)
         self.rendered += piece
         return piece
 
-    def add_generation_prompt(self) -> Rendered:
-        piece = Rendered().add(self.t.generation_prefix())
+    def add_generation_prompt(self, tool_choice: str | None = None,
+                              response_format: str | dict[str, Any] | None = None) -> Rendered:
+        pieces = self.t._request_options(tool_choice, response_format) + self.t._generation_prefix()
+        piece = Rendered().add(self.t.encode(pieces))
         self.rendered += piece
-        self._tool_results_since_assistant = 0
+        self._turn = _Turn()  # an assistant message begins
         return piece
 
     def add_generated(self, ids: list[int]) -> Rendered:
         """Append tokens the model sampled (after `add_generation_prompt`), exactly as sampled."""
         piece = Rendered().add(list(ids), trained=True)
         self.rendered += piece
+        self._turn = _Turn()
         return piece
 
 
@@ -369,23 +703,27 @@ class _Parser:
             index = int(attrs.get("index", position))
         except ValueError:
             raise self._fail(f"tool call {position} ({name}): index {attrs['index']!r} is not an integer") from None
+        where = f"tool call {position} ({name})"
+        if self._at_open("json"):  # arguments kept as written: JSON text, or text that is not JSON
+            self._open_tag("json")
+            raw = self._text()
+            self._close_tag("json")
+            self._close_tag("call")
+            try:
+                return tool_call(name, raw, index=index)
+            except ValueError as e:
+                raise self._fail(f"{where}, json arguments: {e}") from None
         args: dict[str, Any] = {}
         while self._at_open("argument"):
             _, a = self._open_tag("argument")
             key, typ = a.get("key"), a.get("type", "string")
             if not key:
-                raise self._fail(f'tool call {position} ({name}): an argument has no key="..." attribute')
+                raise self._fail(f'{where}: an argument has no key="..." attribute')
             if key in args:
-                raise self._fail(f"tool call {position} ({name}): argument {key!r} given twice")
+                raise self._fail(f"{where}: argument {key!r} given twice")
             raw = self._text()
             self._close_tag("argument")
-            args[key] = self._value(raw, typ, f"tool call {position} ({name}), argument {key!r}")
-        if self._at_open("json"):
-            _, a = self._open_tag("json")
-            raw = self._text()
-            self._close_tag("json")
-            obj = self._value(raw, "object", f"tool call {position} ({name}), json arguments")
-            args.update(obj)
+            args[key] = self._value(raw, typ, f"{where}, argument {key!r}")
         self._close_tag("call")
         return ToolCall(name=name, arguments=args, index=index)
 

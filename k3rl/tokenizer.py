@@ -1,14 +1,19 @@
-"""Tokenizers: a byte-level tokenizer with the K3 special tokens, and a real one from disk.
+"""Tokenizers: a byte-level tokenizer with the K3 special tokens, and the real ones from disk.
 
 Plain text never produces a special token: `encode` treats its input as untrusted text
 (user messages, tool output), so the literal string "<|open|>" becomes ordinary bytes or
 BPE pieces. Structural tokens only enter through `special(name)`, which the chat template
 calls in its trusted segments. This is what makes prompt injection through markup
 impossible (docs/model.md §9.7).
+
+`load_tokenizer(DIR)` reads the official K3 files (`tiktoken.model` + `tokenizer_config.json`,
+with the `tiktoken` package) or a Hugging Face `tokenizer.json`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +37,7 @@ K3_SPECIAL_IDS: dict[str, int] = {
     "[PAD]": 163839,
 }
 K3_FIRST_SPECIAL = 163584
+OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"  # what the chat template needs
 
 
 class Tokenizer(Protocol):
@@ -124,12 +130,12 @@ class HFTokenizer(_SpecialsMixin):
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
-            raise FileNotFoundError(f"no tokenizer.json at {file}; point tokenizer.path at a directory that holds one")
+            raise FileNotFoundError(f"no tokenizer.json at {file}; point model.tokenizer at a directory that holds one")
         self._tok = _HF.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.specials = {name: vocab[name] for name in K3_SPECIAL_IDS if name in vocab}
-        missing = [n for n in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>") if n not in self.specials]
+        missing = [n for n in (OPEN, CLOSE, SEP, EOM) if n not in self.specials]
         if missing:
             raise ValueError(f"tokenizer at {file} lacks the K3 structural tokens {missing}")
         self._names_by_id = {v: k for k, v in self.specials.items()}
@@ -160,8 +166,123 @@ class HFTokenizer(_SpecialsMixin):
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
-def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenizer:
-    """The byte tokenizer by default; a real one when a directory with tokenizer.json is given."""
+class TiktokenTokenizer(_SpecialsMixin):
+    """The official K3 tokenizer: `tiktoken.model` (BPE ranks) and `tokenizer_config.json` (specials).
+
+    As the checkpoint's `tokenization_kimi.py` does: the ranks are ids 0..n-1, the special tokens
+    take ids n.. (named by the config's `added_tokens_decoder`, the unnamed ones
+    `<|reserved_token_ID|>`; at least 256 of them), the pre-tokenizer is the Kimi pattern below,
+    and text is cut into slices of at most 400,000 characters and runs of at most 25,000
+    whitespace or non-whitespace characters before encoding. Text is encoded as ordinary text:
+    a special token's name in it gives ordinary tokens.
+    """
+
+    PATTERN = "|".join([
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ])
+    NUM_RESERVED = 256
+    MAX_SLICE_CHARS = 400_000
+    MAX_RUN_CHARS = 25_000
+
+    def __init__(self, path: str | Path) -> None:
+        try:
+            import tiktoken
+        except ImportError as e:  # pragma: no cover - tiktoken is a dependency
+            raise ImportError("loading tiktoken.model needs the 'tiktoken' package: pip install tiktoken") from e
+        path = Path(path)
+        folder = path if path.is_dir() else path.parent
+        model, config = folder / "tiktoken.model", folder / "tokenizer_config.json"
+        if not config.exists():
+            raise FileNotFoundError(f"no tokenizer_config.json beside {model}: it names the special tokens "
+                                    "(added_tokens_decoder); copy it from the checkpoint")
+        ranks = _read_bpe_ranks(model)
+        first = len(ranks)
+        try:
+            added = {int(i): t["content"] for i, t in json.loads(config.read_text())["added_tokens_decoder"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{config}: expected an 'added_tokens_decoder' mapping id -> {{'content': name}} "
+                             f"({type(e).__name__}: {e})") from None
+        clash = sorted(i for i in added if i < first)
+        if clash:
+            raise ValueError(f"{config}: special ids {clash[:5]} fall inside the {first} BPE ranks of {model}")
+        last = max([first + self.NUM_RESERVED - 1, *added])
+        self.specials = {added.get(i, f"<|reserved_token_{i}|>"): i for i in range(first, last + 1)}
+        missing = [n for n in (OPEN, CLOSE, SEP, EOM) if n not in self.specials]
+        if missing:
+            raise ValueError(f"{config} lacks the K3 structural tokens {missing}")
+        self._names_by_id = {v: k for k, v in self.specials.items()}
+        self._enc = tiktoken.Encoding(name=folder.name or "k3", pat_str=self.PATTERN, mergeable_ranks=ranks,
+                                      special_tokens=self.specials)
+        self.vocab_size = last + 1
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for start in range(0, len(text), self.MAX_SLICE_CHARS):
+            for chunk in _runs_at_most(text[start:start + self.MAX_SLICE_CHARS], self.MAX_RUN_CHARS):
+                ids.extend(self._enc.encode_ordinary(chunk))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(list(ids))
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The raw bytes of non-special ids (used to decode text runs exactly)."""
+        return self._enc.decode_bytes([i for i in ids if i not in self._names_by_id])
+
+
+
+def _read_bpe_ranks(file: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file: one `base64(token) rank` per line, ranks 0..n-1."""
+    if not file.exists():
+        raise FileNotFoundError(f"no tiktoken.model at {file}")
+    ranks: dict[bytes, int] = {}
+    for n, line in enumerate(file.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{file}, line {n}: expected 'base64-token rank', got {line[:60]!r}") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError(f"{file}: the ranks are not exactly 0..{len(ranks) - 1}")
+    return ranks
+
+
+def _runs_at_most(text: str, limit: int) -> list[str]:
+    """`text` cut so that no slice holds more than `limit` consecutive whitespace or non-whitespace
+    characters (the cut the official tokenizer makes to keep tiktoken within its limits)."""
+    slices, start, run, space = [], 0, 0, text[:1].isspace()
+    for i, ch in enumerate(text):
+        if ch.isspace() != space:
+            space, run = ch.isspace(), 1
+            continue
+        run += 1
+        if run > limit:
+            slices.append(text[start:i])
+            start, run = i, 1
+    slices.append(text[start:])
+    return slices
+
+
+def load_tokenizer(path: str | Path | None = None) -> ByteTokenizer | HFTokenizer | TiktokenTokenizer:
+    """The byte tokenizer by default; else the tokenizer in a directory: the official K3 files
+    (tiktoken.model + tokenizer_config.json) or a Hugging Face tokenizer.json."""
     if path in (None, "", "byte"):
         return ByteTokenizer()
-    return HFTokenizer(path)
+    path = Path(path)
+    if path.name == "tiktoken.model" or (path.is_dir() and (path / "tiktoken.model").exists()):
+        return TiktokenTokenizer(path)
+    if path.name == "tokenizer.json" or (path.is_dir() and (path / "tokenizer.json").exists()):
+        return HFTokenizer(path)
+    raise FileNotFoundError(f"no tokenizer at {path}: model.tokenizer must be 'byte' or a directory holding "
+                            "tiktoken.model + tokenizer_config.json (the K3 checkpoint's) or tokenizer.json")

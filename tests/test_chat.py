@@ -1,4 +1,5 @@
-"""The K3 chat template: incremental == full rendering, parse(render(calls)) == calls, no injection, masks."""
+"""The K3 chat template: incremental == full rendering, parse(render(calls)) == calls, no injection, masks,
+and clear errors for what the format cannot say. (The exact format: tests/test_chat_corpus.py.)"""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from k3rl.chat import ChatTemplate, Message, ToolCallParseError
+from k3rl.chat import IMAGE_PLACEHOLDER, ChatTemplate, Message, RawToolCall, ToolCallParseError
 from k3rl.images import to_png
 from k3rl.tokenizer import K3_SPECIAL_IDS, ByteTokenizer
 from k3rl.types import ToolCall
@@ -23,9 +24,21 @@ json_values = st.recursive(
     max_leaves=6,
 )
 keys = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+names = st.from_regex(r"[a-z][a-z0-9_.-]{0,10}", fullmatch=True)
+not_json = st.text(min_size=1, max_size=20).filter(lambda s: s.strip() and not _is_json(s))
+
+
+def _is_json(s):
+    try:
+        json.loads(s)
+        return True
+    except ValueError:
+        return False
+
+
 calls = st.lists(
-    st.builds(lambda n, a: ToolCall(name=n, arguments=a), st.from_regex(r"[a-z][a-z0-9_.-]{0,10}", fullmatch=True),
-              st.dictionaries(keys, json_values, max_size=4)),
+    st.one_of(st.builds(lambda n, a: ToolCall(name=n, arguments=a), names, st.dictionaries(keys, json_values, max_size=4)),
+              st.builds(lambda n, r: RawToolCall(name=n, raw_arguments=r), names, not_json)),
     max_size=3,
 ).map(lambda cs: [c.model_copy(update={"index": i + 1}) for i, c in enumerate(cs)])
 
@@ -64,15 +77,23 @@ def test_incremental_equals_full_render(msgs, template):
     assert session.rendered.mask == full.mask
 
 
+def _kept(thinking):
+    """The thinking the renderer keeps: whitespace-only thinking is dropped, as the official encoder does."""
+    return thinking if thinking.strip() else ""
+
+
 @settings(max_examples=100, deadline=None)
 @given(calls, st.text(max_size=40), st.text(max_size=20), st.sampled_from(TEMPLATES))
 def test_parse_of_render_gives_the_calls_back(cs, content, thinking, template):
     body = template.assistant_body(content, cs, thinking)
     parsed = template.parse_assistant(body)
     assert parsed.content == content
-    assert [(c.name, c.arguments, c.index) for c in parsed.tool_calls] == [(c.name, c.arguments, c.index) for c in cs]
+    assert [(type(c), c.name, c.arguments, c.index, getattr(c, "raw_arguments", None)) for c in parsed.tool_calls] == \
+        [(type(c), c.name, c.arguments, c.index, getattr(c, "raw_arguments", None)) for c in cs]
     if template.thinking:
-        assert parsed.thinking == thinking
+        assert parsed.thinking == _kept(thinking)
+    # and the parsed message renders to the same tokens (the round trip)
+    assert template.assistant_body(parsed.content, parsed.tool_calls, parsed.thinking) == body
 
 
 def test_loss_mask_covers_exactly_the_generated_tokens():
@@ -115,14 +136,17 @@ def test_two_parallel_calls_round_trip_with_results():
     assert [c.arguments for c in t.parse_assistant(body).tool_calls] == [c.arguments for c in cs]
 
 
-def test_effort_and_tool_declaration_are_compact_sorted_json():
-    t = ChatTemplate()
+def test_tool_declaration_is_compact_deep_sorted_json_and_effort_needs_thinking():
+    t, thinking = ChatTemplate(), ChatTemplate(thinking=True)
     tools = [{"name": "b", "parameters": {"z": 1, "a": {"y": 2, "x": 3}}}]
-    text = t.tok.decode(t.tool_declaration(tools).ids)
-    assert json.dumps(tools, separators=(",", ":"), sort_keys=True) in text
-    assert 'type="tool-declare"' in text
-    with pytest.raises(ValueError, match="reasoning effort"):
-        t.effort("extreme")
+    text = t.tok.decode(t.render([], tools=tools, add_generation_prompt=False).ids)
+    assert json.dumps(tools, separators=(",", ":"), sort_keys=True) in text and 'type="tool-declare"' in text
+    assert 'type="thinking-effort"' not in t.tok.decode(t.render([], effort="max").ids)
+    assert "thinking_effort=max" in thinking.tok.decode(thinking.render([], effort="max").ids)
+    with pytest.raises(ValueError, match="'medium' is not one of low, high, max .the official encoder rejects it"):
+        thinking.render([], effort="medium")
+    with pytest.raises(ValueError, match="thinking effort 'extreme'"):
+        t.render([], effort="extreme")
 
 
 @pytest.mark.parametrize(
@@ -190,3 +214,75 @@ def test_generation_prefix_then_generated_tokens_equal_history_rendering():
     s.add_generated(sampled)
     parsed = t.parse_assistant(sampled).to_message()
     assert s.rendered.ids == t.render([_user("q"), parsed], add_generation_prompt=False).ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls, st.text(max_size=30), st.text(max_size=20), st.sampled_from(TEMPLATES))
+def test_prefix_plus_sampled_ids_is_the_parsed_messages_rendering(cs, content, thinking, template):
+    sampled = template.assistant_body(content, cs, thinking)
+    s = template.session()
+    s.add(_user("q"))
+    s.add_generation_prompt()
+    s.add_generated(sampled)
+    parsed = template.parse_assistant(sampled).to_message()
+    full = template.render([_user("q"), parsed], add_generation_prompt=False)
+    assert (s.rendered.ids, s.rendered.mask) == (full.ids, full.mask)
+
+
+def test_request_options_stay_where_a_session_showed_them():
+    t = ChatTemplate()
+    s = t.session(tools=[{"name": "f"}])
+    s.add(_user("q"))
+    shown = s.add_generation_prompt(tool_choice="required")
+    assert 'type="tool-choice"' in t.tok.decode(shown.ids) and shown.mask == [0] * len(shown)
+    one_request = t.render([_user("q")], tools=[{"name": "f"}], tool_choice="required")
+    assert s.rendered.ids == one_request.ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "no way to force one named function"),
+    ({"tool_choice": "sometimes"}, "renders 'required' and 'none'"),
+    ({"response_format": {"type": "yaml"}}, "response_format type 'yaml'"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema needs a schema"),
+])
+def test_options_the_format_cannot_say_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ChatTemplate().render([_user("q")], **kwargs)
+
+
+def test_a_session_refuses_results_out_of_call_order_and_wrong_indexes():
+    t = ChatTemplate()
+    said = Message(role="assistant", tool_calls=[ToolCall(name="a", id="c1"), ToolCall(name="b", id="c2")])
+    s = t.session()
+    s.add(said)
+    with pytest.raises(ValueError, match="add results in call order"):
+        s.add(Message(role="tool", tool_call_id="c2", content="B"))
+    s = t.session()
+    s.add(said)
+    with pytest.raises(ValueError, match="tool_index=2 but is result 1"):
+        s.add(Message(role="tool", tool_name="b", tool_index=2, content="B"))
+    with pytest.raises(ValueError, match="has no tool name"):
+        t.session().add(Message(role="tool", content="orphan"))
+    # render() re-sorts a whole history by tool_call_id instead
+    out_of_order = [said, Message(role="tool", tool_call_id="c2", content="B"),
+                    Message(role="tool", tool_call_id="c1", content="A")]
+    assert 'tool="a" index="1"<|sep|>A' in t.tok.decode(t.render(out_of_order).ids)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"role": "system", "content": "hi", "tools": [{"name": "f"}]}, "renders as the tool declaration alone"),
+    ({"role": "user", "tools": [{"name": "f"}]}, "only system messages declare tools"),
+    ({"role": "user", "content": IMAGE_PLACEHOLDER * 2, "images": ["PNG"]}, r"1 images but 2 <\|kimi_image"),
+    ({"role": "assistant", "images": ["PNG"]}, "assistant messages cannot carry images"),
+    ({"role": "user", "content": [{"type": "audio"}]}, "content part 1 must be"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+     "does not fetch images"),
+    ({"role": "user", "content": [{"type": "text", "text": IMAGE_PLACEHOLDER}]}, "text parts cannot hold"),
+])
+def test_messages_the_format_cannot_say_are_refused(fields, message):
+    from PIL import Image
+
+    png = to_png(Image.new("RGB", (4, 4)))
+    fields = {k: ([png] if v == ["PNG"] else v) for k, v in fields.items()}
+    with pytest.raises(ValueError, match=message):
+        Message.model_validate(fields)

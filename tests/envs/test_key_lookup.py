@@ -26,7 +26,8 @@ def test_wrong_key_gives_a_wrong_value_and_reward_zero():
 
 
 def test_token_budget_of_an_episode():
-    """Measured: ~320 byte tokens per oracle episode (no declaration), ~+245 with the JSON tool declaration."""
+    """Measured: ~320 byte tokens per oracle episode (no declaration), ~+300 with the JSON tool declaration
+    (its header has the official encoder's second line, "Here are the available tools, ...")."""
     lengths = {}
     for declare in (False, True):
         env = gym.make("k3rl/KeyLookup-v0", declare_tools=declare)
@@ -36,7 +37,7 @@ def test_token_budget_of_an_episode():
         base = env.unwrapped
         assert tokens[-1] == len(base.template.render(base.history, tools=base.tools, add_generation_prompt=False))
     assert all(280 <= n <= 340 for n in lengths[False]), lengths[False]
-    assert all(500 <= n <= 600 for n in lengths[True]), lengths[True]
+    assert all(560 <= n <= 660 for n in lengths[True]), lengths[True]
     # the generated (trained) part: call turn + answer turn
     ep = run_oracle_episode(gym.make("k3rl/KeyLookup-v0"), seed=0)
     assert 100 <= ep.num_generated <= 160, ep.num_generated
