@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from k3rl.images import num_image_tokens, png_size, to_png
+from k3rl.images import PNG_MAGIC, num_image_tokens, png_size, to_png
 from k3rl.tokenizer import ByteTokenizer, Tokenizer
 from k3rl.types import ToolCall
 
@@ -138,22 +138,26 @@ def _openai_call(item: Any, position: int) -> Any:
 
 def _image_part(part: dict[str, Any], where: str) -> bytes:
     """PNG bytes of an OpenAI image part: {"type": "image_url", "image_url": {"url": "data:..."}} or
-    {"type": "image", "image": PNG bytes / base64 / PIL image}."""
+    {"type": "image", "image": image bytes / base64 / PIL image}."""
     value = part.get(part["type"])
     if isinstance(value, dict):
         value = value.get("url")
-    if isinstance(value, str) and value.startswith("data:"):
-        try:
-            data = base64.b64decode(value.split(",", 1)[1], validate=True)
-        except (IndexError, binascii.Error):
-            raise ValueError(f"{where}: the data URL is not base64 ('data:image/png;base64,...')") from None
-        from PIL import Image
-
-        return to_png(Image.open(io.BytesIO(data)))
-    if isinstance(value, str) and "://" in value:
-        raise ValueError(f"{where}: k3rl does not fetch images ({value[:40]}...); pass a data: URL or PNG bytes")
     if isinstance(value, str):
-        value = base64.b64decode(value, validate=True)
+        if "://" in value:
+            raise ValueError(f"{where}: k3rl does not fetch images ({value[:40]}...); pass a data: URL or the bytes")
+        try:
+            value = base64.b64decode(value.split(",", 1)[-1], validate=True)
+        except binascii.Error:
+            raise ValueError(f"{where}: the image is not base64 (a data URL is 'data:image/png;base64,...')") from None
+    if isinstance(value, (bytes, bytearray)) and not bytes(value).startswith(PNG_MAGIC):
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            value = Image.open(io.BytesIO(value))
+        except UnidentifiedImageError:
+            raise ValueError(f"{where}: the bytes are not an image PIL can read") from None
+    if value is None:
+        raise ValueError(f"{where}: no image under {part['type']!r}")
     return to_png(value)
 
 
@@ -389,7 +393,7 @@ class ChatTemplate:
         self.tok = tokenizer or ByteTokenizer()
         self.thinking = thinking
         self.image_tokens = image_tokens
-        self._s = {n: self.tok.special(n) for n in (OPEN, CLOSE, SEP, EOM, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END)}
+        self._s = {n: self.tok.special(n) for n in (OPEN, CLOSE, SEP, EOM)}  # the media tokens: when needed
 
     def encode(self, pieces: list[Piece]) -> list[int]:
         """Token ids of pieces: each special by id, each text piece encoded on its own."""
