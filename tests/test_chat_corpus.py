@@ -361,3 +361,19 @@ def test_text_actions_become_the_templates_pieces(bpe):
     text = assistant_text(t, "Paris", calls)
     assert action_to_ids(t, text) == t.assistant_body("Paris", calls, None)
     assert encode_with_specials(t, text) != t.assistant_body("Paris", calls, None)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_an_episode_with_the_official_tokenizer_is_token_exact(bpe, thinking):
+    """The episode loop's tokens with a BPE tokenizer are the conversation rendered from scratch."""
+    import gymnasium as gym
+
+    import k3rl.envs  # noqa: F401
+    from k3rl.rollout.episode import run_oracle_episode
+
+    t = ChatTemplate(bpe, thinking=thinking)
+    env = gym.make("k3rl/KeyLookup-v0", declare_tools=True, template=t)
+    ep = run_oracle_episode(env, seed=3, template=t)
+    assert (ep.reward, ep.error) == (1.0, None)
+    r = t.render(env.unwrapped.history, tools=env.unwrapped.tools, add_generation_prompt=False)
+    assert r.ids == ep.token_ids and r.mask == [0] * len(ep.prompt_ids) + ep.loss_mask
