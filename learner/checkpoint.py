@@ -115,12 +115,14 @@ def save(trainer, directory) -> Path:
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
         from k3rl.learner.model import save_hf
 
+        # experts as the model holds them (fp32 master weights stay fp32), whatever the starting
+        # checkpoint stored: a resume must continue from these exact values
         if trainer.sharded:
             state = trainer.full_state_dict()  # collective
             if rank == 0:
-                save_hf(_unsharded_model_for_saving(trainer, state), d / "model")
+                save_hf(_unsharded_model_for_saving(trainer, state), d / "model", experts="dense")
         elif rank == 0:
-            save_hf(trainer.model, d / "model")
+            save_hf(trainer.model, d / "model", experts="dense")
     else:
         from safetensors.torch import save_file
 
@@ -132,7 +134,7 @@ def save(trainer, directory) -> Path:
         if hasattr(trainer.model_config, "to_hf"):
             from k3rl.learner.model import save_hf
 
-            save_hf(trainer.reference, d / "reference")
+            save_hf(trainer.reference, d / "reference", experts="dense")
         else:
             from safetensors.torch import save_file
 
@@ -179,15 +181,11 @@ def load(trainer, directory) -> None:
     # 1. model
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
         from k3rl.learner.model import load_state_into
-        from k3rl.learner.model.checkpoint import read_hf_tensors
-        from k3rl.learner.model.state_dict_adapter import from_hf
 
         if trainer.sharded:
-            expected = trainer.full_state_dict()
-            ours, unexpected = from_hf(read_hf_tensors(d / "model"), expected)
-            if unexpected:
-                raise ValueError(f"{d / 'model'}: tensors the model does not have: {sorted(unexpected)[:10]}")
-            load_full_state_dict(trainer.model, ours)
+            state = trainer.full_state_dict()  # collective: the whole model on every rank, streamed into
+            load_state_into(state, d / "model")
+            load_full_state_dict(trainer.model, state)
         else:
             load_state_into(trainer.model, d / "model")
     else:

@@ -441,19 +441,23 @@ class Trainer:
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def export_weights(self, version: int, dtype: torch.dtype | None = None, bucket_bytes: int = 256 << 20,
-                       to_cpu: bool = True) -> WeightUpdate:
-        """Every weight under its official HF name, as a versioned WeightUpdate.
+                       to_cpu: bool = True, experts: str | None = None) -> WeightUpdate:
+        """Every weight under the release's name (`state_dict_adapter.to_hf`), as a versioned WeightUpdate.
 
-        `dtype` casts floating tensors except the fp32 allow-list (docs/model.md §1.5). `to_cpu=False`
-        keeps the tensors where the model is (for a GPU-to-GPU broadcast or CUDA IPC). Under FSDP
-        this is collective: call it on every rank (each gets the same update)."""
+        `dtype` casts floating tensors except the fp32 allow-list (docs/model.md §1.5). `experts`:
+        "mxfp4" sends the routed experts quantised as the release stores them (weight_packed +
+        weight_scale, 4.25 bits a value), "dense" as the model holds them (cast to `dtype`); by
+        default, as the model's weights came (`model.routed_experts_format`: "mxfp4" when the
+        learner and the engines started from the release), so the engines keep holding what they
+        started with. `to_cpu=False` keeps the tensors where the model is (for a GPU-to-GPU broadcast
+        or CUDA IPC). Under FSDP this is collective: call it on every rank (each gets the same update)."""
         from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
         from k3rl.learner.model.state_dict_adapter import to_hf
 
         state = self.full_state_dict()
         if self.model_config is not None and getattr(self.model_config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
-        hf = to_hf(state)
+        hf = to_hf(state, experts=experts or getattr(self.model, "routed_experts_format", "dense"))
         if dtype is not None:
             hf = {
                 k: (v.to(dtype) if v.is_floating_point() and not k.endswith(FP32_PARAM_SUFFIXES) else v)

@@ -212,8 +212,12 @@ class K3Config(_Strict):
         return _PRESETS[name]()
 
     # ----- official config.json ------------------------------------------------------
-    def to_hf_dict(self) -> dict:
+    def to_hf_dict(self, quantization_config: dict | None = None) -> dict:
+        """The official config.json: the text model nested under `text_config` (with the checkpoint's
+        `quantization_config`, when given, as the release has it), the tower under `vision_config`."""
         text = self.model_dump(exclude={"vision_config", "media_placeholder_token_id"})
+        if quantization_config is not None:
+            text["quantization_config"] = quantization_config
         return {
             "architectures": ["KimiK3ForConditionalGeneration"],
             "model_type": "kimi_k3",
@@ -223,11 +227,11 @@ class K3Config(_Strict):
             "vision_config": {"model_type": "moonvit_v2", **self.vision_config.model_dump()},
         }
 
-    def to_hf(self, directory: str | Path) -> Path:
+    def to_hf(self, directory: str | Path, quantization_config: dict | None = None) -> Path:
         """Write `config.json` (official layout) into `directory`; returns its path."""
         path = Path(directory) / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=False) + "\n")
+        path.write_text(json.dumps(self.to_hf_dict(quantization_config), indent=2, sort_keys=False) + "\n")
         return path
 
     @classmethod

@@ -56,11 +56,20 @@ def build_model(preset_or_config: str | K3Config, overrides: dict[str, Any] | No
                       any other device gets weights initialised on the CPU and then moved, so a
                       seed gives the same weights on every device
     seed              seeds torch before the initialisation (None: the current RNG state)
-    checkpoint        an HF-layout directory whose weights are loaded into the model; a tensor
+    checkpoint        an HF-layout directory (the release, or what `save_hf` wrote) whose weights
+                      are loaded into the model, MXFP4 experts dequantised to `dtype`; its config.json
+                      must describe the same architecture as the preset and overrides, and a tensor
                       missing, unexpected or of another shape raises CheckpointMismatchError
+
+    A model loaded from a checkpoint remembers how its routed experts were stored there,
+    `model.routed_experts_format` ("mxfp4" for the release, else "dense"): `save_hf` writes them
+    back that way by default, and the learner's weight sync sends them that way (what the engines
+    started from the same checkpoint hold).
     """
     config = model_config(preset_or_config, overrides)
     dtype, device = as_dtype(dtype), torch.device(device)
+    if checkpoint is not None and device.type == "meta":
+        raise ValueError("a model on the meta device holds no values: load the checkpoint on a real device")
     if seed is not None:
         torch.manual_seed(seed)
     with torch.device("meta" if device.type == "meta" else "cpu"):
@@ -68,9 +77,45 @@ def build_model(preset_or_config: str | K3Config, overrides: dict[str, Any] | No
     if dtype != torch.float32:
         model.to_param_dtype(dtype)
     if checkpoint is not None:
-        if device.type == "meta":
-            raise ValueError("a model on the meta device holds no values: load the checkpoint on a real device")
-        from .checkpoint import load_state_into
+        from .checkpoint import CheckpointMismatchError, load_state_into
 
-        load_state_into(model, checkpoint)
+        differ = architecture_differences(config, checkpoint)
+        hint = (f"its config.json describes another architecture than the model being built: {differ}; choose the "
+                f"preset (and overrides) that match it, e.g. model.preset: k3 for the release")
+        try:
+            model.routed_experts_format = load_state_into(model, checkpoint)
+        except CheckpointMismatchError as e:
+            raise CheckpointMismatchError(f"{e}\n  {hint}" if differ else str(e)) from None
+        if differ:  # same shapes, other constants (norm eps, SiTU betas, ...): it would compute something else
+            raise ValueError(f"checkpoint {checkpoint}: {hint}")
     return model.to(device)
+
+
+# K3Config fields that do not change the weights or what they compute: the preset's values are kept
+# whatever the checkpoint's config.json says (the release's has none of them)
+RUNTIME_FIELDS = {"qb_num_bins", "qb_frozen", "gradient_checkpointing", "kernel_backend", "max_position_embeddings",
+                  "linear_attn_config.chunk_size", "vision_config.vt_attention", "vision_config.in_patch_limit",
+                  "vision_config.patch_limit_on_one_side", "vision_config.video_in_patch_limit"}
+
+
+def architecture_differences(config: K3Config, checkpoint: str | Path) -> str:
+    """The fields (but RUNTIME_FIELDS) in which the checkpoint's config.json differs from `config`,
+    as "name (checkpoint a, model b); ..."; empty when they agree or the directory has no config.json."""
+    path = Path(checkpoint) / "config.json"
+    if not path.exists():
+        return ""
+    theirs = _flat(K3Config.from_hf(path).model_dump())
+    ours = _flat(config.model_dump())
+    diff = [f"{k} (checkpoint {theirs.get(k)!r}, model {ours.get(k)!r})" for k in sorted(set(ours) | set(theirs))
+            if k not in RUNTIME_FIELDS and theirs.get(k) != ours.get(k)]
+    return "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out

@@ -167,11 +167,12 @@ def test_export_weights_uses_official_names_and_keeps_fp32_allow_list():
     update = t.export_weights(version=7, dtype=torch.bfloat16)
     assert update.version == 7
     state = update.state_dict()
-    assert "model.layers.1.mlp.experts.0.w1.weight" in state and "model.layers.1.mlp.experts.w1" not in state
-    assert state["model.layers.0.self_attn.A_log"].shape == (128,)  # zero-padded to 128 as in the checkpoint
-    assert state["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    for name in ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
-                 "model.layers.0.self_attn.q_conv1d.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+    L, M = "language_model.model.layers.", "language_model.model.layers.1.block_sparse_moe."
+    assert f"{M}experts.0.w1.weight" in state and not any(".experts.w1" in n for n in state)
+    assert state[f"{L}0.self_attn.A_log"].shape == (128,)  # zero-padded to 128 as in the checkpoint
+    assert state[f"{L}0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    for name in (f"{L}0.self_attn.A_log", f"{L}0.self_attn.dt_bias",
+                 f"{L}0.self_attn.q_conv1d.weight", f"{M}gate.e_score_correction_bias"):
         assert state[name].dtype == torch.float32, name
     exact = t.export_weights(version=8).state_dict()
     ours, unexpected = from_hf(exact, t.model.state_dict())

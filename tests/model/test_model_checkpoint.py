@@ -32,30 +32,35 @@ def test_layout_and_official_names(saved):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     c = model.config
     E = c.num_experts
+    L, M = "language_model.model.", "language_model.model.layers.1.block_sparse_moe."
     for name in [
-        "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-        "model.output_attn_res_proj.weight", "model.output_attn_res_norm.weight",
-        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_conv1d.weight",
-        "model.layers.0.self_attn.f_a_proj.weight", "model.layers.0.self_attn.o_norm.weight",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attention_res_proj.weight",
-        "model.layers.0.mlp_res_norm.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-        "model.layers.3.self_attn.q_a_layernorm.weight", "model.layers.3.self_attn.kv_b_proj.weight",
-        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias",
-        f"model.layers.1.mlp.experts.{E - 1}.w2.weight", "model.layers.1.mlp.routed_expert_down_proj.weight",
-        "model.layers.1.mlp.routed_expert_norm.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
+        f"{L}embed_tokens.weight", "language_model.lm_head.weight", f"{L}norm.weight",
+        f"{L}output_attn_res_proj.weight", f"{L}output_attn_res_norm.weight",
+        f"{L}layers.0.self_attn.q_proj.weight", f"{L}layers.0.self_attn.q_conv1d.weight",
+        f"{L}layers.0.self_attn.f_a_proj.weight", f"{L}layers.0.self_attn.o_norm.weight",
+        f"{L}layers.0.mlp.gate_proj.weight", f"{L}layers.0.self_attention_res_proj.weight",
+        f"{L}layers.0.mlp_res_norm.weight", f"{L}layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        f"{L}layers.3.self_attn.q_a_layernorm.weight", f"{L}layers.3.self_attn.kv_b_proj.weight",
+        f"{M}gate.weight", f"{M}gate.e_score_correction_bias",
+        f"{M}experts.{E - 1}.w2.weight", f"{M}routed_expert_down_proj.weight",
+        f"{M}routed_expert_norm.weight", f"{M}shared_experts.down_proj.weight",
         "vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
         "vision_tower.encoder.blocks.1.wqkv.weight", "vision_tower.encoder.final_layernorm.weight",
         "mm_projector.proj.0.weight", "mm_projector.proj.2.weight", "mm_projector.post_norm.weight",
     ]:
         assert name in tensors, name
-    assert tensors["model.layers.1.mlp.experts.0.w1.weight"].shape == (c.moe_intermediate_size, c.routed_expert_hidden_size)
-    a_log = tensors["model.layers.0.self_attn.A_log"]
+    assert tensors[f"{M}experts.0.w1.weight"].shape == (c.moe_intermediate_size, c.routed_expert_hidden_size)
+    a_log = tensors[f"{L}layers.0.self_attn.A_log"]
     H = c.linear_attn_config.num_heads
     assert a_log.shape == (128,) and a_log.dtype == torch.float32 and bool((a_log[H:] == 0).all())
-    assert tensors["model.layers.0.self_attn.dt_bias"].dtype == torch.float32
-    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
-    assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert tensors[f"{L}layers.0.self_attn.dt_bias"].dtype == torch.float32
+    assert tensors[f"{M}gate.e_score_correction_bias"].dtype == torch.float32
+    assert tensors[f"{L}layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
     assert not any(".experts.w1" in n for n in tensors)  # no stacked names leak out
+    assert not any(n.startswith(("model.", "lm_head.")) for n in tensors)  # the text model is under language_model.
+    assert not any(".mlp.gate." in n or ".mlp.experts." in n for n in tensors)  # MoE layers are block_sparse_moe.
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config["text_config"]  # dense experts: nothing is quantised
     assert K3Config.from_hf(path) == model.config
 
 
@@ -84,20 +89,20 @@ def test_mismatches_are_reported_by_name(saved, tmp_path):
     model, path = saved
 
     def edit(t):
-        del t["model.layers.2.self_attn.g_proj.weight"]
-        del t["model.layers.1.mlp.experts.3.w3.weight"]
-        t["model.layers.0.extra.weight"] = torch.zeros(2)
-        t["model.norm.weight"] = torch.zeros(5, dtype=torch.bfloat16)
+        del t["language_model.model.layers.2.self_attn.g_proj.weight"]
+        del t["language_model.model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+        t["language_model.model.layers.0.extra.weight"] = torch.zeros(2)
+        t["language_model.model.norm.weight"] = torch.zeros(5, dtype=torch.bfloat16)
 
     bad = _rewrite(path, tmp_path / "bad", edit)
     target = make_tiny(seed=8).to_param_dtype(torch.bfloat16)
     with pytest.raises(CheckpointMismatchError) as err:
         load_state_into(target, bad)
     msg = str(err.value)
-    assert "missing (2)" in msg and "model.layers.2.self_attn.g_proj.weight" in msg
-    assert "model.layers.1.mlp.experts.3.w3.weight" in msg
-    assert "unexpected (1): model.layers.0.extra.weight" in msg
-    assert "model.norm.weight: checkpoint (5,) vs model (128,)" in msg
+    assert "missing (2)" in msg and "language_model.model.layers.2.self_attn.g_proj.weight" in msg
+    assert "language_model.model.layers.1.block_sparse_moe.experts.3.w3.weight" in msg
+    assert "unexpected (1): language_model.model.layers.0.extra.weight" in msg
+    assert "language_model.model.norm.weight: checkpoint (5,) vs model (128,)" in msg
 
 
 def test_single_file_checkpoint_loads(saved, tmp_path):
@@ -107,7 +112,7 @@ def test_single_file_checkpoint_loads(saved, tmp_path):
     load_state_into(target, single)
     assert torch.equal(target.model.layers[1].mlp.experts.w2, model.model.layers[1].mlp.experts.w2)
     with safe_open(str(single / "model.safetensors"), framework="pt") as f:
-        assert "model.layers.1.mlp.experts.0.w2.weight" in f.keys()
+        assert "language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight" in f.keys()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_hf(tmp_path)
     with pytest.raises(FileNotFoundError, match="no model.safetensors.index.json or model.safetensors"):
@@ -120,7 +125,7 @@ def test_partial_expert_update_keeps_the_other_experts():
     model = make_tiny(seed=10)
     expected = model.state_dict()
     new0 = torch.randn(model.config.moe_intermediate_size, model.config.routed_expert_hidden_size)
-    update = {"model.layers.1.mlp.experts.0.w1.weight": new0}
+    update = {"language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight": new0}
     state, unexpected = from_hf(update, expected)
     assert unexpected == []
     stacked = state["model.layers.1.mlp.experts.w1"]
@@ -131,3 +136,36 @@ def test_partial_expert_update_keeps_the_other_experts():
     back, unexpected = from_hf(full, expected, fill_missing_experts=False)
     assert unexpected == [] and back.keys() == expected.keys()
     assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_checkpoints_with_the_previous_k3rl_names_still_load(saved, tmp_path):
+    """Before the release's names, k3rl wrote `model.*` / `lm_head.weight` with `mlp.` for every layer."""
+    model, path = saved
+
+    def rename(t):
+        for name in list(t):
+            old = name.removeprefix("language_model.").replace(".block_sparse_moe.", ".mlp.")
+            t[old] = t.pop(name)
+
+    old = _rewrite(path, tmp_path / "old", rename)
+    with safe_open(str(old / "model.safetensors"), framework="pt") as f:
+        assert "model.layers.1.mlp.experts.0.w2.weight" in f.keys() and "lm_head.weight" in f.keys()
+    loaded = load_hf(old)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values(), strict=True))
+
+    def both(t):  # one tensor under its old and its new name: refused, not silently picked
+        t["model.norm.weight"] = t["language_model.model.norm.weight"].clone()
+
+    with pytest.raises(CheckpointMismatchError, match="the same tensor as"):
+        load_state_into(make_tiny(seed=9).to_param_dtype(torch.bfloat16), _rewrite(path, tmp_path / "both", both))
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_by_field(saved):
+    from k3rl.learner.model import build_model
+
+    _, path = saved
+    with pytest.raises(CheckpointMismatchError, match=r"(?s)mis-shaped.*hidden_size \(checkpoint 128, model 768\).*model.preset"):
+        build_model("k3-small", checkpoint=path)
+    with pytest.raises(ValueError, match=r"rms_norm_eps \(checkpoint 1e-05, model 1e-06\)"):  # same shapes, other maths
+        build_model("k3-tiny", {"rms_norm_eps": 1e-6}, checkpoint=path)
+    build_model("k3-tiny", {"kernel_backend": "torch", "qb_num_bins": 10}, checkpoint=path)  # run-time switches may differ

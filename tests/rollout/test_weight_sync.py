@@ -73,7 +73,7 @@ def test_full_update_with_official_names_replaces_the_model():
     eng = EmbeddedEngine(_model(0), background=False)
     before = eng.generate(PROMPT, GREEDY)
     hf = to_hf(target.state_dict())
-    assert any(".mlp.experts.0.w1.weight" in n for n in hf)  # official per-expert names travel
+    assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in hf)  # official per-expert names travel
     eng.update_weights(WeightUpdate.from_state_dict(5, hf, bucket_bytes=1 << 16))
     after = eng.generate(PROMPT, GREEDY)
     assert after.versions == [5] * 10 and after.cached_prompt_tokens == 0  # old-version prefix states dropped
@@ -105,12 +105,12 @@ def test_partial_update_of_some_experts_keeps_the_others():
     w1 = eng.model.model.layers[layer].mlp.experts.w1
     before = w1.detach().clone()
     new0 = torch.randn_like(before[0])
-    name = f"model.layers.{layer}.mlp.experts.0.w1.weight"  # one expert, official name
+    name = f"language_model.model.layers.{layer}.block_sparse_moe.experts.0.w1.weight"  # one expert, official name
     eng.update_weights(WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={name: new0})]))
     assert torch.equal(w1[0], new0) and torch.equal(w1[1:], before[1:])
     with pytest.raises(ValueError, match="marked full"):  # a full update must carry every expert
         full = to_hf(eng.model.state_dict())
-        del full[f"model.layers.{layer}.mlp.experts.3.w2.weight"]
+        del full[f"language_model.model.layers.{layer}.block_sparse_moe.experts.3.w2.weight"]
         eng.update_weights(WeightUpdate.from_state_dict(2, full))
     assert eng.version == 1
 
