@@ -291,6 +291,9 @@ class ToolEnv(gym.Env, abc.ABC):
         if tool is None:
             result = ToolResult(f"Error: unknown tool {call.name!r}. Available tools: {', '.join(self._tools)}.",
                                 error=True)
+        elif call.raw_arguments is not None:  # written, but not as JSON: tell the model, run nothing
+            result = ToolResult(f"Error: the arguments of {call.name} are not valid JSON: {call.raw_arguments[:200]!r}. "
+                                "Write them as one JSON object.", error=True)
         else:
             try:
                 kwargs = tool.validate(call.arguments)

@@ -13,7 +13,7 @@ sandbox.
 
 Token budget with the byte tokenizer and the K3 template (measured in
 tests/envs/test_key_lookup.py): an oracle episode is ~320 tokens without the tool
-declaration, and the declaration alone adds ~230. So by default the tool is *not* declared
+declaration, and the declaration alone adds ~300. So by default the tool is *not* declared
 (`declare_tools=False`): the prompt names it ("lookup b2") and the SFT warm start teaches the
 call format. `declare_tools=True` puts the usual JSON declaration in the prompt.
 """

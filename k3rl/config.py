@@ -38,7 +38,8 @@ class ModelSection(_Section):
     preset: Literal["k3", "k3-small", "k3-tiny"] = "k3-tiny"
     overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields replacing the preset's")
     checkpoint: str | None = Field(None, description="HF-layout directory to load the weights from")
-    tokenizer: str = Field("byte", description="'byte' or a directory holding tokenizer.json")
+    tokenizer: str = Field("byte", description="'byte', or a directory with the checkpoint's tiktoken.model + "
+                                               "tokenizer_config.json (the official K3 files), or a tokenizer.json")
     dtype: Literal["float32", "bfloat16"] = "float32"
     thinking: bool = Field(False, description="thinking mode of the chat template")
     seed: int = 0
@@ -256,7 +257,7 @@ class JobConfig(_Section):
         if self.model.tokenizer == "byte" and k3.vocab_size < ByteTokenizer.vocab_size:
             problems.append(("model.overrides.vocab_size", f"{k3.vocab_size} is smaller than the byte tokenizer's "
                                                            f"{ByteTokenizer.vocab_size} ids; raise it, or set "
-                                                           f"model.tokenizer to a tokenizer.json directory"))
+                                                           f"model.tokenizer to the directory of a real tokenizer (the checkpoint's tiktoken.model + tokenizer_config.json)"))
         return problems
 
     def _engine_problems(self) -> list[tuple[str, str]]:

@@ -73,6 +73,7 @@ class ToolCall(_Record):
     arguments: dict[str, Any] = Field(default_factory=dict)
     index: int = Field(1, ge=1, description="1-based position among the parallel calls of one message")
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    raw_arguments: str | None = Field(None, description="arguments the model wrote that are not JSON, as written")
 
 
 class Turn(_Record):
@@ -226,7 +227,8 @@ class Trajectory(_Record):
 
 
 _TOOL_CALL_TYPE = pa.struct(
-    [("name", pa.string()), ("arguments", pa.string()), ("index", pa.int64()), ("id", pa.string())]
+    [("name", pa.string()), ("arguments", pa.string()), ("index", pa.int64()), ("id", pa.string()),
+     ("raw_arguments", pa.string())]
 )
 _TURN_TYPE = pa.struct(
     [

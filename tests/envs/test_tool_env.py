@@ -209,3 +209,17 @@ def test_spaces_accept_what_envs_send_and_reject_the_rest():
     action = AssistantAction(seed=0)
     assert action.sample() in action and "ünïcode <|open|>" in action and [1, 2, 3] in action
     assert np.array([1, 2], dtype=np.int32) in action and 1.5 not in action and [True] not in action
+
+
+def test_arguments_that_are_not_json_come_back_as_an_error_and_run_nothing():
+    from k3rl.chat import RawToolCall
+
+    env = make()
+    env.reset(seed=0)
+    raw = RawToolCall(name="lookup", raw_arguments="{key: " + env.task.key + "}")
+    ids = env.template.assistant_body("", [raw], None)  # what the model wrote, as the template renders it
+    parsed = env.template.parse_assistant(ids)
+    assert parsed.tool_calls[0].raw_arguments == raw.raw_arguments
+    obs, _, term, _, info = env.step(Message(role="assistant", content="", tool_calls=parsed.tool_calls))
+    assert obs[0]["content"].startswith("Error: the arguments of lookup are not valid JSON: '{key: ")
+    assert info["tool_calls"][0]["ok"] is False and not term and env._looked_up == []
