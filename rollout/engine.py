@@ -260,7 +260,8 @@ class EmbeddedEngine(InferenceEngine):
     def from_preset(cls, preset: str = "k3-tiny", *, device: str = "cpu", dtype: str = "float32", seed: int = 0,
                     checkpoint: str | None = None, overrides: dict | None = None, **kw) -> EmbeddedEngine:
         """An engine on `build_model(preset, overrides, ...)`: the learner's architecture and seeded
-        init, or the weights of an HF-layout `checkpoint` directory."""
+        init, or the weights of an HF-layout `checkpoint` directory (the release, its MXFP4 experts
+        dequantised to `dtype`, or what `save_hf` wrote)."""
         from k3rl.learner.model import build_model
 
         return cls(build_model(preset, overrides, dtype=dtype, device=device, seed=seed, checkpoint=checkpoint), **kw)
@@ -430,7 +431,8 @@ class EmbeddedEngine(InferenceEngine):
                              "versions must increase")
         expected = self.model.state_dict()
         # a partial update may carry some experts of a layer (the others keep their values); a
-        # full one must carry all of them, so nothing is filled in and the gaps are reported
+        # full one must carry all of them, so nothing is filled in and the gaps are reported.
+        # Experts come as `.weight` or as MXFP4 `.weight_packed` + `.weight_scale` (dequantised here)
         state, unexpected = from_hf(update.state_dict(), expected, fill_missing_experts=not update.full)
         if unexpected:
             raise ValueError(f"weight update v{update.version} has {len(unexpected)} names the model does not have, "

@@ -66,44 +66,45 @@ def save_hf(model: K3ForCausalLM, directory: str | Path, max_shard_bytes: int = 
     out.mkdir(parents=True, exist_ok=True)
     model.config.to_hf(out, quantization_config=mxfp4.quantization_config() if experts == "mxfp4" else None)
     state = _our_state(model)
-    layout = adapter.hf_layout(state, experts)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, (shape, dtype) in layout.items():
-        nbytes = _nbytes(shape, dtype)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
+    weight_map = assign_shards(adapter.hf_layout(state, experts), max_shard_bytes)
+    shards: dict[str, list[str]] = {}
+    for name, fname in weight_map.items():
+        shards.setdefault(fname, []).append(name)
     tensors = adapter.iter_hf(state, experts)
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    total = 0
+    for fname, names in shards.items():
         shard = {}
         for name in names:
             got, t = next(tensors)
             assert got == name, (got, name)  # hf_layout and iter_hf walk the state in the same order
             shard[name] = t.detach().to("cpu").contiguous().clone()
             total += t.numel() * t.element_size()
-            weight_map[name] = fname
         save_file(shard, str(out / fname), metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
+def assign_shards(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> dict[str, str]:
+    """{name: shard file}: the names in `layout`'s order cut into shards of at most `max_shard_bytes`."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in layout.items():
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return {name: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, names in enumerate(shards) for name in names}
 
 
 # ----- what a checkpoint holds (headers only) ----------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the release has 497,220 of them
 class StoredTensor:
     """One tensor of a checkpoint, from its shard's header: no value is read."""
 
@@ -130,12 +131,12 @@ def read_header(path: str | Path) -> dict[str, StoredTensor]:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
-    out = {}
+    out, fname = {}, path.name
     for name, h in header.items():
         if h["dtype"] not in DTYPES:
             raise ValueError(f"{path}: tensor {name} has dtype {h['dtype']}, which k3rl does not read")
         start, end = h["data_offsets"]
-        out[name] = StoredTensor(path.name, DTYPES[h["dtype"]], tuple(h["shape"]), end - start)
+        out[name] = StoredTensor(fname, DTYPES[h["dtype"]], tuple(h["shape"]), end - start)
     return out
 
 

@@ -61,7 +61,7 @@ def expert_names(key: str, e: int, experts: ExpertFormat) -> list[str]:
     return [f"{hf_name(prefix)}.{e}.{w}.{part}" for part in EXPERT_PARTS[experts]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Target:
     """Where one of the release's tensors goes: our key, the expert row of a stacked key, the part."""
 

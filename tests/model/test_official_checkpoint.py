@@ -257,3 +257,27 @@ def test_a_broken_release_layout_is_refused_by_name(release, tmp_path):
     model = K3ForCausalLM(build_model("k3-tiny", device="meta").config)
     with pytest.raises(ValueError, match="'pack-quantized' is not one k3rl reads"):
         load_state_into(model, tmp_path / "bad")
+
+
+def test_the_load_plan_gives_each_rank_its_experts_and_its_rows(release):
+    from k3rl.learner.model import plan_loading
+    from k3rl.learner.model.checkpoint import stored_tensors
+    from k3rl.learner.model.load_plan import expert_parallel_size
+
+    _, quantised, path, tensors = release
+    stored = stored_tensors(path)
+    state = quantised.state_dict()
+    experts = {n: s for n, s in stored.items() if ".experts." in n}
+    dense_bytes = sum(s.nbytes for n, s in stored.items() if n not in experts)
+    plans = plan_loading(stored, state, world_size=4, expert_parallel=2)
+    assert [p.experts for p in plans] == [range(0, 4), range(4, 8), range(0, 4), range(4, 8)]  # [W/ep, ep] grid
+    for p in plans:
+        mine = [n for n in experts if int(n.split(".experts.")[1].split(".")[0]) in p.experts]
+        assert p.expert_read_bytes == sum(experts[n].nbytes for n in mine)
+        assert {experts[n].file for n in mine} <= set(p.shards)
+    assert sum(p.read_bytes - p.expert_read_bytes for p in plans) == dense_bytes  # FSDP rows partition the rest
+    assert sum(p.expert_read_bytes for p in plans[:2]) == sum(s.nbytes for s in experts.values())
+    assert plans[0].shards == sorted({s.file for s in stored.values()})  # rank 0 has rows of everything here
+    assert expert_parallel_size(896, 256) == 128 and expert_parallel_size(896, 64) == 64
+    with pytest.raises(ValueError, match="must divide"):
+        plan_loading(stored, state, world_size=4, expert_parallel=3)
