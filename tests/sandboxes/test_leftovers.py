@@ -28,7 +28,8 @@ def remaining(backend: str, job: str, ids: list[str] = ()) -> set[str]:
 
 def sandbox_pids(backend: str, sandbox_ids: list[str], owner_pid: int) -> set[int]:
     """Host pids of the processes running in these sandboxes (Docker: `docker top`; bubblewrap: the
-    owner's descendants, where its bwrap processes live)."""
+    bwrap processes among the owner's descendants, and theirs — not the owner's other children, such
+    as a local Ray another test left running in this process)."""
     if backend == "docker":
         from k3rl.sandboxes.docker_backend import docker_client
 
@@ -39,7 +40,15 @@ def sandbox_pids(backend: str, sandbox_ids: list[str], owner_pid: int) -> set[in
             column = top["Titles"].index("PID")
             pids |= {int(row[column]) for row in top["Processes"]}
         return pids
-    return descendants(owner_pid)
+    bwraps = {p for p in descendants(owner_pid) if _comm(p) == "bwrap"}
+    return bwraps.union(*(descendants(p) for p in bwraps))
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def descendants(pid: int) -> set[int]:
