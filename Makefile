@@ -44,7 +44,7 @@ demo: setup
 	@echo "an episode:    $(VENV)/bin/k3rl replay runs/$(DEMO_RUN) --html runs/$(DEMO_RUN)/episode.html"
 
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
