@@ -94,11 +94,13 @@ def _our_key(name: str) -> str | None:
 def hf_layout(state: dict[str, torch.Tensor], experts: ExpertFormat = "dense") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{release name: (shape, dtype)} of what `to_hf(state, experts)` writes, from shapes alone
     (works on the `meta` device: the full preset lists its 497,220 names without any memory)."""
+    if experts not in EXPERT_PARTS:
+        raise ValueError(f"experts must be one of {sorted(EXPERT_PARTS)}, got {experts!r}")
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key, t in state.items():
         if is_stacked_experts(key):
             row = tuple(t.shape[1:])
-            shapes = {"dense": (row,), "mxfp4": mxfp4.packed_shapes(row)}[experts]
+            shapes = (row,) if experts == "dense" else mxfp4.packed_shapes(row)
             dtype = t.dtype if experts == "dense" else torch.uint8
             for e in range(t.shape[0]):
                 for name, shape in zip(expert_names(key, e, experts), shapes, strict=True):

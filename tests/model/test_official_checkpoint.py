@@ -196,7 +196,7 @@ def test_saving_it_back_writes_the_same_tensors_and_the_quantization_section(rel
     assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())["text_config"]
 
 
-def test_the_embedded_engine_and_the_learner_start_from_it(release):
+def test_the_embedded_engine_and_the_learner_start_from_it(release, tmp_path):
     from k3rl.config import JobConfig
     from k3rl.learner.trainer import Trainer
     from k3rl.rollout.engine import EmbeddedEngine
@@ -234,6 +234,15 @@ def test_the_embedded_engine_and_the_learner_start_from_it(release):
     from k3rl.learner.model import mxfp4
 
     assert torch.equal(held, mxfp4.dequantize(*mxfp4.quantize(master), torch.bfloat16))
+    # the trainer's own checkpoints keep the fp32 master experts, so a resume continues exactly
+    trainer.save_checkpoint(tmp_path / "step-1")
+    saved = read_hf_tensors(tmp_path / "step-1" / "model")
+    w2 = saved["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight"]
+    assert w2.dtype == torch.float32 and torch.equal(w2, master[0])
+    resumed = Trainer.from_job(job)
+    resumed.load_checkpoint(tmp_path / "step-1")
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(),
+                                                 trainer.model.state_dict().values(), strict=True))
 
 
 def test_a_broken_release_layout_is_refused_by_name(release, tmp_path):
