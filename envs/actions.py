@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from k3rl.chat import ChatTemplate, Message, ParsedAssistant, ToolCallParseError
-from k3rl.tokenizer import K3_SPECIAL_IDS
+from k3rl.tokenizer import SPECIAL_TOKEN_IDS
 from k3rl.types import ToolCall
 
 
@@ -32,7 +32,7 @@ def _specials(template: ChatTemplate) -> dict[str, int]:
     if table:
         return dict(table)
     out = {}
-    for name in K3_SPECIAL_IDS:
+    for name in SPECIAL_TOKEN_IDS:
         try:
             out[name] = template.tok.special(name)
         except KeyError:

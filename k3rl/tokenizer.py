@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 # The K3 special tokens and their ids in the released vocabulary (docs/model.md §9.7, §7.4).
-K3_SPECIAL_IDS: dict[str, int] = {
+SPECIAL_TOKEN_IDS: dict[str, int] = {
     "[BOS]": 163584,
     "[EOS]": 163585,
     "<|end_of_msg|>": 163586,
@@ -86,9 +86,9 @@ class ByteTokenizer(_SpecialsMixin):
 
     def __init__(self) -> None:
         self.specials = {}
-        for name, k3_id in K3_SPECIAL_IDS.items():
+        for name, k3_id in SPECIAL_TOKEN_IDS.items():
             offset = k3_id - K3_FIRST_SPECIAL
-            self.specials[name] = 256 + offset if offset < 62 else self.vocab_size - (K3_SPECIAL_IDS["[PAD]"] - k3_id) - 1
+            self.specials[name] = 256 + offset if offset < 62 else self.vocab_size - (SPECIAL_TOKEN_IDS["[PAD]"] - k3_id) - 1
         self._names_by_id = {v: k for k, v in self.specials.items()}
         assert len(self._names_by_id) == len(self.specials) and max(self._names_by_id) < self.vocab_size
 
@@ -134,7 +134,7 @@ class HFTokenizer(_SpecialsMixin):
         self._tok = _HF.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        self.specials = {name: vocab[name] for name in K3_SPECIAL_IDS if name in vocab}
+        self.specials = {name: vocab[name] for name in SPECIAL_TOKEN_IDS if name in vocab}
         missing = [n for n in (OPEN, CLOSE, SEP, EOM) if n not in self.specials]
         if missing:
             raise ValueError(f"tokenizer at {file} lacks the K3 structural tokens {missing}")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from k3rl.chat import IMAGE_PLACEHOLDER, ChatTemplate, Message, RawToolCall, ToolCallParseError
 from k3rl.images import to_png
-from k3rl.tokenizer import K3_SPECIAL_IDS, ByteTokenizer
+from k3rl.tokenizer import SPECIAL_TOKEN_IDS, ByteTokenizer
 from k3rl.types import ToolCall
 
 TEMPLATES = [ChatTemplate(), ChatTemplate(thinking=True)]
@@ -172,7 +172,7 @@ def test_malformed_calls_give_precise_errors(mutate, message):
 
 def _encode_with_specials(tok, text):
     ids, i = [], 0
-    names = sorted(K3_SPECIAL_IDS, key=len, reverse=True)
+    names = sorted(SPECIAL_TOKEN_IDS, key=len, reverse=True)
     while i < len(text):
         for n in names:
             if text.startswith(n, i):

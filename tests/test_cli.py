@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, descendants
 
 from k3rl.learner.distributed import free_port
 
@@ -20,35 +21,6 @@ K3RL = [sys.executable, "-m", "k3rl.cli"]
 def k3rl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*K3RL, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (read from /proc; zombies count as gone)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return state[state.rindex(")") + 2] != "Z"
 
 
 def port_open(port: int) -> bool:
@@ -72,15 +44,11 @@ def test_stopping_k3rl_ui_stops_the_mlflow_server_it_started(tmp_path, sig):
         assert started, "k3rl ui should run the server as a child process"
         ui.send_signal(sig)  # to k3rl ui alone, as `kill` or a service manager would (not its process group)
         assert ui.wait(timeout=60) == 128 + sig
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [p for p in started if alive(p)] == [], "a process of the MLflow server survived"
+        assert alive(started, within_s=30) == set(), "a process of the MLflow server survived"
         assert not port_open(port)
     finally:
-        for pid in [ui.pid, *started]:  # only what this test started
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in alive({ui.pid, *started}):  # only what this test started
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_config_show_refuses_what_cannot_work_and_prints_notes():

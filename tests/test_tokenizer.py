@@ -7,7 +7,7 @@ import json
 import pytest
 
 from k3rl.tokenizer import (
-    K3_SPECIAL_IDS,
+    SPECIAL_TOKEN_IDS,
     ByteTokenizer,
     HFTokenizer,
     TiktokenTokenizer,
@@ -37,9 +37,9 @@ def write_bpe(folder, merges=MERGES, specials=SPECIALS):
 
 def test_byte_tokenizer_specials_are_distinct_and_in_vocab():
     tok = ByteTokenizer()
-    ids = [tok.special(n) for n in K3_SPECIAL_IDS]
+    ids = [tok.special(n) for n in SPECIAL_TOKEN_IDS]
     assert len(set(ids)) == len(ids) and all(256 <= i < tok.vocab_size for i in ids)
-    assert tok.special("<|open|>") - tok.special("[BOS]") == K3_SPECIAL_IDS["<|open|>"] - K3_SPECIAL_IDS["[BOS]"]
+    assert tok.special("<|open|>") - tok.special("[BOS]") == SPECIAL_TOKEN_IDS["<|open|>"] - SPECIAL_TOKEN_IDS["[BOS]"]
     with pytest.raises(KeyError, match="unknown special token"):
         tok.special("<|nope|>")
 
@@ -58,7 +58,7 @@ def _write_tokenizer_json(path):
     vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tk.add_special_tokens(list(K3_SPECIAL_IDS))
+    tk.add_special_tokens(list(SPECIAL_TOKEN_IDS))
     tk.save(str(path / "tokenizer.json"))
 
 

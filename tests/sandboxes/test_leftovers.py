@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive, descendants
 
 from k3rl.sandboxes import SandboxClosedError, SandboxPool, open_sandbox
 
@@ -49,41 +50,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
-        except OSError:
-            continue
-        if stat:
-            fields = stat[stat.rindex(")") + 2:].split()
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pids: set[int], within_s: float = 0.0) -> set[int]:
-    """The pids still running (zombies count as gone) after waiting up to `within_s` for them to go."""
-    deadline = time.monotonic() + within_s
-    while True:
-        running = set()
-        for pid in pids:
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            if stat[stat.rindex(")") + 2] != "Z":
-                running.add(pid)
-        if not running or time.monotonic() >= deadline:
-            return running
-        time.sleep(0.1)
 
 
 def test_a_closed_pool_leaves_no_sandbox_and_no_sandbox_process(backend):

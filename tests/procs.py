@@ -1,0 +1,46 @@
+"""Processes as the tests look at them, through /proc: a process's descendants, and which are still alive."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def _state(pid: int) -> str | None:
+    """The /proc state letter of `pid` ("Z" for a zombie), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (zombies count as gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int], within_s: float = 0.0) -> set[int]:
+    """The pids still running after waiting up to `within_s` for them to go (zombies count as gone)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = {p for p in pids if _state(p) not in (None, "Z")}
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.1)
