@@ -383,7 +383,9 @@ def preflight(cfg: JobConfig) -> None:
     """Start-of-job checks, in the driver before Ray starts. For every env of `envs.train`: it
     can be made and reset, and its first prompt (one seed) fits `rollout.max_context_tokens`;
     with an SFT warm start, its oracle plays an episode whose messages each fit
-    `rollout.sampling.max_tokens_per_turn`. Raises PreflightError naming the env and the field."""
+    `rollout.sampling.max_tokens_per_turn`. A `model.checkpoint` must exist and hold the
+    architecture the config describes. Raises PreflightError naming the env or the field."""
+    _check_checkpoint(cfg)
     import_env_modules(cfg.envs.imports)
     template = make_template(cfg)
     limit = cfg.rollout.max_context_tokens
@@ -404,6 +406,24 @@ def preflight(cfg: JobConfig) -> None:
                                  f"rollout.max_context_tokens={limit}; raise it or shorten the env's opening")
         if cfg.learner.sft_steps > 0:
             _check_oracle(spec, cfg, template)
+
+
+def _check_checkpoint(cfg: JobConfig) -> None:
+    from pathlib import Path
+
+    from k3rl.learner.model.factory import architecture_differences
+
+    ckpt = cfg.model.checkpoint
+    if ckpt is None:
+        return
+    if not (Path(ckpt) / "config.json").is_file():
+        raise PreflightError(f"model.checkpoint: {ckpt} holds no config.json; point it at an HF-layout checkpoint "
+                             "directory (the release's, or one save_hf / a job's checkpoints/step-N/model wrote)")
+    differ = architecture_differences(cfg.model.k3_config(), ckpt)
+    if differ:
+        raise PreflightError(f"model.checkpoint: {ckpt} was written for another architecture than model.preset="
+                             f"{cfg.model.preset!r} with model.overrides: {differ}; set the preset and overrides "
+                             "that match it")
 
 
 def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> None:

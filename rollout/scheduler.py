@@ -138,7 +138,7 @@ class Scheduler:
         task.add_done_callback(self.tasks.discard)
 
     # -- supervision ---------------------------------------------------------------------------
-    async def _run(self, group: Group, spec: dict[str, Any]) -> None:
+    async def _run(self, group: Group, spec: dict[str, Any], counted: bool = True) -> None:
         import ray
 
         errors: list[str] = []
@@ -169,7 +169,7 @@ class Scheduler:
                     stats = await self._lost(spec, f"episode lost: {len(errors)} attempts on workers that died ({errors[-1]})")
             finally:
                 self._release_slot(i)
-        self.counts["episodes/failed"] += bool(stats.get("error"))
+        self.counts["episodes/failed"] += counted and bool(stats.get("error"))  # evaluation is not training
         group.results[spec["id"]] = stats
         self.changed.set()
 
@@ -259,7 +259,7 @@ class Scheduler:
                   for g in range(num_groups)]
         for group in groups:
             for spec in group.specs:
-                self._spawn(self._run(group, spec))
+                self._spawn(self._run(group, spec, counted=False))
         while not all(g.done for g in groups):
             self.changed.clear()
             await self.changed.wait()

@@ -103,3 +103,15 @@ def test_demonstrations_are_oracle_episodes_token_exact():
     assert [d.completion_ids for d in collect_demonstrations(cfg, "run", 3)] == [d.completion_ids for d in demos]
     with pytest.raises(RuntimeError, match="did not finish .*truncated by max_tokens"):
         collect_demonstrations(job(rollout__sampling={"max_tokens_per_turn": 16}), "run", 1)
+
+
+def test_preflight_refuses_a_checkpoint_that_is_missing_or_of_another_architecture(tmp_path):
+    from k3rl.learner.model import build_model, save_hf
+
+    with pytest.raises(PreflightError, match=r"^model.checkpoint: .*nowhere holds no config.json; point it at"):
+        preflight(job(model={"checkpoint": str(tmp_path / "nowhere")}))
+    save_hf(build_model("k3-tiny", seed=0), tmp_path / "tiny")
+    preflight(job(model={"checkpoint": str(tmp_path / "tiny")}))  # the architecture it was written for
+    with pytest.raises(PreflightError, match=r"was written for another architecture than model.preset='k3-tiny' "
+                                             r"with model.overrides: .*hidden_size \(checkpoint 128, model 96\)"):
+        preflight(job(model={"checkpoint": str(tmp_path / "tiny"), "overrides": {"hidden_size": 96}}))
