@@ -92,6 +92,12 @@ class RolloutSection(_Section):
         description="how each WeightUpdate reaches the engines: object_store (any cluster), nccl (a broadcast "
                     "group of the learner's rank 0 and the engines, on their own GPUs; gloo when all run on CPUs), "
                     "cuda_ipc (engines sharing the learner's GPU host)")
+    dynamic_sampling: bool = Field(
+        False, description="drop a finished group whose trainable members all earned the same reward (no GRPO "
+                           "signal) and issue a fresh group in its place (DAPO's dynamic sampling)")
+    dynamic_sampling_max_refills: int = Field(
+        2, ge=0, description="at most this many x prompts_per_step groups are dropped for zero variance per step; "
+                             "past that the step trains on the groups it has (dynamic_sampling/refills_exhausted)")
 
 
 class LearnerSection(_Section):
@@ -110,7 +116,19 @@ class LearnerSection(_Section):
     tis_level: Literal["token", "sequence", "none"] = "token"
     ratio_mask_low: float = Field(0.0, ge=0)
     ratio_mask_high: float = Field(10.0, gt=0)
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = Field(
+        "token_mean", description="token_mean | seq_mean | constant (Dr. GRPO: a sequence's token sum over "
+                                  "loss_norm_tokens, no length bias; pair with advantage: grpo_no_std)")
+    loss_norm_tokens: int = Field(1024, ge=1, description="L of loss_agg: constant")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    minibatches: int = Field(
+        1, ge=1, description="optimizer updates per pass: the batch split into this many minibatches (whole groups). "
+                             "With ppo_epochs x minibatches > 1 the old policy's log-probs are recorded before the "
+                             "first update and the clip acts")
+    overlong: Literal["none", "filter", "penalty"] = Field(
+        "none", description="episodes cut by max_tokens_per_turn or the context: filter = not trained (their "
+                            "reward still enters the group baseline); penalty = reward - overlong_penalty")
+    overlong_penalty: float = Field(0.5, ge=0)
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
@@ -167,8 +185,28 @@ class EnvSpec(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class EvalSpec(_Section):
+    """Held-out evaluation on one env: `num_tasks` tasks (seeds apart from training's), each run once
+    greedily and `samples` times at the job's temperature (pass@`pass_k` from them)."""
+
+    id: str = Field(description="a registered Gymnasium id, e.g. k3rl/KeyLookup-v0")
+    name: str | None = Field(None, description="the metrics' name, eval/<name>/...; default: the id without "
+                                               "its namespace (k3rl/KeyLookup-v0 -> KeyLookup-v0)")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    num_tasks: int = Field(16, ge=1)
+    pass_k: int | None = Field(None, ge=1, description="k of pass@k; None: envs.eval_pass_k")
+    samples: int | None = Field(None, ge=1, description="sampled episodes per task (n >= pass_k); None: pass_k")
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or self.id.rsplit("/", 1)[-1]
+
+
 class EnvsSection(_Section):
     train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")], min_length=1)
+    eval: list[EvalSpec] = Field(
+        default_factory=list, description="held-out evaluation: before RL and every tracking.eval_every steps")
+    eval_pass_k: int = Field(4, ge=1, description="k of pass@k for the envs.eval specs that do not set pass_k")
     imports: list[str] = Field(
         default_factory=list,
         description="modules imported in every process that makes envs (the driver, the rollout workers) before "
@@ -183,6 +221,30 @@ class EnvsSection(_Section):
                                   f"(or in ray.runtime_env.working_dir / py_modules)")
                  for i, name in enumerate(self.imports)
                  if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name)])
+        return self
+
+    def eval_sizes(self, spec: EvalSpec) -> tuple[int, int]:
+        """(k, n) of an eval spec: pass@k is estimated from n sampled episodes per task."""
+        k = spec.pass_k or self.eval_pass_k
+        return k, spec.samples or k
+
+    @model_validator(mode="after")
+    def _eval_specs(self):
+        problems, seen = [], {}
+        for i, spec in enumerate(self.eval):
+            name = spec.metric_name
+            if not re.fullmatch(r"[\w.\-]+", name):
+                problems.append((f"eval.{i}.name", f"{name!r} cannot name metrics (eval/<name>/success): use letters, "
+                                                   f"digits, '_', '-', '.'"))
+            if name in seen:
+                problems.append((f"eval.{i}.name", f"{name!r} is also the metrics' name of envs.eval.{seen[name]}; "
+                                                   f"give one of them a name of its own"))
+            seen.setdefault(name, i)
+            k, n = self.eval_sizes(spec)
+            if n < k:
+                problems.append((f"eval.{i}.samples", f"{n} sampled episodes per task cannot estimate pass@{k}; "
+                                                      f"set samples >= pass_k ({k})"))
+        _refuse(problems)
         return self
 
 
@@ -207,6 +269,8 @@ class TrackingSection(_Section):
     runs_dir: str = "runs"
     sample_every: int = Field(5, ge=1, description="log sample episodes every this many steps (and at the last)")
     sample_episodes: int = Field(4, ge=0, description="episodes rendered as HTML artifacts per logging step")
+    eval_every: int = Field(0, ge=0, description="run envs.eval every this many RL steps (and after the last); "
+                                                 "0: only before the first RL step")
 
 
 class RaySection(_Section):
