@@ -108,6 +108,7 @@ def build_micro_batches(
     advantages: torch.Tensor | None = None,
     num_moe_layers: int = 0,
     top_k: int = 0,
+    loss_norm_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
@@ -151,7 +152,7 @@ def build_micro_batches(
     # global aggregation weights (the whole step, so micro-batches add up exactly)
     all_mask = torch.cat([p[2] for p in per])
     all_seq = torch.cat([torch.full((p[2].numel(),), s, dtype=torch.int64) for s, p in enumerate(per)])
-    all_w = aggregation_weights(all_mask, all_seq, loss_agg, num_seqs=n)
+    all_w = aggregation_weights(all_mask, all_seq, loss_agg, num_seqs=n, norm_tokens=loss_norm_tokens)
     offsets = [0]
     for p in per:
         offsets.append(offsets[-1] + p[2].numel())

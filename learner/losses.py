@@ -29,7 +29,18 @@ Aggregation weights a_t (computed once for the whole step, so micro-batches and 
 parallel ranks add up to exactly the full-batch value):
     token_mean: a_t = 1 / N_tokens                 (loss-mask tokens of the whole batch)
     seq_mean:   a_t = 1 / (N_seqs * n_tokens(seq(t)))
+    constant:   a_t = 1 / (N_seqs * L)             L = loss_norm_tokens, a constant (Dr. GRPO)
     loss = sum_t a_t l_t
+seq_mean weighs a token of a short sequence more than one of a long sequence, so among
+wrong answers (A < 0) the long ones are penalised less per token, and among right ones the
+short are favoured: a length bias. token_mean weighs every token alike but ties a sequence's
+weight to the batch. Dr. GRPO (Liu et al., 2025) removes both: a constant L, and advantages
+without the std division (`advantage: grpo_no_std`), which also drops the bias towards
+groups of low reward spread.
+
+Several updates per batch (`ppo_epochs` x `minibatches`): the old policy's log-probs are
+recorded once, before the first update, and passed as `prox_logp`; from the second update
+on, r_t != 1 and the clip bounds how far each batch moves the policy.
 """
 
 from __future__ import annotations
@@ -64,15 +75,15 @@ class LossConfig:
     tis_level: Literal["token", "sequence", "none"] = "token"
     ratio_mask_low: float = 0.0
     ratio_mask_high: float = 10.0
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = "token_mean"
 
     def __post_init__(self):
         if self.algorithm not in ("grpo", "cispo", "ppo"):
             raise ValueError(f"LossConfig: algorithm must be grpo, cispo or ppo, got {self.algorithm!r}")
         if self.tis_level not in ("token", "sequence", "none"):
             raise ValueError(f"LossConfig: tis_level must be token, sequence or none, got {self.tis_level!r}")
-        if self.loss_agg not in ("token_mean", "seq_mean"):
-            raise ValueError(f"LossConfig: loss_agg must be token_mean or seq_mean, got {self.loss_agg!r}")
+        if self.loss_agg not in ("token_mean", "seq_mean", "constant"):
+            raise ValueError(f"LossConfig: loss_agg must be token_mean, seq_mean or constant, got {self.loss_agg!r}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("LossConfig: clip_low and clip_high must be >= 0")
         if self.tis_cap <= 0:
@@ -152,20 +163,26 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 # aggregation and importance sampling
 # ----------------------------------------------------------------------------------------
-def aggregation_weights(mask: torch.Tensor, seq_index: torch.Tensor, mode: str, num_seqs: int | None = None) -> torch.Tensor:
-    """Per-token weights a_t such that sum_t a_t l_t is the token mean or the sequence mean
-    of l over the loss tokens of the batch (see the module docstring). Tokens of sequences
-    without loss tokens get weight 0. `seq_index` [T] numbers the sequences 0..S-1."""
+def aggregation_weights(mask: torch.Tensor, seq_index: torch.Tensor, mode: str, num_seqs: int | None = None,
+                        norm_tokens: int | None = None) -> torch.Tensor:
+    """Per-token weights a_t such that sum_t a_t l_t is the token mean, the sequence mean or
+    the constant-normalised sum of l over the loss tokens of the batch (see the module
+    docstring). Tokens of sequences without loss tokens get weight 0. `seq_index` [T] numbers
+    the sequences 0..S-1; `norm_tokens` is L of mode "constant"."""
     m = mask.to(torch.float64)
     if mode == "token_mean":
         total = m.sum()
         return (m / total.clamp_min(1)).float()
-    if mode == "seq_mean":
+    if mode in ("seq_mean", "constant"):
         S = int(num_seqs if num_seqs is not None else (int(seq_index.max()) + 1 if seq_index.numel() else 0))
         per_seq = torch.zeros(S, dtype=torch.float64).index_add_(0, seq_index.long(), m)
         n_seqs = (per_seq > 0).sum().clamp_min(1)
-        return (m / (per_seq[seq_index.long()].clamp_min(1) * n_seqs)).float()
-    raise ValueError(f"aggregation_weights: mode must be token_mean or seq_mean, got {mode!r}")
+        if mode == "seq_mean":
+            return (m / (per_seq[seq_index.long()].clamp_min(1) * n_seqs)).float()
+        if not norm_tokens or norm_tokens < 1:
+            raise ValueError(f"aggregation_weights: mode 'constant' needs norm_tokens >= 1, got {norm_tokens!r}")
+        return (m / (norm_tokens * n_seqs)).float()
+    raise ValueError(f"aggregation_weights: mode must be token_mean, seq_mean or constant, got {mode!r}")
 
 
 def importance_weights(
@@ -272,6 +289,8 @@ def policy_loss(
     stats["masked"] = (maskf - keepf).sum()
     stats["truncated"] = ((raw_w > cfg.tis_cap).float() * keepf).sum()
     stats["ratio_sum"] = (rho * maskf).sum()
+    # how far this update moved from the old policy: k3 estimate of KL(pi_theta || pi_prox), summed
+    stats["approx_kl"] = (kl_k3(logp.detach(), prox_logp) * keepf).sum()
     stats["ratio_max"] = (rho * maskf).max() if maskf.numel() else torch.zeros(())
     return loss, stats
 

@@ -20,6 +20,12 @@ AdamW (betas 0.9 / 0.95, eps 1e-8, decoupled weight decay, same lr) takes the em
 lm_head, norms, biases, vectors, A_log, dt_bias, convolution weights and the AttnRes
 pseudo-queries. `e_score_correction_bias` belongs to no group: Quantile Balancing sets it.
 
+Weight decay pulls a weight towards 0, which is right for the matrices that map one space
+to another and wrong for the parameters whose 0 means something else: norm gains (1 = no
+scaling), biases, the gate's A_log and dt_bias (the decay rates), the AttnRes pseudo-queries
+and the token embeddings (rows trained only when their token occurs). Those go to groups with
+weight_decay 0 (`decays`); the summary says which.
+
 Parameters may be FSDP2 DTensors: element-wise state stays sharded like the parameter;
 the Muon input is gathered (`full_tensor`), each rank orthogonalises 1/W of the stacked
 blocks, one all-gather shares the results, and each rank keeps the slice of its shard.
@@ -104,6 +110,15 @@ class ParamGroupSummary:
 
 
 ADAMW_MODULE_TYPES = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NO_DECAY_NAME_PARTS = ("embed", "norm", "A_log", "dt_bias", "bias")
+
+
+def decays(name: str, p: nn.Parameter, owner: nn.Module | None = None) -> bool:
+    """Whether weight decay applies: not to vectors (norm gains, biases, A_log, dt_bias, AttnRes
+    queries), embeddings, or anything named like them; to every other matrix (lm_head included)."""
+    if p.dim() < 2 or isinstance(owner, nn.Embedding):
+        return False
+    return not any(part in name for part in NO_DECAY_NAME_PARTS)
 
 
 def _classify(name: str, p: nn.Parameter, head_rows: dict[str, int], owner: nn.Module | None = None) -> tuple[str, int | None, str]:
@@ -152,7 +167,7 @@ def param_groups(
     if head_rows is None:
         cfg = getattr(model, "config", None)
         head_rows = head_block_rows(cfg) if cfg is not None and hasattr(cfg, "linear_attn_config") else {}
-    buckets: dict[tuple[str, int | None], list[tuple[str, nn.Parameter]]] = defaultdict(list)
+    buckets: dict[tuple[str, int | None, bool], list[tuple[str, nn.Parameter]]] = defaultdict(list)
     rows = []
     owners = {}
     for mod_name, mod in model.named_modules():
@@ -161,11 +176,12 @@ def param_groups(
     for name, p in model.named_parameters():
         group, block, why = _classify(name, p, head_rows, owners.get(name))
         label = group if group != "muon" else ("muon_per_head" if block else ("muon_per_expert" if p.dim() == 3 else "muon_whole"))
-        rows.append((name, tuple(p.shape), label, why))
+        decay = decays(name, p, owners.get(name))
+        rows.append((name, tuple(p.shape), label, why if decay or group == "none" else f"{why}; no weight decay"))
         if group != "none":
-            buckets[(group, block)].append((name, p))
+            buckets[(group, block, decay)].append((name, p))
     groups = []
-    for (kind, block), items in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+    for (kind, block, decay), items in sorted(buckets.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2])):
         groups.append(
             {
                 "params": [p for _, p in items],
@@ -173,7 +189,7 @@ def param_groups(
                 "kind": kind,
                 "block_rows": block,
                 "lr": lr,
-                "weight_decay": weight_decay,
+                "weight_decay": weight_decay if decay else 0.0,
             }
         )
     return groups, ParamGroupSummary(rows)

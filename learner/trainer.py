@@ -6,11 +6,14 @@
     update  = trainer.export_weights(version)        # WeightUpdate of official HF names
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir)
 
-One step: group advantages over the whole batch -> pack into micro-batches by token
-budget (cu_seqlens, no padding) -> for each micro-batch: forward (bf16 autocast when
+One step: group advantages over the whole batch -> split into `minibatches` parts of whole
+groups, each packed into micro-batches by token budget (cu_seqlens, no padding) -> with
+several updates per batch, the old policy's log-probs of every micro-batch recorded first ->
+`ppo_epochs` times, for each minibatch: for each micro-batch forward (bf16 autocast when
 enabled; routing replay when enabled), per-token log-probs in fp32, loss, backward
-(gradients accumulate) -> clip the gradient norm -> optimizer step at the scheduled LR ->
-Quantile Balancing bias update unless frozen.
+(gradients accumulate), then clip the gradient norm and step the optimizer at the step's
+LR -> Quantile Balancing bias update unless frozen. One step is one policy version, however
+many optimizer updates it makes.
 
 With `data_parallel="fsdp"` every rank calls the same methods with the *same* full batch;
 each rank trains on its share of micro-batches and FSDP2 reduces the gradients. With
@@ -280,6 +283,7 @@ class Trainer:
         mbs = build_micro_batches(
             trajectories, self.cfg.micro_batch_tokens, self.cfg.loss_agg, advantages,
             num_moe_layers=n_moe if self.cfg.routing_replay else 0, top_k=k,
+            loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
         )  # fmt: skip
         total_positions = sum(mb.num_tokens for mb in mbs)
         mine = shard_micro_batches(mbs, self.rank, self.world_size) if self.world_size > 1 else mbs
@@ -288,22 +292,44 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     # RL
     # ------------------------------------------------------------------------------------
-    def _rl_micro_batch(self, mb: MicroBatch, sums: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch; adds its statistics to `sums` and
-        returns its largest importance ratio."""
+    def _minibatches(self, indices: list[int], trajectories: list[Trajectory]) -> list[list[int]]:
+        """`indices` split into `learner.minibatches` parts of whole groups, in an order drawn
+        from (seed, step): the same on every rank, a different one each step."""
+        groups: dict[str, list[int]] = {}
+        for i in indices:
+            groups.setdefault(trajectories[i].group_id or trajectories[i].id, []).append(i)
+        order = list(groups.values())
+        n = min(getattr(self.cfg, "minibatches", 1), len(order))
+        if n > 1:
+            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
+            order = [order[j] for j in torch.randperm(len(order), generator=g).tolist()]
+        return [[i for grp in order[m::n] for i in grp] for m in range(n)]
+
+    @torch.no_grad()
+    def _prepare(self, mb: MicroBatch, old_policy: bool) -> dict:
+        """What every update of a micro-batch reuses: its images, replayed routes, the reference
+        policy's log-probs (KL) and, with several updates per batch, the old policy's log-probs
+        (recorded before the first update: the PPO ratio's denominator)."""
         media = self._media(mb)
         routes = self._replay_routes(mb, media)
+        prep = {"media": media, "routes": routes, "prox": None, "ref": None}
+        if old_policy:
+            with self._qb_paused():
+                prep["prox"] = self._forward_logprobs(self.model, mb, routes, media)[0].detach()
+        if self.reference is not None:
+            prep["ref"] = self._forward_logprobs(self.reference, mb, routes, media)[0]
+        return prep
+
+    def _rl_micro_batch(self, mb: MicroBatch, prep: dict, sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; adds its statistics to `sums` and
+        returns its largest importance ratio."""
         with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
-            logp, entropy = self._forward_logprobs(self.model, mb, routes, media)
+            logp, entropy = self._forward_logprobs(self.model, mb, prep["routes"], prep["media"])
         if self.loss_cfg.entropy_coef == 0:
             entropy = entropy.detach()  # logged only
-        ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp = self._forward_logprobs(self.reference, mb, routes, media)[0]
         loss, stats = policy_loss(
             logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
-            ref_logp=ref_logp, entropy=entropy,
+            prox_logp=prep["prox"], ref_logp=prep["ref"], entropy=entropy,
         )  # fmt: skip
         (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
         ratio_max = stats.pop("ratio_max").double().cpu()
@@ -311,30 +337,52 @@ class Trainer:
             sums[k] = sums.get(k, 0) + v.double().cpu()
         return ratio_max
 
+    def _overlong(self, t: Trajectory) -> bool:
+        """Cut by the per-turn token limit or the context (not by max_turns or the env)."""
+        return t.truncated and t.metadata.get("truncated_by") in ("max_tokens", "context")
+
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One RL optimizer step on a batch of trajectories (groups of samples per prompt)."""
+        """One RL step on a batch of trajectories (groups of samples per prompt): group-relative
+        advantages over the whole batch, then `ppo_epochs` passes of `minibatches` optimizer
+        updates each (one update by default)."""
         t0 = time.perf_counter()
+        cfg = self.cfg
         missing = [t.id for t in trajectories if not t.group_id]
-        if missing and self.cfg.advantage in ("grpo", "grpo_no_std", "rloo"):
+        if missing and cfg.advantage in ("grpo", "grpo_no_std", "rloo"):
             raise ValueError(
                 f"{len(missing)} trajectories have no group_id (e.g. {missing[0]}); group-relative advantages "
                 "need the samples of one prompt to share a group_id"
             )
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
-        adv = group_advantages(rewards, [t.group_id for t in trajectories], self.cfg.advantage)
-        mbs, total_positions = self._micro_batches(trajectories, adv)
-        lr = lr_at(self.step, self.cfg.steps, self.cfg.lr, self.cfg.warmup_ratio, self.cfg.min_lr_ratio)
-
+        overlong = torch.tensor([self._overlong(t) for t in trajectories], dtype=torch.bool)
+        mode = getattr(cfg, "overlong", "none")
+        shaped = rewards - cfg.overlong_penalty * overlong if mode == "penalty" else rewards
+        adv = group_advantages(shaped, [t.group_id for t in trajectories], cfg.advantage)
+        keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
+        epochs = getattr(cfg, "ppo_epochs", 1)
+        parts = []  # (micro-batches, prepared inputs) of each minibatch
+        total_positions = 0
+        minis = self._minibatches(keep, trajectories) if keep else []
+        old_policy = epochs * len(minis) > 1
         self.model.train()
+        for idx in minis:
+            mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])
+            total_positions += n
+            parts.append((mbs, [self._prepare(mb, old_policy) for mb in mbs]))
+        lr = lr_at(self.step, cfg.steps, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)
+
         sums: dict[str, torch.Tensor] = {}
         ratio_max = torch.zeros((), dtype=torch.float64)
-        with self._recording_logits():  # MLA max logits for QK-Clip, when it is on
-            for mb in mbs:
-                ratio_max = torch.maximum(ratio_max, self._rl_micro_batch(mb, sums))
+        norms, qk = [], {}
+        for _ in range(epochs if parts else 0):
+            for mbs, preps in parts:
+                with self._recording_logits():  # MLA max logits for QK-Clip, when it is on
+                    for mb, prep in zip(mbs, preps, strict=True):
+                        ratio_max = torch.maximum(ratio_max, self._rl_micro_batch(mb, prep, sums))
+                norms.append(self._clip_and_step(lr))
+                qk = self._apply_qk_clip()
         sums = all_reduce_sum(sums)
         ratio_max = all_reduce_max(ratio_max)
-        grad_norm = self._clip_and_step(lr)
-        qk = self._apply_qk_clip()
         qb_layers = self._qb_update()
         self.step += 1
         self.data_position["trajectories"] += len(trajectories)
@@ -342,30 +390,37 @@ class Trainer:
 
         tokens = max(1.0, float(sums.get("tokens", 0)))
         dt = time.perf_counter() - t0
+        updates = max(1, len(norms))
         metrics = {
-            "loss": float(sums["loss"]),
-            "pg_loss": float(sums["pg_loss"]),
-            "entropy": float(sums["entropy"]) if "entropy" in sums else float("nan"),
-            "kl": float(sums["kl"]) if "kl" in sums else 0.0,
-            "clip_frac": float(sums["clipped"]) / tokens,
-            "ratio_masked_frac": float(sums["masked"]) / tokens,
-            "tis_truncated_frac": float(sums["truncated"]) / tokens,
-            "is_ratio_mean": float(sums["ratio_sum"]) / tokens,
+            # loss statistics: means over the updates of the step (each update's loss is a mean)
+            "loss": float(sums.get("loss", float("nan"))) / updates,
+            "pg_loss": float(sums.get("pg_loss", float("nan"))) / updates,
+            "entropy": float(sums["entropy"]) / updates if "entropy" in sums else float("nan"),
+            "kl": float(sums["kl"]) / updates if "kl" in sums else 0.0,
+            # token fractions over every update's tokens
+            "clip_frac": float(sums.get("clipped", 0)) / tokens,
+            "approx_kl": float(sums.get("approx_kl", 0)) / tokens,
+            "ratio_masked_frac": float(sums.get("masked", 0)) / tokens,
+            "tis_truncated_frac": float(sums.get("truncated", 0)) / tokens,
+            "is_ratio_mean": float(sums.get("ratio_sum", 0)) / tokens,
             "is_ratio_max": float(ratio_max),
-            "grad_norm": grad_norm,
+            "grad_norm": sum(norms) / updates,
+            "grad_norm_max": max(norms, default=0.0),
+            "updates": float(len(norms)),
             "lr": lr,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
             "advantage_abs_mean": float(adv.abs().mean()),
-            "loss_tokens": float(sums.get("tokens", 0)),
+            "overlong_frac": float(overlong.double().mean()),
+            "loss_tokens": float(sums.get("tokens", 0)) / epochs,
             "tokens": float(total_positions),
-            "sequences": float(len(trajectories)),
-            "micro_batches": float(len(mbs)),
+            "sequences": float(len(keep)),
+            "micro_batches": float(sum(len(m) for m, _ in parts)),
             "qb_layers_updated": float(qb_layers),
             **qk,
             "step": float(self.step),
             "step_time_s": dt,
-            "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
+            "tokens_per_s": total_positions * epochs / dt if dt > 0 else 0.0,
         }
         return metrics
 

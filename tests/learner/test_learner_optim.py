@@ -166,14 +166,15 @@ def test_param_groups_on_k3_tiny():
 
 
 def test_adamw_side_matches_torch_adamw():
+    """Embedding and norm without weight decay, as torch.optim.AdamW with weight_decay=0 for them."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Embedding(10, 6), nn.LayerNorm(6))
     b = nn.Sequential(nn.Embedding(10, 6), nn.LayerNorm(6))
     b.load_state_dict(a.state_dict())
     groups, _ = param_groups(a, lr=1e-2, weight_decay=0.1)
-    assert all(g["kind"] == "adamw" for g in groups)
+    assert all(g["kind"] == "adamw" and g["weight_decay"] == 0.0 for g in groups)
     ours = PerHeadMuon(groups, lr=1e-2, weight_decay=0.1)
-    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     for _ in range(5):
         x = torch.randint(0, 10, (7,))
         for m, opt in ((a, ours), (b, ref)):
@@ -182,6 +183,21 @@ def test_adamw_side_matches_torch_adamw():
             opt.step()
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_no_weight_decay_on_norms_embeddings_gates_and_biases():
+    from k3rl.learner.model import build_model
+
+    model = build_model("k3-tiny", seed=0)
+    groups, summary = param_groups(model, lr=1e-3, weight_decay=0.1)
+    wd = {n: g["weight_decay"] for g in groups for n in g["names"]}
+    for name, value in wd.items():
+        exempt = any(part in name for part in ("embed", "norm", "A_log", "dt_bias", "bias")) or \
+            dict(model.named_parameters())[name].dim() < 2
+        assert value == (0.0 if exempt else 0.1), name
+    assert any("A_log" in n for n in wd) and any("dt_bias" in n for n in wd) and any("embed" in n for n in wd)
+    assert wd["lm_head.weight"] == 0.1 and any(v == 0.1 and "experts" in n for n, v in wd.items())
+    assert "no weight decay" in str(summary)
 
 
 def test_decoupled_weight_decay_with_zero_gradient():

@@ -287,3 +287,91 @@ def test_qk_clip_caps_the_mla_heads_above_tau():
         expect = torch.where(s > tau, torch.full_like(s, tau), s)
         # the first MLA layer sees unchanged inputs: exact; later ones see the clipped layers' outputs
         assert torch.allclose(after[name], expect, rtol=1e-4 if name == first else 2e-2), (name, s, after[name])
+
+
+# ----- several updates per batch, Dr. GRPO, overlong ------------------------------------------
+def test_one_update_per_batch_has_ratio_one_so_the_clip_never_acts():
+    m = trainer(lr=3e-2).train_step(make_trajectories(3, n=16))
+    assert m["updates"] == 1 and m["clip_frac"] == 0.0 and m["approx_kl"] == 0.0
+
+
+def test_ppo_epochs_and_minibatches_record_the_old_policy_so_the_clip_acts():
+    t = trainer(lr=3e-2, ppo_epochs=2, minibatches=2, micro_batch_tokens=4096)
+    before = params(t)
+    m = t.train_step(make_trajectories(3, n=16))
+    assert m["updates"] == 4 and m["micro_batches"] == 2 and t.step == 1  # one policy version
+    assert m["approx_kl"] > 0 and m["clip_frac"] > 0, m  # updates 2-4 see r != 1
+    assert m["loss_tokens"] == pytest.approx(sum(sum(x.loss_mask) for x in make_trajectories(3, n=16)))
+    assert not torch.equal(before["lm_head.weight"], params(t)["lm_head.weight"])
+
+
+def test_first_update_of_several_equals_the_single_update():
+    """The old policy is recorded before the first update: the first of two epochs is the
+    one-update step exactly (r = 1 there), and the second moves further."""
+    batch = make_trajectories(4)
+    one, two = trainer(lr=1e-2), trainer(lr=1e-2, ppo_epochs=2)
+    one.train_step(batch)
+    snapshots, step = [], two._clip_and_step
+
+    def step_and_snapshot(lr):  # the weights after each optimizer update of the two-epoch step
+        norm = step(lr)
+        snapshots.append(params(two))
+        return norm
+
+    two._clip_and_step = step_and_snapshot
+    m = two.train_step(batch)
+    assert m["updates"] == 2 and len(snapshots) == 2
+    after_one = params(one)
+    assert max((after_one[k] - snapshots[0][k]).abs().max().item() for k in after_one) < 1e-6
+    assert max((after_one[k] - snapshots[1][k]).abs().max().item() for k in after_one) > 1e-4
+
+
+def test_minibatches_are_whole_groups_covering_the_batch_once():
+    t = trainer(minibatches=3)
+    batch = make_trajectories(5, n=24, group_size=4)
+    parts = t._minibatches(list(range(24)), batch)
+    assert len(parts) == 3 and sorted(i for p in parts for i in p) == list(range(24))
+    for p in parts:
+        assert len({batch[i].group_id for i in p}) * 4 == len(p)  # whole groups of 4
+    assert parts == trainer(minibatches=3)._minibatches(list(range(24)), batch)  # same on every rank
+    assert trainer(minibatches=9)._minibatches(list(range(24)), batch).__len__() == 6  # at most one part per group
+
+
+def test_constant_aggregation_is_dr_grpo():
+    from k3rl.learner.losses import aggregation_weights
+
+    mask = torch.tensor([1.0, 1, 0, 1, 1, 1, 1, 0, 0])
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2])  # sequence 2 has no loss tokens
+    w = aggregation_weights(mask, seq, "constant", num_seqs=3, norm_tokens=8)
+    assert torch.allclose(w, mask / (8 * 2))  # a_t = 1 / (N_seqs * L), N_seqs counts sequences with loss tokens
+    with pytest.raises(ValueError, match="norm_tokens"):
+        aggregation_weights(mask, seq, "constant", num_seqs=3)
+    m = trainer(loss_agg="constant", loss_norm_tokens=32, advantage="grpo_no_std").train_step(make_trajectories(6))
+    assert math.isfinite(m["loss"])
+
+
+def _cut(batch, which):
+    for i in which:
+        batch[i].truncated = True
+        batch[i].metadata["truncated_by"] = "max_tokens"
+    batch[which[-1] + 1].truncated, batch[which[-1] + 1].metadata["truncated_by"] = True, "max_turns"  # not overlong
+    return batch
+
+
+def test_overlong_filter_trains_without_the_cut_episodes():
+    batch = _cut(make_trajectories(7, n=8), [0, 5])
+    m = trainer(overlong="filter").train_step(batch)
+    assert m["sequences"] == 6 and m["overlong_frac"] == pytest.approx(2 / 8)
+    kept = [x for i, x in enumerate(batch) if i not in (0, 5)]
+    assert m["loss_tokens"] == sum(sum(x.loss_mask) for x in kept)
+
+
+def test_overlong_penalty_lowers_the_cut_episodes_advantage():
+    from k3rl.learner.losses import group_advantages
+
+    batch = _cut(make_trajectories(7, n=8), [0, 5])
+    m = trainer(overlong="penalty", overlong_penalty=0.5).train_step(batch)
+    shaped = [x.reward - (0.5 if i in (0, 5) else 0.0) for i, x in enumerate(batch)]
+    expected = group_advantages(shaped, [x.group_id for x in batch], "grpo").abs().mean()
+    assert m["advantage_abs_mean"] == pytest.approx(float(expected), rel=1e-6)
+    assert m["sequences"] == 8
