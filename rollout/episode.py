@@ -68,7 +68,9 @@ NO_LIMIT = 1 << 30
 
 @dataclass
 class EpisodeSpec:
-    """What to run. `id` is stable across retries (the buffer's dedup key); `options` go to `reset`."""
+    """What to run. `id` is stable across retries (the buffer's dedup key); `options` go to `reset`;
+    `sampling` overrides fields of the job's SamplingParams for this episode (e.g. {"temperature": 0.0}:
+    the greedy episodes of the held-out evaluation)."""
 
     id: str
     env_id: str
@@ -77,6 +79,7 @@ class EpisodeSpec:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     issued_version: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class ContextLimitError(ValueError):
@@ -142,7 +145,8 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
     deadline = t0 + time_budget_s
     traj = Trajectory(id=spec.id, env_id=spec.env_id, seed=spec.seed, group_id=spec.group_id, prompt_ids=[],
                       routed_experts=[] if record_routing else None,
-                      metadata={"issued_version": spec.issued_version, "env_kwargs": dict(spec.env_kwargs)})
+                      metadata={"issued_version": spec.issued_version, "env_kwargs": dict(spec.env_kwargs),
+                                **({"sampling": dict(spec.sampling)} if spec.sampling else {})})
     timings = {"generate_s": 0.0, "env_s": 0.0}
 
     async def within(aw: Awaitable) -> Any:
@@ -170,6 +174,7 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             raise ContextLimitError(f"the first prompt is {len(traj.prompt_ids)} tokens, "
                                     f"{'at' if len(traj.prompt_ids) == max_context_tokens else 'over'} "
                                     f"max_context_tokens={max_context_tokens}: no room for a reply")
+        sampling = SamplingParams.model_validate({**sampling.model_dump(), **spec.sampling})  # the episode's own
         sampling = sampling.model_copy(update={
             "stop_token_ids": sorted({*sampling.stop_token_ids, template.stop_token_id}),
             "return_routed_experts": record_routing})
