@@ -72,6 +72,20 @@ class SamplingSection(_Section):
     max_tokens_per_turn: int = Field(64, ge=1)
 
 
+class ContextSection(_Section):
+    """What the episode loop does when an episode's context nears rollout.max_context_tokens
+    (rollout/context.py has the rules; each compaction starts a new token-exact segment)."""
+
+    strategy: Literal["none", "drop_tool_outputs", "summarize"] = Field(
+        "none", description="none: the episode is truncated when the context is full; drop_tool_outputs: tool "
+                            "outputs (and images) older than the last keep_last_turns turns become a placeholder; "
+                            "summarize: the policy writes a summary and the next segment starts from the task, "
+                            "the summary and the last keep_last_turns turns")
+    keep_last_turns: int = Field(2, ge=0, description="turns (an assistant message and its replies) kept whole")
+    compact_at: float = Field(0.8, gt=0, le=1, description="compact when the context reaches this share of "
+                                                           "rollout.max_context_tokens")
+
+
 class RolloutSection(_Section):
     engine: Literal["embedded", "vllm"] = "embedded"
     num_inference_workers: int = Field(1, ge=1)
@@ -82,6 +96,7 @@ class RolloutSection(_Section):
     max_policy_lag: int = Field(1, ge=0, description="0 = synchronous on-policy")
     partial_rollouts: bool = True
     max_context_tokens: int = Field(2048, ge=16)
+    context: ContextSection = Field(default_factory=ContextSection)
     max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")
     gpus_per_inference_worker: float = Field(0.0, ge=0.0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
@@ -102,7 +117,11 @@ class RolloutSection(_Section):
 
 class LearnerSection(_Section):
     algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
-    advantage: Literal["grpo", "grpo_no_std", "rloo"] = "grpo"
+    advantage: Literal["grpo", "grpo_no_std", "rloo", "turn_grpo", "turn_grpo_no_std"] = Field(
+        "grpo", description="grpo / grpo_no_std / rloo: one advantage per episode from its reward; turn_grpo "
+                            "(_no_std): per turn, the discounted return of the env's step rewards from that turn "
+                            "on minus the group's mean at that turn index (learner/advantages.py)")
+    turn_gamma: float = Field(1.0, ge=0, le=1, description="discount of the per-turn returns of turn_grpo")
     optimizer: Literal["muon", "adamw"] = "muon"
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
