@@ -13,10 +13,14 @@ One scheduler step (`EmbeddedEngine.step`), always in this order:
   4. prefill: up to `prefill_chunk` prompt tokens per prefilling sequence, `max_prefill_tokens`
      in all (chunked prefill, so a long prompt never stalls the decoding batch for long);
      chunks of equal length from several sequences run as one batched forward,
-  5. decode: one batched forward of the last sampled token of every running sequence
-     (sequences of different lengths share one stacked K3Cache),
-  6. sample one token for every sequence whose logits were computed in 4-5, check stop
-     tokens / stop strings / max tokens, and finish the ones that are done.
+  5. decode: one forward of the last sampled token of every decoding sequence over the
+     preallocated state pool (`state_pool.py`: one slot per sequence, the decoding ones in the
+     leading slots), sampling and log-probs on the device, all in one CUDA graph on CUDA
+     (`engine_decode.py`); sequences that finished prefill take a free slot,
+  6. sample one token for every sequence whose prefill finished in 4, bring the step's tokens
+     to the host at once (one `.tolist()`), check stop tokens / stop strings / max tokens; a
+     finished sequence keeps its slot for one more decode step (its last token is fed once,
+     see below), then it is finished and its slot is refilled from the last occupied one.
 
 Because logits are computed and sampled within the same step, every token is produced by
 exactly one weight version, reported per token in `GenerationResult.versions`. The states of
@@ -30,8 +34,12 @@ are always returned (one logsumexp per token). The media placeholder id is never
 
 Routed experts (on request): `routed_experts[i][m]` are the k experts that MoE layer m chose
 for completion token i *as an input*, i.e. at token i's position in a training forward of
-prompt + completion. The last token is fed through the model once more before the result is
-returned (this also leaves the cache covering the whole sequence, for the next turn).
+prompt + completion. The last token is fed through the model once more, in the decode step
+after the one that sampled it, before the result is returned (this also leaves a state
+covering the whole sequence, offered to the prefix cache for the next turn).
+
+Seeds: a request's n-th token is drawn with the uniform hash(seed, n) (`sampling.py`), so a
+seeded request gives the same tokens alone, in any batch, and on any device.
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ import torch
 
 from k3rl.types import SamplingParams, WeightUpdate
 
-from .sampling import new_generator, policy_logprobs, sample, validate
+from .engine_decode import DecodeRunner
+from .sampling import needs_filter, params_tensors, policy_logprobs, request_seed, sample_tokens, validate
+from .state_pool import StatePool
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -175,10 +185,12 @@ class _Seq:
     digests: tuple[str, ...]
     pads_per_image: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # int64: the n-th token is drawn with uniform(seed, n)
     future: concurrent.futures.Future
     submitted: float = field(default_factory=time.monotonic)
-    cache: Any = None  # K3Cache (batch 1) while not in the decode batch
+    cache: Any = None  # K3Cache (batch 1) while prefilling
+    slot: int = -1  # its slot in the state pool while decoding
+    flushing: bool = False  # finished: its last token is fed once more, then the result goes out
     computed: int = 0  # prompt tokens already in the cache
     image_cursor: int = 0  # images already consumed by prefill chunks
     cached_prompt_tokens: int = 0
@@ -210,12 +222,13 @@ class EmbeddedEngine(InferenceEngine):
                      (groups submitted together still prefill once)
     background       run the scheduler in a thread (default). Without it, `generate` and
                      `agenerate` drive `step()` themselves (single-threaded, deterministic),
-                     and `abort` / `update_weights` run one step to take effect.
+                     and `abort` / `update_weights` run the steps they need to take effect.
+    enforce_eager    never capture CUDA graphs (they are used on CUDA only, by default)
     """
 
     def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
                  max_prefill_tokens: int = 2048, prefix_cache_size: int = 32, max_model_len: int | None = None,
-                 background: bool = True, name: str = "embedded"):
+                 background: bool = True, name: str = "embedded", enforce_eager: bool = False):
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
         if tokenizer is None:
@@ -243,9 +256,10 @@ class EmbeddedEngine(InferenceEngine):
         # scheduler-owned state
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
-        self._running: list[_Seq] = []  # have a sampled token not yet fed through the model
-        self._batch: list[_Seq] = []  # order of rows in self._batch_cache
-        self._batch_cache = None
+        self._decoding: list[_Seq] = []  # in the state pool, seq i in slot i; each has a token to feed
+        self._pool = StatePool(model, max_num_seqs, self.max_model_len)
+        self._runner = DecodeRunner(model, self._pool, banned=self.config.media_placeholder_token_id,
+                                    use_graphs=not enforce_eager)
         self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
         self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
         self._step_lock = threading.Lock()
@@ -316,7 +330,9 @@ class EmbeddedEngine(InferenceEngine):
             self._aborts.add(request_id)
             self._cv.notify_all()
         if self._thread is None:
-            self.step()
+            fut = self._live[request_id].future
+            while not fut.done():  # a decoding request is finished by the next decode step
+                self.step()
         return True
 
     def load(self) -> EngineLoad:
@@ -367,7 +383,7 @@ class EmbeddedEngine(InferenceEngine):
                 f"{len(pil)} image(s) need {sum(pads)} (per image {pads}); render images with k3rl.chat"
             )
         return _Seq(id=request_id or uuid.uuid4().hex, prompt=ids, images=pil, digests=digests, pads_per_image=pads,
-                    params=params, generator=new_generator(params.seed), future=concurrent.futures.Future())
+                    params=params, seed=request_seed(params.seed), future=concurrent.futures.Future())
 
     # ----- scheduler ---------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -384,20 +400,21 @@ class EmbeddedEngine(InferenceEngine):
                 self._fail_all(e)
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._running)
+        return bool(self._waiting or self._prefilling or self._decoding)
 
     def _fail_all(self, error: BaseException) -> None:
         followers = [f for p in self._prefilling for f in p.followers]
-        for seq in [*self._waiting, *self._prefilling, *followers, *self._running, *self._pending_ready]:
+        for seq in [*self._waiting, *self._prefilling, *followers, *self._decoding, *self._pending_ready]:
             if not seq.future.done():
                 seq.future.set_exception(error)
         with self._cv:
             self._live.clear()
         self._waiting.clear()
         self._prefilling.clear()
-        self._running.clear()
         self._pending_ready.clear()
-        self._batch, self._batch_cache = [], None
+        for s in self._decoding:
+            self._pool.free(s.slot)
+        self._decoding.clear()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -417,9 +434,8 @@ class EmbeddedEngine(InferenceEngine):
                 self._abort(aborts)
             self._admit()
             ready = self._prefill()
-            ready += self._decode()
-            if ready:
-                self._sample(ready)
+            if ready or self._decoding:
+                self._decode_and_sample(ready)
             self.stats["steps"] += 1
 
     # 1. weights
@@ -475,16 +491,14 @@ class EmbeddedEngine(InferenceEngine):
                     self._prefilling.remove(leader)
                 leader.followers = []
                 self._finish(leader, "abort")
-        aborted = [s for s in self._running if s.id in ids]
-        if aborted:
-            self._running = [s for s in self._running if s.id not in ids]
-            for s in aborted:
-                s.finish = "abort"
-            self._flush(aborted)  # their last sampled token is fed once, as for any finished sequence
+        aborted = [s for s in self._decoding if s.id in ids and not s.flushing]
+        for s in aborted:
+            s.finish = "abort"
+        self._finish_decoding(aborted)  # their last sampled token is fed once, as for any finished sequence
 
     # 3. admission
     def _admit(self) -> None:
-        active = len(self._prefilling) + len(self._running) + sum(len(s.followers) for s in self._prefilling)
+        active = len(self._prefilling) + len(self._decoding) + sum(len(s.followers) for s in self._prefilling)
         while self._waiting and active < self.max_num_seqs:
             seq = self._waiting.popleft()
             seq.state_version = self._version
@@ -618,80 +632,93 @@ class EmbeddedEngine(InferenceEngine):
         self._prefilling.remove(seq)
         self._remember(seq, seq.prompt, seq.cache, seq.logits)
         ready = [seq]
-        for f in seq.followers:  # the group fork: one prefill, n states
-            f.cache, f.logits = seq.cache.clone(), seq.logits.clone()
+        for f in seq.followers:  # the group fork: one prefill, n states (each copied into its own slot)
+            f.cache, f.logits = seq.cache, seq.logits
             f.computed = f.cached_prompt_tokens = len(f.prompt)
             f.image_cursor, f.leader = seq.image_cursor, None
             ready.append(f)
         seq.followers = []
         return ready
 
-    # 5. batched decode
-    def _unstack(self) -> None:
-        """Give every sequence of the decode batch its own cache again (before the batch changes)."""
-        if self._batch_cache is not None:
-            for seq, c in zip(self._batch, self._batch_cache.split(), strict=True):
-                seq.cache = c
-        self._batch, self._batch_cache = [], None
-
-    def _stacked(self, seqs: list[_Seq]):
-        from k3rl.learner.model import K3Cache
-
-        if [s.id for s in seqs] != [s.id for s in self._batch]:
-            self._unstack()
-            self._batch_cache = K3Cache.stack([s.cache for s in seqs]) if len(seqs) > 1 else seqs[0].cache
-            self._batch = list(seqs)
-            for s in seqs:
+    # 5-6. decode and sampling
+    def _decode_and_sample(self, ready: list[_Seq]) -> None:
+        """Decode the pool's sequences and sample the ready ones; one transfer of the step's results."""
+        n = len(self._decoding)
+        want_routing = any(s.params.return_routed_experts for s in self._decoding)
+        parts, logits = [], None
+        if n:
+            seqs = self._decoding
+            out, logits = self._runner.step(
+                n, [s.out_ids[-1] for s in seqs], [s.seed for s in seqs], [len(s.out_ids) for s in seqs],
+                [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
+                needs_filter([s.params for s in seqs if not s.flushing]))
+            parts.append(out[:n] if want_routing else out[:n, :2])
+            self.stats["decode_tokens"] += n
+        if ready:  # after the decode step on the stream: a graph's padding rows may cover these slots
+            for s in ready:
+                s.slot = len(self._decoding)
+                self._pool.load(s.slot, s.cache)
                 s.cache = None
-        return self._batch_cache
-
-    def _forward_last(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Feed each sequence's last sampled token; record its routing; returns logits [B, V]."""
-        cache = self._stacked(seqs)
-        ids = torch.tensor([[s.out_ids[-1]] for s in seqs], device=self.device)
-        want_routing = any(s.params.return_routed_experts for s in seqs)
-        out = self.model(ids, cache=cache, return_routing=want_routing)
-        logits, routing = (out if want_routing else (out, None))
-        if routing is not None:
-            per_seq = routing[:, 0].tolist()  # [B, n_moe, k]
-            for s, r in zip(seqs, per_seq, strict=True):
-                if s.params.return_routed_experts:
-                    s.out_routed.append(r)
-        self.stats["decode_tokens"] += len(seqs)
-        return logits[:, -1]
-
-    def _decode(self) -> list[_Seq]:
-        if not self._running:
-            return []
-        logits = self._forward_last(self._running)
-        for s, row in zip(self._running, logits, strict=True):
-            s.logits = row
-        ready, self._running = self._running, []
-        return ready
-
-    # 6. sampling and stopping
-    def _sample(self, ready: list[_Seq]) -> None:
-        logits = torch.stack([s.logits for s in ready])
-        # the media placeholder is input-only: it is never sampled (an image cannot follow it)
-        tokens = sample(logits, [s.params for s in ready], [s.generator for s in ready],
-                        banned=self.config.media_placeholder_token_id)
-        logprobs = policy_logprobs(logits, tokens).tolist()
-        done: list[_Seq] = []
-        for s, tok, lp in zip(ready, tokens.tolist(), logprobs, strict=True):
+                self._decoding.append(s)
+            parts.append(self._sample_ready(ready, parts[0].shape[1] if parts else 2))
+        rows = torch.cat(parts).tolist()  # the step's only wait for the device
+        fed: list[_Seq] = []  # flushing sequences whose last token this step fed
+        stopped: list[_Seq] = []
+        k = self.config.num_experts_per_token
+        for i, (s, row) in enumerate(zip(self._decoding, rows, strict=True)):
+            if i < n and s.params.return_routed_experts:
+                experts = [int(e) for e in row[2:]]
+                s.out_routed.append([experts[m : m + k] for m in range(0, len(experts), k)])
+            if s.flushing:  # its last token is now fed: offer the state covering the whole sequence
+                self._remember(s, s.prompt + s.out_ids, self._pool.extract(s.slot), logits[i])
+                fed.append(s)
+                continue
             s.logits = None
-            s.out_ids.append(tok)
-            s.out_logprobs.append(lp)
+            s.out_ids.append(int(row[0]))
+            s.out_logprobs.append(row[1])
             s.out_versions.append(self._version)
             if self._check_stop(s):
-                done.append(s)
-            else:
-                self._running.append(s)
-        if done:
-            self._flush(done)
-        # keep the decode batch order stable when nothing finished (no restack needed)
-        if self._batch and {s.id for s in self._running} == {s.id for s in self._batch}:
-            order = {s.id: i for i, s in enumerate(self._batch)}
-            self._running.sort(key=lambda s: order[s.id])
+                stopped.append(s)
+        self._release(fed)
+        self._finish_decoding(stopped)
+
+    def _sample_ready(self, ready: list[_Seq], width: int) -> torch.Tensor:
+        """Sample the first token of sequences whose prompt is in the cache; rows of `width` fp64."""
+        logits = torch.stack([s.logits for s in ready])
+        temperature, top_k, top_p = params_tensors([s.params for s in ready], self.device)
+        seeds = torch.tensor([s.seed for s in ready], device=self.device)
+        counters = torch.tensor([len(s.out_ids) for s in ready], device=self.device)
+        # the media placeholder is input-only: it is never sampled (an image cannot follow it)
+        tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, counters,
+                               banned=self.config.media_placeholder_token_id,
+                               filtered=needs_filter([s.params for s in ready]))
+        rows = torch.zeros(len(ready), width, dtype=torch.float64, device=self.device)
+        rows[:, 0] = tokens.double()
+        rows[:, 1] = policy_logprobs(logits, tokens).double()
+        return rows
+
+    def _finish_decoding(self, seqs: list[_Seq]) -> None:
+        """Sequences of the pool that are done (finish set): fed once more when the result or the prefix
+        cache needs it (`flushing`, finished by the next decode step), finished now otherwise."""
+        for s in seqs:
+            s.flushing = self.prefix_cache_size > 0 or s.params.return_routed_experts
+        self._release([s for s in seqs if not s.flushing])
+
+    def _release(self, done: list[_Seq]) -> None:
+        """Finish `done` (all in the pool) and keep the occupied slots leading: the last ones fill the holes."""
+        if not done:
+            return
+        for s in done:
+            self._finish(s, s.finish)
+            self._pool.free(s.slot)
+        gone = {s.slot for s in done}
+        keep = len(self._decoding) - len(gone)
+        holes = sorted(slot for slot in gone if slot < keep)
+        movers = [s for s in self._decoding[keep:] if s.slot not in gone]
+        for hole, s in zip(holes, movers, strict=True):
+            self._pool.move(s.slot, hole)
+            s.slot = hole
+        self._decoding = sorted((s for s in self._decoding if s not in done), key=lambda s: s.slot)
 
     def _check_stop(self, s: _Seq) -> bool:
         p, tok = s.params, s.out_ids[-1]
@@ -712,20 +739,6 @@ class EmbeddedEngine(InferenceEngine):
             if x in text and x not in before:  # the occurrence must involve the newest token
                 return x
         return None
-
-    def _flush(self, done: list[_Seq]) -> None:
-        """Feed the final token of finished sequences once (routing of the last token, and a cache
-        covering the whole sequence for the next turn), then hand out their results."""
-        want = [s for s in done if s.params.return_routed_experts or self.prefix_cache_size > 0]
-        if want:
-            logits = self._forward_last(want)
-            self._unstack()
-            for s, row in zip(want, logits, strict=True):
-                self._remember(s, s.prompt + s.out_ids, s.cache, row)
-        for s in done:
-            self._finish(s, s.finish)
-        if any(s in self._batch for s in done):
-            self._unstack()
 
     def _finish(self, s: _Seq, reason: FinishReason) -> None:
         s.finish = reason

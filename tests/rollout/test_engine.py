@@ -275,7 +275,7 @@ def test_many_coroutines_share_one_background_engine(model):
 
 
 def test_sampling_distribution_filters_exactly():
-    from k3rl.rollout.sampling import filtered_probs, new_generator, sample
+    from k3rl.rollout.sampling import filtered_probs, sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     one = torch.ones(1)
@@ -286,17 +286,45 @@ def test_sampling_distribution_filters_exactly():
     q = filtered_probs(logits, torch.tensor([0.5]), torch.tensor([0]), one)  # T = 0.5 squares the odds
     p2 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64) ** 2
     assert torch.allclose(q[0], p2 / p2.sum())
-    # empirical frequencies of the inverse-CDF draw follow q (4000 draws, 5 sigma bounds)
-    params = [SamplingParams(temperature=1.0, top_k=3)]
-    g = new_generator(0)
-    counts = torch.zeros(5)
-    for _ in range(4000):
-        counts[sample(logits, params, [g])[0]] += 1
-    expect = torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85 * 4000
+    # the unfiltered shortcut gives the same q
+    assert torch.equal(filtered_probs(logits, one, torch.tensor([0]), one, filtered=False),
+                       filtered_probs(logits, one, torch.tensor([0]), one))
+    # empirical frequencies of the inverse-CDF draw follow q: the 4000 draws of one seed, in one batch
+    n = 4000
+    rows = logits.expand(n, 5)
+    full = torch.ones(n, dtype=torch.float64)
+    draws = sample_tokens(rows, full, torch.full((n,), 3.0, dtype=torch.float64), full,
+                          torch.full((n,), 7), torch.arange(n))
+    counts = torch.bincount(draws, minlength=5).float()
+    expect = torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85 * n
     assert counts[3:].sum() == 0
-    assert ((counts - expect).abs() <= 5 * (expect * (1 - expect / 4000)).sqrt() + 1).all()
-    # the banned id is never drawn, even when it is the argmax
-    assert sample(logits, [SamplingParams(temperature=0.0)], [g], banned=0).item() == 1
+    assert ((counts - expect).abs() <= 5 * (expect * (1 - expect / n)).sqrt() + 1).all()
+    # the banned id is never drawn, even when it is the argmax (greedy and sampled rows)
+    zero = torch.zeros(2, dtype=torch.int64)
+    toks = sample_tokens(logits.expand(2, 5), torch.tensor([0.0, 1.0], dtype=torch.float64),
+                         torch.tensor([0.0, 1.0], dtype=torch.float64), torch.ones(2, dtype=torch.float64),
+                         zero, zero, banned=0)
+    assert toks.tolist() == [1, 1]
+
+
+def test_seed_hash_is_splitmix64_modulo_2_64():
+    """The per-token uniform is integer arithmetic (the same on every device): check it against Python ints."""
+    from k3rl.rollout.sampling import request_seed, uniform
+
+    M = (1 << 64) - 1
+
+    def splitmix(seed: int, n: int) -> float:
+        z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & M
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        z ^= z >> 31
+        return (z >> 11) * 2.0**-53
+
+    seeds = [0, 1, 12345, 2**63 - 1, 2**63, 2**64 - 1]
+    for seed in seeds:
+        counters = torch.tensor([0, 1, 2, 1000, 2**40])
+        u = uniform(torch.full((5,), request_seed(seed)), counters)
+        assert u.tolist() == [splitmix(seed % (1 << 64), int(c)) for c in counters]
 
 
 def test_max_num_seqs_queues_and_max_model_len_truncates(model):

@@ -1,0 +1,196 @@
+"""The embedded engine's decode step: one token for every slot of the state pool, sampled on the device.
+
+    logits, routing = the model's forward of one token per sequence over the pool's slots
+    tokens          = sample_tokens(logits, per-row params, seeds, counters)      (sampling.py)
+    logprobs        = log_softmax(logits.float())[tokens]                          fp32
+    out             = [tokens | logprobs | routed experts]  one fp64 row per slot
+
+Inputs come through two static buffers (int64: token, seed, counter, length; fp64:
+temperature, top_k, top_p), one host-to-device copy each per step; `out` comes back with one
+`.tolist()`. On CUDA (unless `enforce_eager`) the whole step is captured in a CUDA graph per
+(batch rung, context rung, filtered) and replayed: the batch is padded to the next rung of
+`BATCH_RUNGS` (padding rows are free slots of length 0 whose results are ignored), the context
+to the next power of two. Weights are read where they lie, so a weight update copied into the
+parameters in place is seen by every captured graph.
+
+`decode_forward` is `K3ForCausalLM.forward` for T = 1 with a cache, layer by layer through the
+model's own modules, leaving out the forward's host-side input checks (the media-placeholder
+test, the routed-expert range check of `latent_experts`, `torch.bincount`'s read of the
+largest id), which synchronise with the device and cannot be captured. Decode tokens are sampled tokens (never the placeholder) and routing
+ids come from top-k, so the checks have nothing to catch here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3rl.kernels._backend import resolve_backend
+from k3rl.kernels.moe import GROUP_ALIGN, combine, latent_experts_loop
+from k3rl.kernels.situ import situ_glu
+from k3rl.learner.model.attnres import aggregate, query_vector
+
+from .sampling import policy_logprobs, sample_tokens
+from .state_pool import StatePool
+
+BATCH_RUNGS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_CONTEXT = 64
+
+
+def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -> torch.Tensor:
+    """`latent_experts_grouped` with the per-expert counts by scatter_add (torch.bincount reads the
+    maximum id back to the host on CUDA): the same padded groups, GEMMs and fp32 combine."""
+    N, dim = z.shape
+    E = w1.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_route = order // idx.shape[1]
+    counts = torch.zeros(E, dtype=torch.int64, device=z.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    ends = torch.cumsum(padded, 0)
+    expert_sorted = flat[order]
+    rank = torch.arange(flat.numel(), device=z.device) - (torch.cumsum(counts, 0) - counts)[expert_sorted]
+    pos = (ends - padded)[expert_sorted] + rank
+    M = -(-(flat.numel() + E * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN  # static bound
+    x = z.new_zeros(M, dim).index_copy(0, pos, z[token_of_route])
+    offs = ends.to(torch.int32)
+    a = situ_glu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                 torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), beta_gate, beta_up)
+    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    return combine(y[pos], order, token_of_route, p, N, z.dtype)
+
+
+def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """RoutedExperts.forward without latent_experts' input checks (and without its syncs on CUDA)."""
+    w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    z = z.to(w1.dtype)
+    grouped_ok = hasattr(torch, "_grouped_mm") and z.dtype == torch.bfloat16
+    path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=grouped_ok)
+    fn = _grouped_experts if path == "triton" else latent_experts_loop
+    return fn(z, idx, p, w1, w3, w2, experts.beta_gate, experts.beta_up)
+
+
+def _moe(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """StableLatentMoE.forward (inference): (y, experts used [N, k])."""
+    flat = x.reshape(-1, x.shape[-1])
+    p, routing = moe.gate(flat)
+    u = _routed_experts(moe.experts, moe.routed_expert_down_proj(flat), routing.topk_idx, p)
+    y = moe.shared_experts(flat) + moe.routed_expert_up_proj(moe.routed_expert_norm(u))
+    return y.reshape(x.shape), routing.topk_idx
+
+
+def _layer(layer, bank: list, partial: torch.Tensor, entry, step):
+    """K3DecoderLayer.forward with a cache (docs/model.md §4.3)."""
+    a = aggregate(bank + [partial], query_vector(layer.self_attention_res_proj, layer.self_attention_res_norm),
+                  layer.eps)
+    if layer.is_block_start:
+        bank, partial = bank + [partial], None
+    x = layer.input_layernorm(a)
+    t = layer.self_attn(x, cache=entry, step=step) if layer.is_mla else layer.self_attn(x, cache=entry)
+    partial = t if partial is None else partial + t
+    m = aggregate(bank + [partial], query_vector(layer.mlp_res_proj, layer.mlp_res_norm), layer.eps)
+    y = layer.post_attention_layernorm(m)
+    f, experts = _moe(layer.mlp, y) if layer.is_moe else (layer.mlp(y), None)
+    return bank, partial + f, experts
+
+
+def decode_forward(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [B, V] of ids [B, 1] appended to `cache`, and the experts used [B, n_moe, k] (None without MoE)."""
+    step = cache.decode_step(1)
+    bank, partial, routes = [], model.model.embed_tokens(ids), []
+    for layer in model.model.layers:
+        bank, partial, experts = _layer(layer, bank, partial, cache.layer(layer.layer_idx), step)
+        if experts is not None:
+            routes.append(experts)
+    m = model.model
+    hidden = aggregate(bank + [partial], query_vector(m.output_attn_res_proj, m.output_attn_res_norm),
+                       model.config.rms_norm_eps)
+    logits = model.lm_head(m.norm(hidden))[:, -1]
+    return logits, (torch.stack(routes, dim=1) if routes else None)
+
+
+def rung(n: int, rungs) -> int:
+    return next(r for r in rungs if r >= n)
+
+
+class DecodeRunner:
+    """Runs decode steps over the first rows of a StatePool, eagerly or through CUDA graphs."""
+
+    def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool):
+        self.model, self.pool, self.banned = model, pool, banned
+        self.use_graphs = use_graphs and pool.device.type == "cuda"
+        N = pool.num_slots
+        self.batch_rungs = tuple(sorted({r for r in BATCH_RUNGS if r < N} | {N}))
+        self.ints = torch.zeros(4, N, dtype=torch.int64, device=pool.device)  # token, seed, counter, length
+        self.floats = torch.zeros(3, N, dtype=torch.float64, device=pool.device)  # temperature, top_k, top_p
+        self.n_moe = len(model.moe_layer_ids)
+        self.graphs: dict[tuple, tuple] = {}
+        self.graph_generation = pool.generation
+        self.mempool = None
+
+    def context_rung(self, longest: int) -> int:
+        """Positions the attention covers: the next power of two >= longest + 1 (at least MIN_CONTEXT)."""
+        S = MIN_CONTEXT
+        while S < longest + 1:
+            S *= 2
+        return min(S, self.pool.max_len)
+
+    def step(self, n: int, tokens: list[int], seeds: list[int], counters: list[int], params: list[tuple],
+             filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode slots [0, n): feed `tokens`, sample with `params` [(temperature, top_k, top_p)].
+
+        Returns (out [B, 2 + n_moe * k] fp64 rows: token, logprob, routed experts; logits [B, V]) for the
+        padded batch B >= n; rows >= n are padding."""
+        lengths = self.pool.lengths[:n]
+        S = self.context_rung(max(lengths))
+        self.pool.ensure_capacity(S)
+        B = rung(n, self.batch_rungs) if self.use_graphs else n
+        pad = B - n
+        ints = torch.tensor([tokens + [0] * pad, seeds + [0] * pad, counters + [0] * pad, lengths + [0] * pad],
+                            dtype=torch.int64)
+        floats = torch.tensor([list(col) + [0.0] * pad for col in zip(*params, strict=True)], dtype=torch.float64)
+        self.ints[:, :B].copy_(ints, non_blocking=True)
+        self.floats[:, :B].copy_(floats, non_blocking=True)
+        self.pool.lengths[:n] = [x + 1 for x in lengths]
+        if not self.use_graphs:
+            return self._run(B, S, filtered, lengths)
+        if self.graph_generation != self.pool.generation:  # the latent buffers moved: recapture
+            self.graphs.clear()
+            self.graph_generation = self.pool.generation
+        key = (B, S, filtered)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(B, S, filtered)
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def _run(self, B: int, S: int, filtered: bool, host_lengths: list[int]):
+        ints, floats = self.ints[:, :B], self.floats[:, :B]
+        cache = self.pool.view(B, S, ints[3], host_lengths)
+        logits, routes = decode_forward(self.model, ints[0][:, None], cache)
+        self.pool.write_back(cache)
+        tokens = sample_tokens(logits, floats[0], floats[1], floats[2], ints[1], ints[2], self.banned, filtered)
+        cols = [tokens[:, None].double(), policy_logprobs(logits, tokens)[:, None].double()]
+        if routes is not None:
+            cols.append(routes.flatten(1).double())
+        return torch.cat(cols, dim=1), logits
+
+    def _capture(self, B: int, S: int, filtered: bool):
+        """Capture one decode step at (B, S). A warm-up run first (kernel compilation, library
+        handles) on saved copies of the state it changes, which are put back afterwards."""
+        host_lengths = [S - 1] * B  # what the model's bookkeeping sees: not fresh, no growth past S
+        saved = [(e.state[:B].clone(), e.conv[:B].clone()) for e in self.pool.kda.values()]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._run(B, S, filtered, host_lengths)
+        torch.cuda.current_stream().wait_stream(stream)
+        for e, (state, conv) in zip(self.pool.kda.values(), saved, strict=True):
+            e.state[:B].copy_(state)
+            e.conv[:B].copy_(conv)
+        del saved
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            outputs = self._run(B, S, filtered, host_lengths)
+        return graph, outputs
