@@ -95,3 +95,34 @@ def test_cli_compare_and_replay_by_run_name(mlstore, tmp_path):
     console = Console(record=True, width=200, color_system=None)
     assert replay_command("grpo", tracking_uri=uri, runs_dir=tmp_path, console=console) == 0
     assert "ep00005" in console.export_text()
+
+
+def test_compare_draws_the_held_out_eval_in_a_second_panel(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    for name, rise in (("lag0", 0.2), ("lag2", 0.1)):
+        t = Tracker(uri=uri, experiment="cmp", run_name=name, run_dir=tmp_path / name)
+        for step in range(0, 7):
+            t.log_metrics({"reward/mean": 0.1 + rise * step / 6}, step=step)
+            if step % 3 == 0:  # eval every 3 steps, step 0 before RL
+                t.log_metrics({"eval/KeyLookup-v0/success": rise * step / 3, "eval/KeyLookup-v0/pass_at_4": 0.5,
+                               "eval/KeyLookup-v0/reward": 0.3, "eval/policy_version": step + 1}, step=step)
+        t.finish()
+    out = tmp_path / "cmp.png"
+    console = Console(record=True, width=200, color_system=None)
+    rows = compare_runs(["lag0", "lag2"], out=out, tracking_uri=uri, console=console)
+    assert rows[0]["eval"] == {"eval/KeyLookup-v0/success": pytest.approx(0.4), "eval/KeyLookup-v0/pass_at_4": 0.5}
+    assert rows[1]["eval"]["eval/KeyLookup-v0/success"] == pytest.approx(0.2)
+    text = console.export_text()
+    assert "held-out evaluation" in text and "0.400 (6)" in text
+    img = Image.open(out)
+    assert img.format == "PNG" and img.size == (800, 800)  # two panels: the reward, then the eval curves
+    pixels = np.asarray(img.convert("RGB"))
+    bottom = {tuple(int(x) for x in px) for px in np.unique(pixels[420:].reshape(-1, 3), axis=0)}
+    assert TAB_BLUE in bottom and TAB_ORANGE in bottom  # each run's eval curves in the lower panel
+
+    # a run without eval metrics keeps the one-panel picture
+    t = Tracker(uri=uri, experiment="cmp", run_name="plain", run_dir=tmp_path / "plain")
+    t.log_metrics({"reward/mean": 0.1}, step=1)
+    t.finish()
+    assert compare_runs(["plain"], out=out, tracking_uri=uri, console=console)[0]["eval"] == {}
+    assert Image.open(out).size == (800, 450)
