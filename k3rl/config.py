@@ -81,9 +81,10 @@ class ContextSection(_Section):
                             "outputs (and images) older than the last keep_last_turns turns become a placeholder; "
                             "summarize: the policy writes a summary and the next segment starts from the task, "
                             "the summary and the last keep_last_turns turns")
-    keep_last_turns: int = Field(2, ge=0, description="turns (an assistant message and its replies) kept whole")
-    compact_at: float = Field(0.8, gt=0, le=1, description="compact when the context reaches this share of "
-                                                           "rollout.max_context_tokens")
+    keep_last_turns: int = Field(1, ge=0, description="turns (an assistant message and its replies) kept whole")
+    compact_at: float = Field(0.7, gt=0, le=1, description="compact when the context reaches this share of "
+                                                           "rollout.max_context_tokens (the rest is room for the "
+                                                           "last reply and the summary)")
 
 
 class RolloutSection(_Section):
@@ -123,7 +124,8 @@ class LearnerSection(_Section):
                             "on minus the group's mean at that turn index (learner/advantages.py)")
     turn_gamma: float = Field(1.0, ge=0, le=1, description="discount of the per-turn returns of turn_grpo")
     optimizer: Literal["muon", "adamw"] = "muon"
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, description="RL peak learning rate; in a job left unset it is the preset's "
+                                               "post-training rate (POST_TRAINING_LR)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_ratio: float = Field(0.01, ge=0, lt=1)
     weight_decay: float = Field(0.1, ge=0)
@@ -160,7 +162,8 @@ class LearnerSection(_Section):
     steps: int = Field(20, ge=0)
     checkpoint_every: int = Field(10, ge=0)
     sft_steps: int = Field(0, ge=0, description="SFT warm start on oracle demonstrations")
-    sft_lr: float = Field(3e-3, gt=0)
+    sft_lr: float = Field(3e-3, gt=0, description="SFT warm-start peak learning rate; in a job left unset it is "
+                                                   "the preset's (POST_TRAINING_LR)")
     sft_episodes: int = Field(64, ge=0)
     eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")
     data_parallel: Literal["none", "fsdp"] = "none"
@@ -310,6 +313,18 @@ class RaySection(_Section):
         return self
 
 
+# Post-training peak learning rates (RL, SFT warm start) per preset, used when a job leaves
+# learner.lr / learner.sft_lr unset. Post-training moves a trained model a little: rates one to
+# two orders below pre-training's, smaller the wider the model (Muon's update RMS is matched to
+# AdamW's, so these read as AdamW rates). k3-tiny's were measured on the demo (BENCHMARKS.md,
+# "RL that learns"); k3-small's and k3's follow the width scaling of published post-training.
+POST_TRAINING_LR: dict[str, tuple[float, float]] = {
+    "k3-tiny": (5e-4, 1e-2),
+    "k3-small": (1e-5, 1e-4),
+    "k3": (2e-6, 1e-5),
+}
+
+
 class JobConfig(_Section):
     name: str = "k3rl-job"
     model: ModelSection = Field(default_factory=ModelSection)
@@ -319,6 +334,22 @@ class JobConfig(_Section):
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     ray: RaySection = Field(default_factory=RaySection)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _post_training_lr(cls, data: Any) -> Any:
+        """learner.lr and learner.sft_lr, when left unset, from the preset's POST_TRAINING_LR."""
+        if not isinstance(data, dict) or not isinstance(data.get("learner", {}), dict):
+            return data
+        model = data.get("model", {})
+        preset = model.get("preset", "k3-tiny") if isinstance(model, dict) else getattr(model, "preset", "k3-tiny")
+        if preset not in POST_TRAINING_LR:
+            return data  # the preset field reports the unknown name
+        learner = dict(data.get("learner", {}))
+        lr, sft_lr = POST_TRAINING_LR[preset]
+        learner.setdefault("lr", lr)
+        learner.setdefault("sft_lr", sft_lr)
+        return {**data, "learner": learner}
 
     @model_validator(mode="after")
     def _refuse_what_cannot_work(self):
