@@ -158,3 +158,14 @@ def test_notes_name_settings_that_work_but_may_surprise():
     assert JobConfig.load(None, ["learner.steps=0"]).notes()[-1] == (
         "learner.steps and learner.sft_steps are 0: the job trains nothing")
 
+
+
+def test_learning_rates_default_to_the_presets_post_training_scale():
+    from k3rl.config import POST_TRAINING_LR
+
+    for preset, (lr, sft_lr) in POST_TRAINING_LR.items():
+        cfg = JobConfig.from_dict({"model": {"preset": preset}})  # validated on the meta device
+        assert (cfg.learner.lr, cfg.learner.sft_lr) == (lr, sft_lr)
+    assert POST_TRAINING_LR["k3"][0] < POST_TRAINING_LR["k3-small"][0] < POST_TRAINING_LR["k3-tiny"][0]
+    cfg = JobConfig.load(None, ["model.preset=k3-small", "learner.lr=3e-4"])  # a rate given is kept
+    assert (cfg.learner.lr, cfg.learner.sft_lr) == (3e-4, POST_TRAINING_LR["k3-small"][1])
