@@ -12,6 +12,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "k3rl/PythonTool-v0": "k3rl.envs.python_tool:PythonToolEnv",
     "k3rl/CodeFix-v0": "k3rl.envs.code_fix:CodeFixEnv",
     "k3rl/ChartMatch-v0": "k3rl.envs.chart_match:ChartMatchEnv",
+    "k3rl/LongHorizon-v0": "k3rl.envs.long_horizon:LongHorizonEnv",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -19,6 +20,8 @@ DESCRIPTIONS: dict[str, str] = {
     "k3rl/PythonTool-v0": "arithmetic and word problems with a sandboxed Python interpreter",
     "k3rl/CodeFix-v0": "fix a bug in a small repository until the hidden tests pass (sandbox)",
     "k3rl/ChartMatch-v0": "reproduce a target chart image with matplotlib/SVG; vision in the loop (sandbox)",
+    "k3rl/LongHorizon-v0": "follow a trail of 24 files through a directory tree and add it up; needs context "
+                           "compaction (sandbox)",
 }
 
 

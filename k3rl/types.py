@@ -94,6 +94,12 @@ class Turn(_Record):
     error: str | None = None
     duration_s: float = 0.0
     reward: float = 0.0
+    segment: int = Field(0, ge=0, description="the context segment the turn's tokens are in (see Trajectory.segment_starts)")
+    compaction: Literal["carried", "dropped", "summary_request", "summary"] | None = Field(
+        None, description="how context compaction (rollout.context) made this turn, None for a turn of the "
+                          "conversation itself: carried = an earlier message repeated at the start of a new "
+                          "segment, dropped = carried with its tool output or images replaced by a placeholder, "
+                          "summary_request = the loop asking the policy to summarise, summary = its answer")
 
     @field_validator("images", mode="before")
     @classmethod
@@ -118,6 +124,13 @@ class Trajectory(_Record):
     assistant tokens and the tool-result tokens appended between them). The per-token
     arrays `logprobs`, `loss_mask` and `versions` have the length of `completion_ids`:
     tokens the model did not sample have loss_mask 0, logprob 0.0 and version -1.
+
+    Segments (context compaction, `rollout.context`): an episode whose context was compacted is
+    a sequence of contexts, each a token-exact sequence of its own, laid end to end in
+    `token_ids`. `segment_starts` holds where each segment after the first begins (empty: one
+    segment). Segment k is `token_ids[starts[k]:starts[k+1]]` (starts = [0, *segment_starts]):
+    exactly what the engine was given and sampled in it. Its first tokens (the context the
+    compaction rebuilt) are not sampled; `segments()` cuts the episode into them.
     """
 
     id: str = Field(default_factory=lambda: uuid.uuid4().hex)
@@ -140,6 +153,8 @@ class Trajectory(_Record):
     error: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    segment_starts: list[int] = Field(default_factory=list,
+                                      description="where each context segment after the first begins in token_ids")
 
     @model_validator(mode="after")
     def _lengths(self):
@@ -158,6 +173,10 @@ class Trajectory(_Record):
         for i, t in enumerate(self.turns):
             if t.end > total:
                 raise ValueError(f"turns[{i}] ends at token {t.end} but the trajectory has only {total} tokens")
+        bounds = [len(self.prompt_ids), *self.segment_starts]
+        if any(b >= c for b, c in zip(bounds, bounds[1:], strict=False)) or (self.segment_starts and bounds[-1] >= total):
+            raise ValueError(f"segment_starts {self.segment_starts} must increase, each after the first prompt "
+                             f"({len(self.prompt_ids)} tokens) and before the end ({total} tokens)")
         return self
 
     # -- convenience ---------------------------------------------------------------
@@ -176,6 +195,34 @@ class Trajectory(_Record):
     @property
     def images(self) -> list[bytes]:
         return [img for t in self.turns for img in t.images]
+
+    @property
+    def segment_bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each context segment in `token_ids` (one segment when nothing was compacted)."""
+        starts = [0, *self.segment_starts]
+        return list(zip(starts, [*starts[1:], len(self.prompt_ids) + len(self.completion_ids)], strict=True))
+
+    def segments(self) -> list[Trajectory]:
+        """The episode cut into its context segments, each a Trajectory of its own (the whole
+        episode when it has one): prompt = the segment's tokens up to its first sampled token,
+        its turns and per-token arrays; `metadata["episode_id"]` and `["segment"]` name it.
+        Every segment is a sequence the engine saw as is; the learner trains each one."""
+        if not self.segment_starts:
+            return [self]
+        out = []
+        P = len(self.prompt_ids)
+        for k, (lo, hi) in enumerate(self.segment_bounds):
+            # the segment's prompt: up to its first sampled token (segment 0: the episode's prompt)
+            cut = P if k == 0 else next((j for j in range(lo, hi) if self.loss_mask[j - P]), hi - 1)
+            c = slice(cut - P, hi - P)
+            out.append(self.model_copy(update={
+                "id": f"{self.id}#{k}", "prompt_ids": self.token_ids[lo:cut], "completion_ids": self.completion_ids[c],
+                "logprobs": self.logprobs[c], "loss_mask": self.loss_mask[c], "versions": self.versions[c],
+                "routed_experts": None if self.routed_experts is None else self.routed_experts[c],
+                "turns": [t.model_copy(update={"start": t.start - lo, "end": t.end - lo})
+                          for t in self.turns if t.segment == k],
+                "segment_starts": [], "metadata": {**self.metadata, "episode_id": self.id, "segment": k}}))
+        return out
 
     def append(self, ids: list[int], *, generated: bool, logprobs: list[float] | None = None,
                version: int = -1, routed: list[list[list[int]]] | None = None) -> tuple[int, int]:
@@ -244,6 +291,8 @@ _TURN_TYPE = pa.struct(
         ("error", pa.string()),
         ("duration_s", pa.float64()),
         ("reward", pa.float64()),
+        ("segment", pa.int64()),
+        ("compaction", pa.string()),
     ]
 )
 _TRAJECTORY_SCHEMA = pa.schema(
@@ -266,6 +315,7 @@ _TRAJECTORY_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("timings", pa.map_(pa.string(), pa.float64())),
         ("metadata", pa.string()),
+        ("segment_starts", pa.list_(pa.int64())),
     ]
 )
 

@@ -12,6 +12,14 @@ Routing replay: `routed_experts[j]` holds the experts completion token j was rou
 when the engine processed it as an input (position P + j). Positions without a record
 (the prompt, tokens the engine did not return routes for) are -1.
 
+Segments (context compaction): a trajectory cut into context segments (`segment_starts`) is
+one sequence per segment in `cu_seqlens` (a segment's first token is not predicted from the
+one before it: the position that would is left out), all packed together in one micro-batch
+under the trajectory's index, so the episode's advantage and aggregation cover every segment.
+
+Advantages: one per trajectory ([N]) broadcast to its positions, or one per completion token
+([N, C], C at least the longest completion; learner/advantages.py for per-turn credit).
+
 Sequences are packed first-fit-decreasing into micro-batches of at most
 `micro_batch_tokens` positions (a longer sequence gets a micro-batch of its own), so the
 step sees a few dense micro-batches instead of padded rows. With data parallelism the
@@ -65,8 +73,8 @@ class MicroBatch:
 
 
 def sequence_length(t: Trajectory) -> int:
-    """Positions a trajectory occupies in a packed micro-batch: L - 1."""
-    return len(t.prompt_ids) + len(t.completion_ids) - 1
+    """Positions a trajectory occupies in a packed micro-batch: L - 1 (per segment)."""
+    return len(t.prompt_ids) + len(t.completion_ids) - 1 - len(t.segment_starts)
 
 
 def pack_lengths(lengths: list[int], budget: int) -> list[list[int]]:
@@ -112,14 +120,17 @@ def build_micro_batches(
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
-    `advantages` [N] gives one advantage per trajectory (None for SFT: zeros). Routed experts
+    `advantages` [N] gives one advantage per trajectory, [N, C] one per completion token (None
+    for SFT: zeros). Routed experts
     are collected when `num_moe_layers` and `top_k` are given and any trajectory has them.
     """
     _check(trajectories)
     n = len(trajectories)
     adv = torch.zeros(n) if advantages is None else torch.as_tensor(advantages, dtype=torch.float32)
-    if adv.shape != (n,):
-        raise ValueError(f"build_micro_batches: need one advantage per trajectory ({n}), got shape {tuple(adv.shape)}")
+    longest = max(len(t.completion_ids) for t in trajectories)
+    if adv.shape != (n,) and not (adv.dim() == 2 and adv.shape[0] == n and adv.shape[1] >= longest):
+        raise ValueError(f"build_micro_batches: need one advantage per trajectory ({n}) or one per completion token "
+                         f"([{n}, >= {longest}]), got shape {tuple(adv.shape)}")
     want_routes = num_moe_layers > 0 and top_k > 0 and any(t.routed_experts for t in trajectories)
 
     # per-trajectory position arrays
@@ -130,10 +141,13 @@ def build_micro_batches(
         L = P + C - 1
         mask = torch.zeros(L)
         behav = torch.zeros(L)
+        advs = torch.zeros(L) if adv.dim() == 2 else adv[s].expand(L).clone()
         vers = torch.full((L,), -1, dtype=torch.int64)
         mask[P - 1 :] = torch.tensor(t.loss_mask, dtype=torch.float32)  # position P+j-1 predicts completion j
         behav[P - 1 :] = torch.tensor(t.logprobs, dtype=torch.float64).float()
         vers[P - 1 :] = torch.tensor(t.versions, dtype=torch.int64)
+        if adv.dim() == 2:
+            advs[P - 1 :] = adv[s, :C]
         routes = None
         if want_routes:
             routes = torch.full((L, num_moe_layers, top_k), -1, dtype=torch.int64)
@@ -147,7 +161,11 @@ def build_micro_batches(
                         f"the model needs [{num_moe_layers} MoE layers, k={top_k}]"
                     )
                 routes[P + j] = r
-        per.append((tokens[:-1], tokens[1:], mask, behav, vers, routes))
+        keep = torch.ones(L, dtype=torch.bool)  # each segment is its own sequence: nothing predicts its first token
+        keep[[b - 1 for b in t.segment_starts]] = False
+        per.append(tuple(x[keep] if x is not None else None
+                         for x in (tokens[:-1], tokens[1:], mask, behav, vers, routes, advs))
+                   + ([hi - lo - 1 for lo, hi in t.segment_bounds],))
 
     # global aggregation weights (the whole step, so micro-batches add up exactly)
     all_mask = torch.cat([p[2] for p in per])
@@ -159,8 +177,8 @@ def build_micro_batches(
 
     out = []
     for group in pack_lengths([p[0].numel() for p in per], micro_batch_tokens):
-        lens = [per[s][0].numel() for s in group]
-        cu = torch.zeros(len(group) + 1, dtype=torch.int32)
+        lens = [n for s in group for n in per[s][7]]
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens), 0)
         out.append(
             MicroBatch(
@@ -169,7 +187,7 @@ def build_micro_batches(
                 targets=torch.cat([per[s][1] for s in group]),
                 mask=torch.cat([per[s][2] for s in group]),
                 behaviour_logp=torch.cat([per[s][3] for s in group]),
-                advantages=torch.cat([adv[s].expand(per[s][2].numel()) for s in group]),
+                advantages=torch.cat([per[s][6] for s in group]),
                 agg_weights=torch.cat([all_w[offsets[s] : offsets[s + 1]] for s in group]),
                 seq_index=torch.cat([torch.full((per[s][2].numel(),), s, dtype=torch.int64) for s in group]),
                 versions=torch.cat([per[s][4] for s in group]),

@@ -56,8 +56,9 @@ import gymnasium
 from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.actions import action_to_ids
-from k3rl.envs.base import is_tool_env
+from k3rl.envs.base import NoOracleError, is_tool_env
 from k3rl.envs.registration import import_env_modules
+from k3rl.rollout.context import SUMMARY_REQUEST, Compactor, asks_for_summary, start_segment
 from k3rl.rollout.engine import GenerationResult
 from k3rl.tokenizer import load_tokenizer
 from k3rl.types import SamplingParams, Trajectory, Turn
@@ -138,9 +139,11 @@ def open_session(template: ChatTemplate, env: Any, obs: Any) -> tuple[ChatSessio
 
 async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: Generate, template: ChatTemplate,
                       sampling: SamplingParams, *, max_turns: int, max_context_tokens: int,
-                      time_budget_s: float = math.inf, record_routing: bool = False) -> Trajectory:
+                      time_budget_s: float = math.inf, record_routing: bool = False,
+                      context: Any = None) -> Trajectory:
     """One episode of the env `make_env()` makes, against `generate(token_ids, sampling, images=,
-    key=, group_key=)`. Never raises for the episode's failure (see the module doc)."""
+    key=, group_key=)`. Never raises for the episode's failure (see the module doc). `context`
+    (a k3rl.config.ContextSection) compacts the context when it nears `max_context_tokens`."""
     t0 = time.monotonic()
     deadline = t0 + time_budget_s
     traj = Trajectory(id=spec.id, env_id=spec.env_id, seed=spec.seed, group_id=spec.group_id, prompt_ids=[],
@@ -169,6 +172,10 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
         traj.task_id = str((info or {}).get("task_id", ""))
         session, traj.turns, images = open_session(template, env, obs)
         traj.prompt_ids = list(session.rendered.ids)
+        compactor, seg_start = None, 0  # seg_start: where the current context segment begins in token_ids
+        if context is not None and context.strategy != "none":
+            compactor = Compactor(context, template, max_context_tokens, getattr(env.unwrapped, "tools", None))
+            compactor.open(observed_messages(obs))
         if len(traj.prompt_ids) >= max_context_tokens:
             stage = "context"
             raise ContextLimitError(f"the first prompt is {len(traj.prompt_ids)} tokens, "
@@ -183,10 +190,11 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
         for turn in range(max_turns):
             stage = "generate"
             n = len(traj.prompt_ids) + len(traj.completion_ids)
-            request = sampling.model_copy(update={"max_tokens": min(sampling.max_tokens, max_context_tokens - n),
+            request = sampling.model_copy(update={"max_tokens": min(sampling.max_tokens,
+                                                                    max_context_tokens - (n - seg_start)),
                                                   "seed": request_seed(spec, turn, sampling.seed)})
             g0 = time.monotonic()
-            out = await within(generate(traj.token_ids, request, images=images or None, key=spec.id,
+            out = await within(generate(traj.token_ids[seg_start:], request, images=images or None, key=spec.id,
                                         group_key=spec.group_id if turn == 0 and spec.group_id else None))
             timings["generate_s"] += time.monotonic() - g0
             finish = getattr(out, "finish_reason", "stop")
@@ -195,7 +203,8 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             ids = [int(i) for i in out.token_ids]
             _append_generated(traj, ids, out, record_routing)
             session.add_generated(ids)
-            said = Turn(role="assistant", start=n - prefix, end=n + len(ids), duration_s=time.monotonic() - g0)
+            said = Turn(role="assistant", start=n - prefix, end=n + len(ids), duration_s=time.monotonic() - g0,
+                        segment=len(traj.segment_starts))
             traj.turns.append(said)
             if finish == "length":
                 said.text = template.tok.decode(ids)
@@ -207,6 +216,8 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
                 said.text, said.thinking, said.tool_calls = action.content, action.thinking, action.tool_calls
             except ToolCallParseError as e:  # the env gets the ids and tells the model what was wrong
                 action, said.text, said.error = ids, template.tok.decode(ids), str(e)
+            if compactor is not None:
+                compactor.said(ids, said)
             stage = "step"
             e0 = time.monotonic()
             obs, reward, terminated, truncated, info = await within(asyncio.to_thread(env.step, action))
@@ -218,14 +229,43 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
                 start, end = traj.append(session.add(m).ids, generated=False)
                 images.extend(m.images)
                 traj.turns.append(Turn(role=m.role, text=m.content, images=m.images, tool_name=m.tool_name,
-                                       tool_index=m.tool_index, start=start, end=end,
+                                       tool_index=m.tool_index, start=start, end=end, segment=len(traj.segment_starts),
                                        error=errors.get(m.tool_index) if m.role == "tool" else None))
+                if compactor is not None:
+                    compactor.replied(m)
             if terminated or truncated:
                 traj.terminated, traj.truncated = bool(terminated), bool(truncated)
                 if truncated:
                     traj.metadata["truncated_by"] = (info or {}).get("truncated_by") or "env"
                 break
-            if len(traj.prompt_ids) + len(traj.completion_ids) + prefix >= max_context_tokens:
+            if compactor is not None and compactor.due(len(traj.token_ids) - seg_start + prefix):
+                summary = None
+                if compactor.strategy == "summarize":  # a summarisation turn, sampled and trained like any
+                    stage = "generate"
+                    start, _ = traj.append(session.add(Message(role="user", content=SUMMARY_REQUEST)).ids, generated=False)
+                    traj.turns.append(Turn(role="user", text=SUMMARY_REQUEST, start=start, end=len(traj.token_ids),
+                                           segment=len(traj.segment_starts), compaction="summary_request"))
+                    traj.append(session.add_generation_prompt().ids, generated=False)
+                    n = len(traj.token_ids)
+                    request = sampling.model_copy(update={
+                        "max_tokens": min(sampling.max_tokens, max_context_tokens - (n - seg_start)),
+                        "seed": request_seed(spec, -1 - turn, sampling.seed)})
+                    g0 = time.monotonic()
+                    out = await within(generate(traj.token_ids[seg_start:], request, images=images or None, key=spec.id))
+                    timings["generate_s"] += time.monotonic() - g0
+                    if getattr(out, "finish_reason", "stop") not in ("stop", "length"):
+                        raise GenerationError(f"the engine ended the request with finish_reason {out.finish_reason!r}")
+                    ids = [int(i) for i in out.token_ids]
+                    _append_generated(traj, ids, out, record_routing)
+                    try:
+                        summary = template.parse_assistant(ids).to_message().content
+                    except ToolCallParseError:  # cut, or malformed: the text as written
+                        summary = template.tok.decode(ids)
+                    traj.turns.append(Turn(role="assistant", text=summary, start=n - prefix, end=n + len(ids),
+                                           duration_s=time.monotonic() - g0, segment=len(traj.segment_starts),
+                                           compaction="summary"))
+                session, images, seg_start = start_segment(traj, compactor, summary)
+            if len(traj.token_ids) - seg_start + prefix >= max_context_tokens:
                 truncated_by = "context"
                 break
             traj.append(session.add_generation_prompt().ids, generated=False)
@@ -282,17 +322,31 @@ def scripted_generate(template: ChatTemplate, policy: Callable[[], Any], version
 
 async def oracle_episode(make_env: Callable[[], Any], spec: EpisodeSpec, template: ChatTemplate, *,
                          max_tokens: int = NO_LIMIT, max_turns: int = NO_LIMIT, max_context_tokens: int = NO_LIMIT,
-                         time_budget_s: float = math.inf) -> Trajectory:
-    """One episode played by the env's scripted `oracle()` (fails at "generate" when it has none)."""
+                         time_budget_s: float = math.inf, context: Any = None) -> Trajectory:
+    """One episode played by the env's scripted `oracle()` (fails at "generate" when it has none);
+    asked for a summary (context compaction), it answers with the env's `oracle_summary()`."""
     made: list[Any] = []
 
     def make() -> Any:
         made.append(make_env())
         return made[-1]
 
-    generate = scripted_generate(template, lambda: made[-1].unwrapped.oracle())
+    def summary() -> Any:
+        env = made[-1].unwrapped
+        if not hasattr(env, "oracle_summary"):
+            raise NoOracleError(f"{type(env).__name__} defines no oracle_summary(); rollout.context.strategy "
+                                "summarize asks the oracle for summaries")
+        return env.oracle_summary()
+
+    oracle = scripted_generate(template, lambda: made[-1].unwrapped.oracle())
+    summarise = scripted_generate(template, summary)
+
+    async def generate(token_ids, sampling, **kw) -> GenerationResult:
+        return await (summarise if asks_for_summary(template, token_ids) else oracle)(token_ids, sampling, **kw)
+
     return await run_episode(make, spec, generate, template, SamplingParams(max_tokens=max_tokens),
-                             max_turns=max_turns, max_context_tokens=max_context_tokens, time_budget_s=time_budget_s)
+                             max_turns=max_turns, max_context_tokens=max_context_tokens, time_budget_s=time_budget_s,
+                             context=context)
 
 
 def run_oracle_episode(env: Any, seed: int | None = 0, *, options: dict[str, Any] | None = None,
@@ -351,7 +405,7 @@ def job_sampling(cfg: JobConfig) -> SamplingParams:
 def job_limits(cfg: JobConfig) -> dict[str, Any]:
     """The loop's limits in a job."""
     return {"max_turns": cfg.envs.max_turns, "max_context_tokens": cfg.rollout.max_context_tokens,
-            "time_budget_s": cfg.envs.episode_time_budget_s}
+            "time_budget_s": cfg.envs.episode_time_budget_s, "context": cfg.rollout.context}
 
 
 def sandbox_limits(cfg: JobConfig) -> dict[str, Any]:

@@ -1,0 +1,171 @@
+"""`k3rl/LongHorizon-v0`: follow a trail of files through a generated directory tree and add up
+what it holds — more turns and tokens than one context holds.
+
+A sandbox holds a directory tree `ledger/` of log files. The trail starts at
+`ledger/start.log`; every file on it is a few lines of log noise with one `amount: N` line and
+one `next: PATH` line (the last says `next: none`). Other files of the tree (decoys) look the
+same but are not on the trail, so listing and summing the tree gives the wrong answer. The
+agent reads the files one by one with `read_file` (one tool call per file: `hops` of them, 24
+by default) and answers with the sum of the trail's amounts. Reward 1 when the answer's last
+number is that sum, else 0; with `progress_reward`, each step that first reads a file of the
+trail also earns that much (a per-step reward, for `learner.advantage: turn_grpo`).
+
+With the byte tokenizer every file costs about 200 tokens, so the whole trail is several times
+`rollout.max_context_tokens` (2048 by default): the episode only finishes with context
+compaction (`rollout.context.strategy: summarize`, or `drop_tool_outputs` for shorter trails),
+which is what the env is for. Set `envs.max_turns` to at least hops + 1.
+
+The oracle reads the trail in order and keeps the running total in its messages; asked for a
+summary (`oracle_summary`), it states the total so far and the next file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from k3rl.chat import Message
+from k3rl.envs.base import ToolEnv
+from k3rl.envs.sandboxed import read_text
+from k3rl.envs.tools import tool
+
+SYLLABLES = ("ka", "ro", "mi", "tu", "sel", "van", "dor", "pe", "lix", "quo", "ba", "ne")
+START = "ledger/start.log"
+SETUP_SCRIPT = ".k3rl-ledger-setup.py"
+
+
+@dataclass(frozen=True)
+class Trail:
+    files: dict[str, str]  # path -> content, trail and decoys
+    path: tuple[str, ...]  # the trail's files, in order
+    amounts: tuple[int, ...]
+    seed_name: str
+
+    @property
+    def id(self) -> str:
+        return f"trail-{self.seed_name}-{len(self.path)}"
+
+    @property
+    def total(self) -> int:
+        return sum(self.amounts)
+
+
+def _name(rng, parts: int) -> str:
+    return "".join(SYLLABLES[int(rng.integers(len(SYLLABLES)))] for _ in range(parts))
+
+
+def _log(rng, amount: int, nxt: str, noise_lines: int) -> str:
+    lines = [f"op={_name(rng, 2)} id={int(rng.integers(16 ** 6)):06x} ok" for _ in range(noise_lines)]
+    lines.insert(int(rng.integers(len(lines) + 1)), f"amount: {amount}")
+    return "\n".join(lines + [f"next: {nxt}"]) + "\n"
+
+
+def make_trail(rng, hops: int, decoys: int, noise_lines: int) -> Trail:
+    """A tree of `hops` trail files (the first is START) and `decoys` others, drawn from `rng`."""
+    dirs = [f"ledger/{_name(rng, 1)}{i}" for i in range(max(2, hops // 4))]
+    paths: list[str] = [START]
+    while len(paths) < hops + decoys:
+        p = f"{dirs[int(rng.integers(len(dirs)))]}/{_name(rng, 2)}.log"
+        if p not in paths:
+            paths.append(p)
+    trail, others = paths[:hops], paths[hops:]
+    amounts = tuple(int(rng.integers(1, 100)) for _ in trail)
+    files = {p: _log(rng, a, trail[i + 1] if i + 1 < hops else "none", noise_lines)
+             for i, (p, a) in enumerate(zip(trail, amounts, strict=True))}
+    for p in others:  # decoys point at each other, never into the trail
+        files[p] = _log(rng, int(rng.integers(1, 100)), others[int(rng.integers(len(others)))], noise_lines)
+    return Trail(files, tuple(trail), amounts, f"{int(rng.integers(16 ** 4)):04x}")
+
+
+class LongHorizonEnv(ToolEnv):
+    """Follow the trail of files from ledger/start.log; answer the sum of its amounts. Reward 1 for the exact sum."""
+
+    default_max_turns = 40
+    uses_sandbox = True
+
+    def __init__(self, hops: int = 24, decoys: int = 12, noise_lines: int = 3, progress_reward: float = 0.0,
+                 **kwargs: Any) -> None:
+        if hops < 1 or decoys < 1 or noise_lines < 0:
+            raise ValueError(f"need hops >= 1, decoys >= 1 and noise_lines >= 0; got hops={hops}, decoys={decoys}, "
+                             f"noise_lines={noise_lines}")
+        if progress_reward < 0:
+            raise ValueError(f"progress_reward must be >= 0, got {progress_reward}")
+        self.hops, self.decoys, self.noise_lines = hops, decoys, noise_lines
+        self.progress_reward = progress_reward
+        self._found: set[str] = set()
+        self._new_finds = 0
+        super().__init__(**kwargs)
+
+    def generate_task(self, rng, options: dict[str, Any]) -> Trail:
+        self._found, self._new_finds = set(), 0
+        return make_trail(rng, self.hops, self.decoys, self.noise_lines)
+
+    def opening_messages(self, task: Trail) -> list[Message]:
+        return [Message(role="user", content=(
+            f"Follow the trail of files from {START} (each names an amount and the next file; next: none ends it). "
+            "Reply with the sum of the trail's amounts, the number only."))]
+
+    def setup_sandbox(self, sandbox: Any) -> None:
+        # one write and one command, however many files the tree has
+        sandbox.write_file(SETUP_SCRIPT, (
+            "import json, os, sys\n"
+            f"files = json.loads({json.dumps(json.dumps(self.task.files))})\n"
+            "for path, text in files.items():\n"
+            "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+            "    open(path, 'w').write(text)\n"
+            "os.remove(sys.argv[0])\n"))
+        result = sandbox.exec(f"python3 {SETUP_SCRIPT}", timeout=60)
+        if not result.ok:
+            raise RuntimeError(f"writing the ledger tree failed: {result.stderr[-500:]}")
+
+    @tool
+    def read_file(self, path: str) -> str:
+        """Read a file.
+
+        Args:
+            path: the file's path.
+        """
+        text = read_text(self.sandbox, path)
+        if path in self.task.path and path not in self._found:
+            self._found.add(path)
+            self._new_finds += 1
+        return text
+
+    def step(self, action: Any):
+        """The base step, plus `progress_reward` for each trail file read for the first time."""
+        self._new_finds = 0
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward + self.progress_reward * self._new_finds, terminated, truncated, info
+
+    def score(self, final_text: str) -> float:
+        numbers = re.findall(r"-?\d+", final_text)
+        return 1.0 if numbers and int(numbers[-1]) == self.task.total else 0.0
+
+    # -- the oracle --------------------------------------------------------------------------
+    def _progress(self, history: Sequence[Message | dict] | None) -> tuple[int, int, str | None]:
+        """(files of the trail read, their total, the next file; None at the end) from the conversation."""
+        read, total, nxt = 0, 0, START
+        for m in self._messages(history):
+            if m.role != "tool" or m.tool_name != "read_file" or m.content.startswith("Error"):
+                continue
+            amount = re.search(r"^amount: (\d+)$", m.content, re.M)
+            step = re.search(r"^next: (\S+)$", m.content, re.M)
+            if amount and step:
+                read, total = read + 1, total + int(amount.group(1))
+                nxt = None if step.group(1) == "none" else step.group(1)
+        return read, total, nxt
+
+    def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
+        """Read the next file of the trail (saying the running total); at its end, answer the total."""
+        read, total, nxt = self._progress(history)
+        if nxt is None:
+            return self.say(str(total))
+        return self.say(f"total {total}", [{"name": "read_file", "arguments": {"path": nxt}}])
+
+    def oracle_summary(self, history: Sequence[Message | dict] | None = None) -> str:
+        """The oracle's answer to the loop's summary request."""
+        read, total, nxt = self._progress(history)
+        return self.say(f"{read} files read, total {total}, next {nxt or 'none'}")
