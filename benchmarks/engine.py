@@ -2,9 +2,18 @@
 
     # CPU (k3-tiny, fp32): decode and prefill tokens/s, object-store and gloo weight sync
     python benchmarks/engine.py
-    # one H200: k3-small bf16 decode tokens/s at batch 1 / 32 / 256 against the memory-bandwidth
-    # limit, weight sync GB/s per transport (object store, CUDA IPC; NCCL when >= 2 GPUs)
+    # one H200: k3-small bf16 decode ms/step and tokens/s at batch 1 / 64 / 256, CUDA graphs on and
+    # off, against the memory-bandwidth limit; weight sync GB/s per transport (object store, CUDA IPC;
+    # NCCL when >= 2 GPUs)
     python benchmarks/engine.py --preset k3-small --device cuda
+
+On the GPU image (torch and triton, no install of k3rl, no Ray): carry pydantic's wheels in .whl/
+(pydantic, pydantic_core, annotated_types, typing_inspection for CPython 3.12, as `pip download`
+gets them) and skip the weight sync, which needs Ray; `--tests` first runs the engine's CUDA tests
+(tests/rollout/test_engine_cuda.py):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 benchmarks/engine.py --tests --preset k3-small --device cuda --skip-sync
 
 Decode tokens/s counts generated tokens over the time of pure decode steps (every sequence
 already prefilled, one token per sequence per step, greedy). The bandwidth limit of a decode
@@ -21,15 +30,43 @@ and the copy bandwidth is measured with a large device-to-device copy (2 * bytes
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
+
+def import_engine_alone() -> None:
+    """Make `k3rl.rollout.engine` importable without an install of k3rl and without
+    `k3rl.rollout`'s __init__ (which imports the Ray pool): map the packages to their folders."""
+    try:
+        import k3rl.rollout.engine  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for name, folder, run_init in (("k3rl", "k3rl", False), ("k3rl.kernels", "kernels", True),
+                                   ("k3rl.learner", "learner", True), ("k3rl.rollout", "rollout", False)):
+        path = os.path.join(ROOT, folder)
+        if run_init:
+            spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                          submodule_search_locations=[path])
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            mod = types.ModuleType(name)
+            mod.__path__ = [path]
+            sys.modules[name] = mod
+
+
+import_engine_alone()
 from k3rl.learner.distributed import free_port  # noqa: E402
 from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
 from k3rl.learner.model.state_dict_adapter import to_hf  # noqa: E402
@@ -90,10 +127,11 @@ def bytes_per_decode_step(model: K3ForCausalLM, batch: int, context: int) -> flo
     return weights + batch * per_seq
 
 
-def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, warmup: int = 3) -> dict:
+def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, graphs: bool, warmup: int = 3) -> dict:
+    """Greedy decode of `batch` sequences; the first warm-up step captures the CUDA graph."""
     device = model.lm_head.weight.device
     eng = EmbeddedEngine(model, background=False, max_num_seqs=batch, prefill_chunk=prompt_len,
-                         max_prefill_tokens=prompt_len * batch, prefix_cache_size=0)
+                         max_prefill_tokens=prompt_len * batch, prefix_cache_size=0, enforce_eager=not graphs)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens + warmup + 2)
     futures = [eng.submit([(i * 7 + j * 13) % 250 + 1 for j in range(prompt_len)], params) for i in range(batch)]
     sync(device)
@@ -218,31 +256,43 @@ def main() -> None:
     ap.add_argument("--preset", default="k3-tiny")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    ap.add_argument("--batches", default=None, help="comma list; default 1,8,32 (CPU) or 1,32,256 (CUDA)")
+    ap.add_argument("--batches", default=None, help="comma list; default 1,8,32 (CPU) or 1,64,256 (CUDA)")
+    ap.add_argument("--graphs", default=None, help="comma list of on/off; default on,off (CUDA) or off (CPU)")
+    ap.add_argument("--tests", action="store_true", help="first run tests/rollout/test_engine_cuda.py")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync measurements")
     args = ap.parse_args()
+    if args.tests:
+        import pytest
+
+        code = pytest.main(["--noconftest", "-q", "-p", "no:cacheprovider",
+                            os.path.join(ROOT, "tests", "rollout", "test_engine_cuda.py")])
+        print(f"engine CUDA tests: exit code {int(code)}\n", flush=True)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    batches = [int(b) for b in (args.batches or ("1,32,256" if device.type == "cuda" else "1,8,32")).split(",")]
+    batches = [int(b) for b in (args.batches or ("1,64,256" if device.type == "cuda" else "1,8,32")).split(",")]
+    graph_modes = [g == "on" for g in (args.graphs or ("on,off" if device.type == "cuda" else "off")).split(",")]
     model = build(args.preset, args.device, dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
     print(f"# engine benchmark: {args.preset} {dtype} on {name}")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} timed decode steps after 3 warm-up steps, greedy")
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
     print(f"measured copy bandwidth: {bw:.1f} GB/s\n")
-    print("| batch | decode tok/s | step ms | prefill tok/s | bytes/step (MB) | bandwidth limit tok/s | % of limit |")
-    print("|---|---|---|---|---|---|---|")
+    print("| CUDA graphs | batch | decode tok/s | step ms | prefill tok/s | bytes/step (MB) | bandwidth limit tok/s "
+          "| % of limit |")
+    print("|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
-        for b in batches:
-            r = decode_throughput(model, b, args.prompt_len, args.new_tokens)
-            nbytes = bytes_per_decode_step(model, b, r["context"])
-            limit = b / (nbytes / (bw * 1e9))
-            print(f"| {b} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | {r['prefill_tok_s']:.0f} | "
-                  f"{nbytes / 1e6:.1f} | {limit:.0f} | {100 * r['decode_tok_s'] / limit:.2f} |", flush=True)
+        for graphs in graph_modes:
+            for b in batches:
+                r = decode_throughput(model, b, args.prompt_len, args.new_tokens, graphs)
+                nbytes = bytes_per_decode_step(model, b, r["context"])
+                limit = b / (nbytes / (bw * 1e9))
+                print(f"| {'on' if graphs else 'off'} | {b} | {r['decode_tok_s']:.1f} | {r['step_ms']:.2f} | "
+                      f"{r['prefill_tok_s']:.0f} | {nbytes / 1e6:.1f} | {limit:.0f} | "
+                      f"{100 * r['decode_tok_s'] / limit:.2f} |", flush=True)
     if args.skip_sync:
         return
     update = _update_for(model.cpu() if device.type == "cpu" else model)

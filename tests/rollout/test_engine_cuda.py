@@ -1,0 +1,82 @@
+"""The embedded engine on CUDA: the CUDA-graph decode against eager decode, weight updates into
+captured graphs, and the seed hash on the device (skipped without a GPU).
+
+On the GPU image (no Ray, no install of k3rl) run these through `benchmarks/engine.py --tests`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.rollout.engine import EmbeddedEngine
+from k3rl.types import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def _model(seed: int = 0) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()  # top-2 routing: the expert combine is order-free
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model.to_param_dtype(torch.bfloat16).to("cuda")
+
+
+def _prompt(n: int, offset: int = 0) -> list[int]:
+    return [(7 * i + 3 + offset) % 250 + 1 for i in range(n)]
+
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=40),
+          SamplingParams(temperature=1.0, max_tokens=40, seed=11),
+          SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=40, seed=5),
+          SamplingParams(temperature=0.0, max_tokens=40)]
+
+
+def _run(eng: EmbeddedEngine, prompts, params):
+    futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+    while not all(f.done() for f in futures):
+        eng.step()
+    return [f.result() for f in futures]
+
+
+def test_graph_decode_equals_eager_decode_token_for_token():
+    model = _model()
+    prompts = [_prompt(n, n) for n in (5, 23, 11, 40)]  # 4 sequences: a batch rung, so eager runs the same shapes
+    eager = _run(EmbeddedEngine(model, background=False, enforce_eager=True), prompts, PARAMS)
+    eng = EmbeddedEngine(model, background=False)
+    graphed = _run(eng, prompts, PARAMS)
+    assert eng._runner.graphs, "no decode step was captured"
+    for a, b in zip(eager, graphed, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == a.logprobs
+    # 3 sequences run padded to the rung of 4: the padding row changes nothing for the real ones
+    three = _run(EmbeddedEngine(model, background=False), prompts[:3], PARAMS[:3])
+    assert [r.token_ids for r in three] == [r.token_ids for r in graphed[:3]]
+
+
+def test_weight_update_reaches_the_captured_graphs():
+    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.types import WeightUpdate
+
+    model, other = _model(0), _model(1)
+    eng = EmbeddedEngine(model, background=False)
+    prompts = [_prompt(12, i) for i in range(4)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=16)] * 4
+    before = _run(eng, prompts, greedy)
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    eng.update_weights(WeightUpdate.from_state_dict(1, {k: v.detach() for k, v in to_hf(other.state_dict()).items()}))
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params  # copied in place
+    after = _run(eng, prompts, greedy)
+    expected = _run(EmbeddedEngine(_model(1), background=False, enforce_eager=True), prompts, greedy)
+    assert [r.token_ids for r in after] == [r.token_ids for r in expected]
+    assert [r.token_ids for r in after] != [r.token_ids for r in before]
+    assert all(v == 1 for r in after for v in r.versions)
+
+
+def test_seed_hash_is_the_same_on_the_gpu():
+    from k3rl.rollout.sampling import request_seed, uniform
+
+    seeds = torch.tensor([request_seed(s) for s in (0, 1, 2**63, 2**64 - 1, 987654321)])
+    counters = torch.tensor([0, 5, 2**40, 17, 123456])
+    assert torch.equal(uniform(seeds, counters), uniform(seeds.cuda(), counters.cuda()).cpu())
