@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.live import Live
 
 from k3rl.config import JobConfig
-from k3rl.metrics import rollout_metrics, step_metrics, step_table, trainable
+from k3rl.metrics import eval_metrics, rollout_metrics, step_metrics, step_table, trainable
 
 console = Console()
 LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
@@ -57,8 +57,11 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
     async with contextlib.AsyncExitStack() as stack:  # every actor, episode and the MLflow run end on every exit
         job = await Job.start(cfg, resume, stack)
         await job.warm_start()
-        step, steps, history, t_job = job.step, cfg.learner.steps, [], time.monotonic()
+        step, steps, history, evals, t_job = job.step, cfg.learner.steps, [], {}, time.monotonic()
         await job.push(step + 1)
+        if not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step
+            evals[0] = await job.evaluate(0)
+            job.tracker.log_metrics(evals[0], step=0)
         stop = _ctrl_c()
         with _progress(quiet, step, steps) as show:
             while step < steps:
@@ -75,9 +78,12 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                      **await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}")}
                 t2 = time.monotonic()
                 _inject_faults(faults, step, job)
-                if step < steps:  # nothing samples from the weights of the last step
-                    m.update(await job.push(step + 1))
+                if step < steps or job.eval_due(step):  # nothing samples from the last step's weights but its eval
+                    m.update(await job.push(step + 1, admit=step < steps))
                 m.update(_timings(stats, t0, t1, t2), **job.sched.metrics())
+                if job.eval_due(step):  # between the push of version step + 1 and the next batch
+                    evals[step] = await job.evaluate(step)
+                    m.update(evals[step])
                 history.append(m)
                 job.tracker.log_metrics(m, step=step)
                 show(step, m)
@@ -90,7 +96,7 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
         # what finished but was not trained is stored as unused; a resume rolls it back and re-issues it
         await within(job.buffer.flush_unused.remote(step + 1), BUFFER_S, "the buffer to store the unused episodes")
         summary = {"completed": step >= steps, "steps": step, "run_dir": str(job.run_dir),
-                   "mlflow_run_id": job.tracker.run_id, "history": history,
+                   "mlflow_run_id": job.tracker.run_id, "history": history, "eval": evals,
                    "buffer": await within(job.buffer.get_stats.remote(), BUFFER_S, "the buffer's counts"),
                    "accounting": job.sched.metrics(),
                    "restarts": int(job.sched.counts["workers/restarts"]), "seconds": time.monotonic() - t_job}
@@ -199,13 +205,35 @@ class Job:
             console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes, {len(sft)} steps, loss "
                         f"{sft[0].get('loss', float('nan')):.3f} -> {sft[-1].get('loss', float('nan')):.3f}")
 
-    async def push(self, version: int) -> dict[str, float]:
+    async def push(self, version: int, admit: bool = True) -> dict[str, float]:
         """The learner's weights to every engine as `version`; admission then opens what it may sample."""
         t = time.monotonic()
         report = await within(self.learner.push_weights(version), 2 * self.cfg.rollout.weight_sync_timeout_s + 120,
                               f"the weights of version {version} to reach the engines")
-        self.sched.set_serving(version)
+        self.sched.set_serving(version, admit)
         return {**report, "time/weight_sync_s": time.monotonic() - t}
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.tracking.eval_every
+        return bool(self.cfg.envs.eval and every and (step % every == 0 or step == self.cfg.learner.steps))
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out evaluation (envs.eval) logged at `step`: the policy after `step` RL steps, version
+        step + 1, which the engines serve now. The driver pushes no weights until this returns, so every
+        eval token is of that version, also with max_policy_lag > 0 (training episodes run beside it)."""
+        from k3rl.rollout.scheduler import heldout_groups
+
+        version, t = step + 1, time.monotonic()
+        assert self.sched.serving == version, f"evaluating version {version}, the engines serve {self.sched.serving}"
+        plan = heldout_groups(self.cfg, self.sched.run_name, step, version)
+        await self.sched.run_apart([g for _, groups in plan for g in groups], step)
+        m = {"time/eval_s": time.monotonic() - t}
+        for spec, groups in plan:
+            m.update(eval_metrics(spec.metric_name, self.cfg.envs.eval_sizes(spec)[0],
+                                  [g.ordered_results() for g in groups], version))
+        console.log(f"eval at step {step}: " + ", ".join(f"{k.removeprefix('eval/')} {v:.2f}" for k, v in m.items()
+                                                         if k.endswith(("/success", "/reward")) or "/pass_at_" in k))
+        return m
 
     async def save(self, step: int) -> None:
         """A checkpoint, with the scheduler's state: a resume re-issues the groups open now, under their ids."""

@@ -11,6 +11,9 @@ Policy versions, one convention everywhere:
 A Trajectory's `versions` hold, per completion token, the version that sampled it (-1 for
 tokens the model did not sample); the store's `policy_version` of an episode is the oldest
 version that sampled any of its tokens, and its `step` is the step that trained it.
+
+Held-out evaluation (`envs.eval`) logged at step s measures the policy after s RL steps, version
+s + 1 (step 0: the warm-started policy, before the first RL step); `eval_metrics`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def episode_stats(traj: Trajectory) -> dict[str, Any]:
     }
 
 
+def success(reward: float) -> bool:
+    """An episode succeeded when it earned the full reward (1)."""
+    return reward >= 1.0 - 1e-6
+
+
 def trainable(stats: dict[str, Any]) -> bool:
     """An episode enters the loss only when it did not fail and has sampled tokens."""
     return not stats.get("error") and stats.get("generated", 0) > 0
@@ -49,7 +57,7 @@ def step_metrics(batch: list[dict[str, Any]], step: int) -> dict[str, float]:
     n = len(trained)
     rewards = [s["reward"] for s in trained]
     m = _mean_std("reward", rewards)
-    m["episodes/success_rate"] = sum(r >= 1.0 - 1e-6 for r in rewards) / n
+    m["episodes/success_rate"] = sum(map(success, rewards)) / n
     m["episodes/failed_rate"] = 1.0 - n / len(batch)
     m["episodes/truncated_rate"] = sum(bool(s.get("truncated")) for s in trained) / n
     m["episodes/turns"] = sum(s["turns"] for s in trained) / n
@@ -72,10 +80,34 @@ def rollout_metrics(stats: list[dict[str, Any]], version: int) -> dict[str, floa
     if not stats:
         return {}
     m = _mean_std("reward", [s["reward"] for s in stats])
-    m["episodes/success_rate"] = sum(s["reward"] >= 1.0 - 1e-6 for s in stats) / len(stats)
+    m["episodes/success_rate"] = sum(success(s["reward"]) for s in stats) / len(stats)
     m["episodes/failed"] = float(sum(bool(s.get("error")) for s in stats))
     m["policy_version"] = float(version)
     return m
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from n samples of which c succeeded (Chen et al. 2021):
+
+        pass@k = 1 - C(n - c, k) / C(n, k)
+
+    the probability that k of the n samples, drawn without replacement, hold at least one success."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(name: str, k: int, tasks: list[list[dict[str, Any]]], version: int) -> dict[str, float]:
+    """The held-out metrics of one eval env. `tasks`: per task, the stats of its greedy episode first,
+    then of its n sampled ones. A failed episode counts as reward 0, no success. pass@k is logged as
+    `pass_at_<k>`: MLflow allows no '@' in a metric's name."""
+    greedy = [t[0] for t in tasks]
+    return {f"eval/{name}/success": sum(success(s["reward"]) for s in greedy) / len(tasks),
+            f"eval/{name}/reward": sum(s["reward"] for s in greedy) / len(tasks),
+            f"eval/{name}/pass_at_{k}": sum(pass_at_k(len(t) - 1, sum(success(s["reward"]) for s in t[1:]), k)
+                                         for t in tasks) / len(tasks),
+            f"eval/{name}/failed": float(sum(bool(s.get("error")) for t in tasks for s in t)),
+            "eval/policy_version": float(version)}
 
 
 def _mean_std(prefix: str, xs: list[float]) -> dict[str, float]:

@@ -21,8 +21,8 @@ after appending it does not change what is stored.
 Episodes are unique by id: `append` drops an id the store already holds (a re-run episode of a
 restarted worker is not counted twice) and reads keep the first copy if two writers raced.
 
-The job writes an episode once its fate is decided (`status`: trained, failed, stale, unused,
-eval), tagged with the training `step` it was decided at. Resuming from the checkpoint of step
+The job writes an episode once its fate is decided (`status`: trained, failed, stale,
+zero_variance, unused, eval), tagged with the training `step` it was decided at. Resuming from the checkpoint of step
 k first calls `rollback(k)`: rows decided after step k are removed (their training was lost
 with the driver), and the resumed job re-issues those episodes under the same ids, so every
 episode ends in the store exactly once with the step that trained it.

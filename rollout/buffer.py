@@ -4,9 +4,10 @@
   first attempt did arrive, or a late one already recorded as lost) is dropped (`put` returns
   False).
 * The scheduler sees only the small stats the rollout workers return; it names the groups a
-  step trains (`take`), drops (`drop`: stale, or every member failed) or leaves unused at the
-  end (`flush_unused`). Each episode is then written to the TrajectoryStore with that fate in
-  `metadata["status"]` (trained, failed, stale, unused, eval) and the step it was decided at.
+  step trains (`take`), drops (`drop`: stale, every member failed, zero reward variance under
+  dynamic sampling, or evaluation) or leaves unused at the end (`flush_unused`). Each episode is
+  then written to the TrajectoryStore with that fate in `metadata["status"]` (trained, failed,
+  stale, zero_variance, unused, eval) and the step it was decided at.
 * By reference: `take_ref` puts the trainable episodes of a batch into Ray's object store
   itself and returns only the reference, so the tokens go from here to the learner ranks
   without passing through the driver.
@@ -31,7 +32,8 @@ class TrajectoryBuffer:
         self.group_size = group_size
         self._groups: dict[str, dict[str, Trajectory]] = {}
         self._seen: set[str] = set()
-        self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "unused": 0, "eval": 0}
+        self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "zero_variance": 0,
+                      "unused": 0, "eval": 0}
         self._store = None
         if store_dir:
             from k3rl.store import TrajectoryStore
@@ -91,7 +93,8 @@ class TrajectoryBuffer:
         return [ray.put(self.take(group_ids, step))]
 
     def drop(self, group_ids: list[str], step: int, status: str = "stale") -> None:
-        """Groups that will not be trained (too stale, or every member failed): stored, then gone."""
+        """Groups that will not be trained (too stale, every member failed, zero variance, evaluation): stored
+        with `status` (failed members of a group that is not evaluated or unused: as failed), then gone."""
         for g in group_ids:
             self._settle(g, step, status)
         self._flush()

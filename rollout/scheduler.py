@@ -23,6 +23,23 @@ group. An episode not delivered by its deadline (`episode_deadline_s`), or whose
 `max_attempts` times, is recorded as failed ("lost"). When `2 P` groups in a row fail whole,
 the job stops with their errors: the environment, not the learner, is what is broken.
 
+Dynamic sampling (DAPO's; `rollout.dynamic_sampling`). A finished group whose trainable members all
+earned the same reward has zero GRPO advantage everywhere: it teaches nothing. `next_batch` drops
+it (stored as `zero_variance`, counted in `groups/zero_variance`) and admission issues a fresh
+group in its place, under the same lag bound. At most `dynamic_sampling_max_refills * P` groups
+are dropped so per step; past that (a policy that earns the same reward everywhere, e.g. 0 before
+it has learned anything) the step trains on the groups it has, and
+`dynamic_sampling/refills_exhausted` says so.
+
+Held-out evaluation (`envs.eval`, `heldout_groups`). Task t of eval spec `name` has the seed
+EVAL_SEED_BASE + randrange(2**31) of random.Random(f"eval:{name}:{t}"): in [2**31, 2**32), while
+training's (and the SFT demonstrations') seeds are randrange(2**31) < 2**31, so no eval seed is
+ever a training seed, by construction. The set does not depend on the job's seed, so runs are
+evaluated on the same tasks. Each task is a group: one greedy episode (temperature 0, a per-episode
+sampling override), then n sampled at the job's temperature. Evaluation episodes run apart from
+admission (`run_apart`): they never count toward the lag bound, the failure streak or
+`episodes/failed`, and are stored as `eval`, never trained.
+
 Supervision. A worker runs at most `rollout.episodes_per_worker` episodes at once; a dead worker
 is replaced and its episodes are re-run under the same ids (the buffer keeps the first copy).
 """
@@ -35,10 +52,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3rl.config import JobConfig
+from k3rl.config import EvalSpec, JobConfig
 from k3rl.metrics import trainable
 
 WORKER_START_S, BUFFER_S = 600.0, 300.0  # a rollout worker's start-up; one call to the buffer actor
+EVAL_SEED_BASE = 2**31  # eval seeds are EVAL_SEED_BASE + randrange(2**31); training's are randrange(2**31)
 
 
 class EpisodesFailingError(RuntimeError):
@@ -54,6 +72,29 @@ def episode_specs(cfg: JobConfig, run_name: str, index: int, version: int) -> li
     gid = f"{run_name}-g{index:07d}"
     return [{"id": f"{gid}-s{k}", "env_id": env.id, "seed": seed, "group_id": gid, "env_kwargs": dict(env.kwargs),
              "issued_version": version} for k in range(cfg.rollout.group_size)]
+
+
+def eval_seed(name: str, task: int) -> int:
+    """The seed of held-out task `task` of the eval spec named `name` (apart from every training seed)."""
+    return EVAL_SEED_BASE + random.Random(f"eval:{name}:{task}").randrange(2**31)
+
+
+def heldout_groups(cfg: JobConfig, run_name: str, step: int, version: int) -> list[tuple[EvalSpec, list[Group]]]:
+    """The groups of the held-out evaluation logged at `step`, one per task of each `envs.eval` spec:
+    member 0 greedy, then n sampled. Ids `<run>-eval<step>-<name>-t<task>-greedy|-s<j>`."""
+    plan = []
+    for e in cfg.envs.eval:
+        _, n = cfg.envs.eval_sizes(e)
+        groups = []
+        for t in range(e.num_tasks):
+            gid = f"{run_name}-eval{step:06d}-{e.metric_name}-t{t:04d}"
+            base = {"env_id": e.id, "seed": eval_seed(e.metric_name, t), "group_id": gid,
+                    "env_kwargs": dict(e.kwargs), "issued_version": version}
+            specs = [{**base, "id": f"{gid}-greedy", "sampling": {"temperature": 0.0}},
+                     *({**base, "id": f"{gid}-s{j}"} for j in range(n))]
+            groups.append(Group(t, specs, version))
+        plan.append((e, groups))
+    return plan
 
 
 @dataclass
@@ -79,6 +120,15 @@ class Group:
         vs = [s["max_version"] for s in self.results.values() if trainable(s)]
         return max(vs) if vs else None
 
+    def zero_variance(self) -> bool:
+        """Every trainable member earned the same reward: no GRPO signal."""
+        rewards = [s["reward"] for s in self.results.values() if trainable(s)]
+        return bool(rewards) and max(rewards) - min(rewards) <= 1e-9
+
+    def ordered_results(self) -> list[dict[str, Any]]:
+        """The members' stats in the order of `specs`."""
+        return [self.results[spec["id"]] for spec in self.specs]
+
 
 class Scheduler:
     """Issues groups under the lag bound, runs their episodes on the rollout workers, and hands
@@ -90,6 +140,8 @@ class Scheduler:
         self.cfg, self.run_name, self.buffer = cfg, run_name, buffer
         self.P, self.lag, self.per_worker = r.prompts_per_step, r.max_policy_lag, r.episodes_per_worker
         self.partial_rollouts = r.partial_rollouts
+        self.dynamic_sampling, self.max_refills = r.dynamic_sampling, r.dynamic_sampling_max_refills * r.prompts_per_step
+        self.batch_metrics: dict[str, float] = {}  # of the last batch handed out
         self.deadline_s = episode_deadline_s or 1.5 * cfg.envs.episode_time_budget_s + 60.0
         self.max_attempts = max_attempts
         self.make_worker = make_worker
@@ -108,9 +160,12 @@ class Scheduler:
         self.counts = collections.Counter()
 
     # -- admission -----------------------------------------------------------------------------
-    def set_serving(self, version: int) -> None:
+    def set_serving(self, version: int, admit: bool = True) -> None:
+        """The engines serve `version` now; open what admission allows (unless `admit` is False: the
+        last step's weights, pushed only for their evaluation)."""
         self.serving = version
-        self.issue()
+        if admit:
+            self.issue()
 
     def issue(self) -> None:
         """Open groups until the lag bound: (serving + 1 + lag - next_step) * P."""
@@ -206,26 +261,37 @@ class Scheduler:
             return False
         return lo >= step - self.lag and (self.partial_rollouts or lo == hi)
 
+    def _no_signal(self, group: Group, refills: int) -> bool:
+        """Dynamic sampling drops this group (zero reward variance) while the step's refills last."""
+        return self.dynamic_sampling and refills < self.max_refills and group.zero_variance()
+
     async def next_batch(self, step: int, stall_timeout_s: float | None = None) -> list[Group]:
         """P finished groups whose every trainable token is at most `lag` versions older than step
         `step`'s policy; stale and failed-whole groups are dropped and replaced on the way."""
         stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
+        refills = 0  # groups dropped for zero variance at this step
         while True:
-            dropped = []
+            dropped: dict[str, list[Group]] = {"stale": [], "zero_variance": []}  # status in the store -> groups
             for g in sorted((g for g in self.open.values() if g.done), key=lambda g: g.index):
-                if g.min_version() is None:  # every member failed
-                    dropped.append(g)
+                if g.min_version() is None:  # every member failed (each is stored as failed)
+                    dropped["stale"].append(g)
                     self.counts["groups/failed"] += 1
                     self.failed_streak.append("; ".join(sorted({s["error"] or "no sampled tokens" for s in g.results.values()})))
                 elif not self._fresh(g, step):
-                    dropped.append(g)
+                    dropped["stale"].append(g)
                     self.counts["groups/stale"] += 1
                     self.counts["episodes/stale"] += sum(trainable(s) for s in g.results.values())
-            if dropped:
-                await asyncio.wait_for(self.buffer.drop.remote([g.id for g in dropped], step), BUFFER_S)
-                for g in dropped:
-                    del self.open[g.id]
-                self.counts["groups/reissued"] += len(dropped)
+                elif self._no_signal(g, refills):
+                    dropped["zero_variance"].append(g)
+                    refills += 1
+                    self.counts["groups/zero_variance"] += 1
+            for status, groups in dropped.items():
+                if groups:
+                    await asyncio.wait_for(self.buffer.drop.remote([g.id for g in groups], step, status), BUFFER_S)
+                    for g in groups:
+                        del self.open[g.id]
+                    self.counts["groups/reissued"] += len(groups)
+            if any(dropped.values()):
                 self.issue()
             if len(self.failed_streak) >= 2 * self.P:
                 common = collections.Counter(self.failed_streak).most_common(5)
@@ -234,11 +300,16 @@ class Scheduler:
                     + "\n  ".join(f"{n}x {e}" for e, n in common)
                     + "\nfix the environment (try `k3rl envs check ENV_ID`) or the sandbox (`k3rl sandbox doctor`)")
             # groups that finished while the drop was awaited are judged on the next pass
-            ready = sorted((g for g in self.open.values() if g.done and self._fresh(g, step)), key=lambda g: g.index)
+            ready = sorted((g for g in self.open.values() if g.done and self._fresh(g, step) and not self._no_signal(g, refills)),
+                           key=lambda g: g.index)
             if len(ready) >= self.P:
                 batch = ready[: self.P]
                 for g in batch:
                     del self.open[g.id]
+                if self.dynamic_sampling:
+                    kept = sum(g.zero_variance() for g in batch)
+                    self.batch_metrics = {"dynamic_sampling/zero_variance_fraction": (refills + kept) / (refills + self.P),
+                                          "dynamic_sampling/refills_exhausted": float(kept > 0)}
                 self.failed_streak.clear()
                 self.next_step = step + 1
                 self.issue()
@@ -253,22 +324,34 @@ class Scheduler:
                     f"{sum(self.running)} episodes running on {len(self.workers)} workers)") from None
 
     async def evaluate(self, num_groups: int, version: int, step: int = 0) -> list[dict[str, Any]]:
-        """Run `num_groups` groups outside the admission bound (ids `<run>-eval-g...`), wait for
-        all of them, store them as `eval` at `step`; returns their stats."""
+        """Run `num_groups` training-like groups apart from admission (ids `<run>-eval-g...`), stored as
+        `eval` at `step`; returns their stats (the untrained policy's reward, learner.eval_before_training)."""
         groups = [Group(g, episode_specs(self.cfg, f"{self.run_name}-eval", g, version), version)
                   for g in range(num_groups)]
+        await self.run_apart(groups, step)
+        return [s for g in groups for s in g.results.values()]
+
+    async def run_apart(self, groups: list[Group], step: int, stall_timeout_s: float | None = None) -> None:
+        """Run these groups' episodes outside the admission bound, wait for all of them and store them as
+        `eval` at `step` (never trained). Their results are in `group.results`. The caller keeps the
+        engines' version fixed while this runs (the driver pushes no weights meanwhile)."""
+        stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
         for group in groups:
             for spec in group.specs:
                 self._spawn(self._run(group, spec, counted=False))
         while not all(g.done for g in groups):
             self.changed.clear()
-            await self.changed.wait()
+            try:
+                await asyncio.wait_for(self.changed.wait(), stall_timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"no episode finished in {stall_timeout_s:.0f}s while waiting for "
+                                   f"{sum(not g.done for g in groups)} evaluation groups") from None
         await asyncio.wait_for(self.buffer.drop.remote([g.id for g in groups], step, "eval"), BUFFER_S)
-        return [s for g in groups for s in g.results.values()]
 
     # -- the end ---------------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.counts.items()}
+        """The running counts, and the dynamic-sampling figures of the last batch."""
+        return {**{k: float(v) for k, v in self.counts.items()}, **self.batch_metrics}
 
     async def stop(self) -> None:
         """Cancel every episode in flight (their results are not waited for)."""

@@ -40,11 +40,12 @@ class Engines:
 @ray.remote(max_restarts=0)
 class ScriptedWorker:
     """Episodes whose duration and failure are drawn from (seed, episode id): a few stragglers
-    take 20x longer; `fail` of them raise in the env; `hang` never return; `die` kill the worker."""
+    take 20x longer; `fail` of them raise in the env; `hang` never return; `die` kill the worker; in
+    `const` of the groups every member earns reward 0.5 (zero variance)."""
 
-    def __init__(self, buffer, engines, seed, fail=0.0, hang=(), die=()):
+    def __init__(self, buffer, engines, seed, fail=0.0, hang=(), die=(), const=0.0):
         self.buffer, self.engines, self.seed = buffer, engines, seed
-        self.fail, self.hang, self.die = fail, set(hang), set(die)
+        self.fail, self.hang, self.die, self.const = fail, set(hang), set(die), const
 
     async def run_episode(self, spec):
         rng = random.Random(f"{self.seed}:{spec['id']}")
@@ -56,10 +57,11 @@ class ScriptedWorker:
         await asyncio.sleep(rng.choice([0.001, 0.005, 0.02]) * (20 if rng.random() < 0.1 else 1))
         v1 = await self.engines.get.remote()
         error = "RuntimeError: tool backend down" if rng.random() < self.fail else None
+        const = random.Random(f"{self.seed}:{spec['group_id']}").random() < self.const
         traj = Trajectory(id=spec["id"], env_id=spec["env_id"], group_id=spec["group_id"], seed=spec["seed"],
                           prompt_ids=[1, 2], completion_ids=[] if error else [3, 4], logprobs=[] if error else [0.0, 0.0],
                           loss_mask=[] if error else [1, 1], versions=[] if error else [v0, v1],
-                          reward=0.0 if error else rng.random(), error=error)
+                          reward=0.0 if error else 0.5 if const else rng.random(), error=error)
         await self.buffer.put.remote(traj)
         return episode_stats(traj)
 
@@ -70,10 +72,10 @@ class ScriptedWorker:
         return True
 
 
-def _cfg(lag, P=2, G=2, per_worker=3, partial=True):
+def _cfg(lag, P=2, G=2, per_worker=3, partial=True, *extra):
     return JobConfig.load(None, [f"rollout.max_policy_lag={lag}", f"rollout.prompts_per_step={P}",
                                  f"rollout.group_size={G}", f"rollout.episodes_per_worker={per_worker}",
-                                 "rollout.num_rollout_workers=2", f"rollout.partial_rollouts={partial}"])
+                                 "rollout.num_rollout_workers=2", f"rollout.partial_rollouts={partial}", *extra])
 
 
 async def _drive(cfg, store_dir, steps, seed, **worker_kw):
@@ -82,19 +84,20 @@ async def _drive(cfg, store_dir, steps, seed, **worker_kw):
     engines = Engines.remote()
     sched = Scheduler(cfg, "run", lambda i: ScriptedWorker.remote(buffer, engines, seed, **worker_kw), buffer,
                       episode_deadline_s=worker_kw.pop("deadline", None) or 30.0)
-    trained = []
+    trained, per_step = [], []
     sched.set_serving(1)
     await engines.set.remote(1)
     for step in range(1, steps + 1):
         batch = await sched.next_batch(step, stall_timeout_s=60)
         trajs = ray.get((await buffer.take_ref.remote([g.id for g in batch], step))[0])
         trained.append((step, trajs))
+        per_step.append(sched.metrics())
         await asyncio.sleep(random.Random(step).choice([0.0, 0.01, 0.03]))  # training
         await engines.set.remote(step + 1)
         sched.set_serving(step + 1)
     await sched.stop()
     await buffer.flush_unused.remote(steps + 1)
-    stats = await buffer.get_stats.remote()
+    stats = {**await buffer.get_stats.remote(), "per_step": per_step}  # per_step: the scheduler's metrics after each batch
     ray.kill(buffer)
     return sched, trained, stats
 
@@ -161,3 +164,49 @@ def test_a_worker_that_keeps_dying_loses_only_that_episode(tmp_path):
 def test_a_job_whose_episodes_all_fail_stops_with_their_errors(tmp_path):
     with pytest.raises(EpisodesFailingError, match="4x RuntimeError: tool backend down"):
         asyncio.run(_drive(_cfg(0), tmp_path, steps=2, seed=0, fail=1.0))
+
+
+def _variance(trajs):
+    by_group = {}
+    for t in trajs:
+        by_group.setdefault(t.group_id, []).append(t.reward)
+    return {g: max(rs) - min(rs) for g, rs in by_group.items()}
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills_them(tmp_path, lag):
+    """Half the groups earn the same reward in every member: each is dropped (stored once as
+    zero_variance), a fresh group takes its place under the lag bound, and no step trains one."""
+    cfg = _cfg(lag, 2, 2, 3, True, "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_refills=8")
+    sched, trained, stats = asyncio.run(_drive(cfg, tmp_path, steps=6, seed=0, const=0.5))
+    for step, trajs in trained:
+        assert len({t.group_id for t in trajs}) == 2 and all(v > 0 for v in _variance(trajs).values()), step
+        assert all(step - lag <= v <= step for t in trajs for v in t.versions)
+    rows = TrajectoryStore(tmp_path, readonly=True).summary()
+    assert len({r["id"] for r in rows}) == len(rows)  # each episode stored once
+    dropped = [r for r in rows if r["status"] == "zero_variance"]
+    c = sched.metrics()
+    assert c["groups/zero_variance"] >= 2 and len(dropped) == 2 * c["groups/zero_variance"] == stats["zero_variance"]
+    assert all(r["reward"] == 0.5 for r in dropped)
+    assert c["groups/issued"] >= 6 * 2 + c["groups/zero_variance"]  # each one refilled
+    assert {m["dynamic_sampling/refills_exhausted"] for m in stats["per_step"]} == {0.0}
+    assert any(m["dynamic_sampling/zero_variance_fraction"] > 0 for m in stats["per_step"])
+
+
+def test_dynamic_sampling_bounds_the_refills_when_no_group_has_signal(tmp_path):
+    """Every group earns the same reward (an untrained policy that always gets 0): each step drops
+    max_refills x P groups, then trains on what it has and says so; it never loops forever."""
+    cfg = _cfg(1, 2, 2, 3, True, "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_refills=1")
+    sched, trained, _ = asyncio.run(_drive(cfg, tmp_path, steps=3, seed=0, const=1.0))
+    assert [len({t.group_id for t in trajs}) for _, trajs in trained] == [2, 2, 2]
+    c = sched.metrics()
+    assert c["groups/zero_variance"] == 3 * 2  # max_refills x P per step
+    assert c["dynamic_sampling/refills_exhausted"] == 1.0 and c["dynamic_sampling/zero_variance_fraction"] == 1.0
+    rows = TrajectoryStore(tmp_path, readonly=True).summary()
+    assert sum(r["status"] == "zero_variance" for r in rows) == 3 * 2 * 2
+
+
+def test_without_dynamic_sampling_zero_variance_groups_are_trained(tmp_path):
+    sched, trained, _ = asyncio.run(_drive(_cfg(1), tmp_path, steps=2, seed=0, const=1.0))
+    assert all(v == 0 for _, trajs in trained for v in _variance(trajs).values())
+    assert "groups/zero_variance" not in sched.metrics()
