@@ -201,6 +201,10 @@ class LearnerSection(_Section):
         return self
 
 
+# built-in envs whose observations hold images (the vLLM engine cannot take them)
+IMAGE_ENVS = ("k3rl/ChartMatch-v0",)
+
+
 class EnvSpec(_Section):
     id: str = Field(description="a registered Gymnasium id, e.g. k3rl/KeyLookup-v0")
     weight: float = Field(1.0, gt=0)
@@ -386,6 +390,12 @@ class JobConfig(_Section):
             problems.append(("model.checkpoint", "rollout.engine 'vllm' serves an HF-layout checkpoint directory; "
                                                  "set model.checkpoint to one (save_hf writes it), or use "
                                                  "rollout.engine: embedded"))
+        for section in ("train", "eval"):
+            for i, spec in enumerate(getattr(self.envs, section)):
+                if spec.id in IMAGE_ENVS:
+                    problems.append((f"envs.{section}.{i}.id", f"{spec.id} puts images in the prompts, and "
+                                     "rollout.engine 'vllm' serves text only (k3rl's K3 model class for vLLM has "
+                                     "no image input); use rollout.engine: embedded"))
         return problems
 
     def _weight_transport_problems(self) -> list[tuple[str, str]]:
