@@ -16,6 +16,7 @@ from .factory import choose_backend, open_sandbox
 from .gc import gc
 from .image import build_image, image_tag, image_version
 from .pool import SandboxPool
+from .process import SandboxProcess
 from .render import RenderError, render_matplotlib, render_svg
 from .types import (
     BackendUnavailableError,
@@ -62,6 +63,7 @@ __all__ = [
     "SandboxFileError",
     "SandboxLimits",
     "SandboxPool",
+    "SandboxProcess",
     "build_image",
     "choose_backend",
     "cli_build",

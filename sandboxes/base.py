@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .paths import WORK_DIR, resolve_in_workdir
 from .types import (
@@ -32,6 +33,9 @@ from .types import (
     SandboxFileError,
     SandboxLimits,
 )
+
+if TYPE_CHECKING:
+    from .process import SandboxProcess
 
 log = logging.getLogger("k3rl.sandboxes")
 
@@ -161,26 +165,15 @@ class Sandbox(ABC):
         Killed (with every process it started) after `timeout` seconds (default `limits.timeout_s`).
         stdout and stderr are capped at `limits.output_bytes` each and marked when cut.
         """
-        if not isinstance(cmd, str):
-            cmd = shlex.join([str(part) for part in cmd])
         timeout = self.limits.timeout_s if timeout is None else float(timeout)
         if timeout <= 0:
             raise ValueError(f"exec timeout must be > 0 seconds, got {timeout}")
         if isinstance(stdin, str):
             stdin = stdin.encode()
-        merged = {**self.limits.env, **(env or {})}
-        for key, value in merged.items():
-            if not isinstance(key, str) or not isinstance(value, str) or "=" in key or not key:
-                raise ValueError(
-                    f"env must map non-empty names without '=' to str values, got {key!r}={value!r}"
-                )
         args = {
-            "cmd": cmd,
+            **self._command(cmd, env, workdir),
             "timeout": timeout,
             "cap": self.limits.output_bytes,
-            "id": uuid.uuid4().hex,
-            "cwd": resolve_in_workdir(workdir, allow_root=True) if workdir else WORK_DIR,
-            "env": merged,
             "oom_file": self._oom_file(),
         }
         oom_before = self._host_oom_count()
@@ -202,6 +195,36 @@ class Sandbox(ABC):
             truncated=cut_out or cut_err,
             duration_s=float(header["duration_s"]),
         )
+
+    def _command(self, cmd: str | Sequence[str], env: Mapping[str, str] | None, workdir: str | None) -> dict:
+        """The agent's arguments naming a command: its shell text, environment, working dir, and a fresh id."""
+        if not isinstance(cmd, str):
+            cmd = shlex.join([str(part) for part in cmd])
+        merged = {**self.limits.env, **(env or {})}
+        for key, value in merged.items():
+            if not isinstance(key, str) or not isinstance(value, str) or "=" in key or not key:
+                raise ValueError(
+                    f"env must map non-empty names without '=' to str values, got {key!r}={value!r}"
+                )
+        return {
+            "cmd": cmd,
+            "id": uuid.uuid4().hex,
+            "cwd": resolve_in_workdir(workdir, allow_root=True) if workdir else WORK_DIR,
+            "env": merged,
+        }
+
+    def spawn(
+        self, cmd: str | Sequence[str], env: Mapping[str, str] | None = None, workdir: str | None = None
+    ) -> SandboxProcess:
+        """Start `cmd` as a long-lived process with pipes to its stdin and stdout (see `SandboxProcess`).
+
+        It runs until it exits, `kill()` ends it, or the sandbox is reset or closed; no timeout applies.
+        """
+        from .process import SandboxProcess
+
+        args = self._command(cmd, env, workdir)
+        header, _ = self._call("spawn", args)
+        return SandboxProcess(self, args["id"], args["cmd"], header["pid"])
 
     def write_file(self, path: str, data: bytes | str) -> None:
         """Write `data` to `path` (relative to the work dir); parent dirs are created."""

@@ -19,6 +19,12 @@ Modes:
            `GRACE_S`) are killed the same way; jobs that redirected their output keep running.
 - `write`: stdin -> file, `read`: file -> payload; both refuse paths whose real path
            (symlinks resolved) leaves /work.
+- `spawn`: start `/bin/sh -c CMD` as a long-lived process with pipes to its stdin and stdout (an
+           MCP server speaking stdio, say); `send` writes to its stdin (or closes it), `recv`
+           waits up to `timeout` for its stdout (the bytes, whether the stream ended, its exit
+           code), `kill` ends it and everything it started. Its stdout is buffered here up to
+           `SPAWN_BUFFER` bytes (then the process blocks until `recv` takes some); the last
+           4 KiB of its stderr come with the end of its stdout.
 - `reset`: kill every process but PID 1 and itself, empty /work and /tmp, re-seed /tmp (pool reuse).
 - `ping`:  health check.
 
@@ -124,8 +130,8 @@ def feed(pipe, data):
             pass
 
 
-def do_exec(args, data):
-    cap, timeout, tag = int(args["cap"]), float(args["timeout"]), args["id"]
+def workdir_and_env(args, tag):
+    """The checked working directory of a command and its environment (tagged with `tag`)."""
     cwd = args.get("cwd") or WORK
     real = os.path.realpath(cwd)
     if not (real == WORK or real.startswith(WORK + "/")):
@@ -135,6 +141,12 @@ def do_exec(args, data):
     env = dict(os.environ)
     env.update(args.get("env") or {})
     env["K3RL_EXEC_ID"] = tag
+    return real, env
+
+
+def do_exec(args, data):
+    cap, timeout, tag = int(args["cap"]), float(args["timeout"]), args["id"]
+    real, env = workdir_and_env(args, tag)
     before = oom_count(args.get("oom_file"))
     start = time.monotonic()
     try:
@@ -213,6 +225,117 @@ def do_exec(args, data):
     )
 
 
+SPAWN_BUFFER = 1 << 24
+SPAWNED = {}  # spawn id -> Spawned
+
+
+class Spawned:
+    """A long-lived process and the stdout it wrote that nobody took yet."""
+
+    def __init__(self, proc, tag):
+        self.proc, self.tag = proc, tag
+        self.out, self.err, self.eof = bytearray(), bytearray(), False
+        self.cond = threading.Condition()
+        threading.Thread(target=self.pump_stdout, daemon=True).start()
+        threading.Thread(target=self.pump_stderr, daemon=True).start()
+
+    def pump_stdout(self):
+        fd = self.proc.stdout.fileno()
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: len(self.out) < SPAWN_BUFFER)
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            with self.cond:
+                self.out += chunk
+                self.eof = not chunk
+                self.cond.notify_all()
+            if not chunk:
+                return
+
+    def pump_stderr(self):
+        try:
+            while chunk := os.read(self.proc.stderr.fileno(), 1 << 16):
+                with self.cond:
+                    self.err += chunk
+                    del self.err[:-4096]
+        except OSError:
+            pass
+
+    def take(self, timeout, limit):
+        with self.cond:
+            self.cond.wait_for(lambda: self.out or self.eof, timeout)
+            data = bytes(self.out[:limit])
+            del self.out[:limit]
+            self.cond.notify_all()
+            return data, self.eof and not self.out
+
+
+def spawned(args):
+    found = SPAWNED.get(args["id"])
+    if found is None:
+        fail("noprocess", f"no spawned process {args['id']!r} in the sandbox (it was killed, or the sandbox reset)")
+    return found
+
+
+def do_spawn(args, data):
+    tag = args["id"]
+    real, env = workdir_and_env(args, tag)
+    try:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", SHELL_PREFIX, "k3rl", args["cmd"]],
+            cwd=real, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        fail("spawn", f"could not start the command: {exc} (process limit reached?)")
+    SPAWNED[tag] = Spawned(proc, tag)
+    return reply({"pid": proc.pid})
+
+
+def do_send(args, data):
+    proc = spawned(args).proc
+    try:
+        if args.get("close"):
+            proc.stdin.close()
+        else:
+            proc.stdin.write(data or b"")
+            proc.stdin.flush()
+    except (BrokenPipeError, ValueError, OSError) as exc:
+        fail("closed", f"the process no longer reads its stdin (exit code {proc.poll()}): {exc}")
+    return reply({"written": len(data or b"")})
+
+
+def do_recv(args, data):
+    found = spawned(args)
+    out, ended = found.take(float(args["timeout"]), int(args["max"]))
+    header = {"len": len(out), "eof": ended, "exit_code": None}
+    if ended:  # its stdout closed: it has exited, or is about to
+        try:
+            header["exit_code"] = found.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        with found.cond:
+            header["stderr"] = found.err.decode("utf-8", "replace")
+    return reply(header, out)
+
+
+def do_kill(args, data):
+    found = SPAWNED.pop(args["id"], None)
+    if found is None:
+        return reply({"exit_code": None})
+    kill_tree(found.proc.pid, found.tag)
+    code = found.proc.wait()
+    for pipe in (found.proc.stdin, found.proc.stdout, found.proc.stderr):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+    return reply({"exit_code": code})
+
+
 def checked(path, must_exist):
     real = os.path.realpath(path)
     if not (real == WORK or real.startswith(WORK + "/")):
@@ -272,6 +395,7 @@ def empty_dir(root):
 
 
 def do_reset(args, data):
+    SPAWNED.clear()  # their processes die below with all the others
     me = os.getpid()
     for _ in range(200):
         others = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
@@ -301,6 +425,10 @@ HANDLERS = {
     "write": do_write,
     "read": do_read,
     "reset": do_reset,
+    "spawn": do_spawn,
+    "send": do_send,
+    "recv": do_recv,
+    "kill": do_kill,
     "ping": lambda args, data: reply({"ok": True, "pid": os.getpid()}),
 }
 
