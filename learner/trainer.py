@@ -44,7 +44,8 @@ from .expert_parallel import (
     local_expert_params,
     reduce_expert_grads,
 )
-from .losses import LossConfig, group_advantages, policy_loss, sft_loss
+from .advantages import step_advantages
+from .losses import LossConfig, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
 from .qk_clip import MaxLogitTracker, QKClip
 
@@ -357,7 +358,7 @@ class Trainer:
         overlong = torch.tensor([self._overlong(t) for t in trajectories], dtype=torch.bool)
         mode = getattr(cfg, "overlong", "none")
         shaped = rewards - cfg.overlong_penalty * overlong if mode == "penalty" else rewards
-        adv = group_advantages(shaped, [t.group_id for t in trajectories], cfg.advantage)
+        adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0))  # [N], or [N, C] per token
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
         epochs = getattr(cfg, "ppo_epochs", 1)
         parts = []  # (micro-batches, prepared inputs) of each minibatch
