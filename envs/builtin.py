@@ -13,6 +13,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "k3rl/CodeFix-v0": "k3rl.envs.code_fix:CodeFixEnv",
     "k3rl/ChartMatch-v0": "k3rl.envs.chart_match:ChartMatchEnv",
     "k3rl/LongHorizon-v0": "k3rl.envs.long_horizon:LongHorizonEnv",
+    "k3rl/McpFiles-v0": "k3rl.envs.mcp_files:McpFilesEnv",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -22,6 +23,7 @@ DESCRIPTIONS: dict[str, str] = {
     "k3rl/ChartMatch-v0": "reproduce a target chart image with matplotlib/SVG; vision in the loop (sandbox)",
     "k3rl/LongHorizon-v0": "follow a trail of 24 files through a directory tree and add it up; needs context "
                            "compaction (sandbox)",
+    "k3rl/McpFiles-v0": "answer from the sandbox's files, read through an MCP server running in the sandbox",
 }
 
 
