@@ -147,7 +147,8 @@ class DecodeRunner:
         pad = B - n
         ints = torch.tensor([tokens + [0] * pad, seeds + [0] * pad, counters + [0] * pad, lengths + [0] * pad],
                             dtype=torch.int64)
-        floats = torch.tensor([list(col) + [0.0] * pad for col in zip(*params, strict=True)], dtype=torch.float64)
+        params = params + [(0.0, 0, 1.0)] * pad  # padding rows: greedy, unfiltered
+        floats = torch.tensor(list(zip(*params, strict=True)), dtype=torch.float64)
         self.ints[:, :B].copy_(ints, non_blocking=True)
         self.floats[:, :B].copy_(floats, non_blocking=True)
         self.pool.lengths[:n] = [x + 1 for x in lengths]
@@ -191,6 +192,6 @@ class DecodeRunner:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             outputs = self._run(B, S, filtered, host_lengths)
         return graph, outputs

@@ -97,7 +97,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         mass_before = torch.cumsum(sorted_q, dim=-1) - sorted_q
         p = top_p.double()[:, None]
         # top_p = 1 keeps every top-k token (a cumulative sum may round to 1 before the tail)
-        kept = (in_top_k & ((mass_before < p) | (p >= 1.0))).sum(-1, keepdim=True)
+        kept = (in_top_k & ((mass_before < p) | (p >= 1.0))).sum(-1, keepdim=True).clamp_(min=1)
         threshold = sorted_z.gather(-1, kept - 1)  # the smallest kept z of each row
         z = z.masked_fill(z < threshold, float("-inf"))
     return torch.softmax(z, dim=-1)

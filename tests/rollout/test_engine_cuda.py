@@ -12,7 +12,7 @@ from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.types import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")]
 
 
 def _model(seed: int = 0) -> K3ForCausalLM:
