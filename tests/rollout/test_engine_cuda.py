@@ -49,7 +49,7 @@ def test_graph_decode_equals_eager_decode_token_for_token():
     assert eng._runner.graphs, "no decode step was captured"
     for a, b in zip(eager, graphed, strict=True):
         assert b.token_ids == a.token_ids
-        assert b.logprobs == a.logprobs
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
     # 3 sequences run padded to the rung of 4: the padding row changes nothing for the real ones
     three = _run(EmbeddedEngine(model, background=False), prompts[:3], PARAMS[:3])
     assert [r.token_ids for r in three] == [r.token_ids for r in graphed[:3]]
