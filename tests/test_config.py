@@ -169,3 +169,35 @@ def test_learning_rates_default_to_the_presets_post_training_scale():
     assert POST_TRAINING_LR["k3"][0] < POST_TRAINING_LR["k3-small"][0] < POST_TRAINING_LR["k3-tiny"][0]
     cfg = JobConfig.load(None, ["model.preset=k3-small", "learner.lr=3e-4"])  # a rate given is kept
     assert (cfg.learner.lr, cfg.learner.sft_lr) == (3e-4, POST_TRAINING_LR["k3-small"][1])
+
+
+def test_eval_specs_resolve_and_bad_ones_are_refused_by_field_path():
+    cfg = JobConfig.load(None, ["envs.eval_pass_k=2", "envs.eval.0.id=k3rl/KeyLookup-v0",
+                                "envs.eval.1.id=k3rl/KeyLookup-v0", "envs.eval.1.name=kl4",
+                                "envs.eval.1.kwargs.num_keys=4", "envs.eval.1.pass_k=4", "envs.eval.1.samples=8",
+                                "tracking.eval_every=5"])
+    first, second = cfg.envs.eval
+    assert (first.metric_name, cfg.envs.eval_sizes(first), first.num_tasks) == ("KeyLookup-v0", (2, 2), 16)
+    assert (second.metric_name, cfg.envs.eval_sizes(second)) == ("kl4", (4, 8))
+    assert cfg.tracking.eval_every == 5 and JobConfig.load().envs.eval == []
+    with pytest.raises(ConfigError) as e:
+        JobConfig.load(None, ["envs.eval.0.id=k3rl/KeyLookup-v0", "envs.eval.0.pass_k=4", "envs.eval.0.samples=2",
+                              "envs.eval.1.id=other/KeyLookup-v0", "envs.eval.2.id=k3rl/KeyLookup-v0",
+                              "envs.eval.2.name=key lookup"])
+    msg = str(e.value)
+    assert "envs.eval.0.samples: 2 sampled episodes per task cannot estimate pass@4; set samples >= pass_k (4)" in msg
+    assert "envs.eval.1.name: 'KeyLookup-v0' is also the metrics' name of envs.eval.0; give one of them a name" in msg
+    assert "envs.eval.2.name: 'key lookup' cannot name metrics" in msg
+    with pytest.raises(ConfigError) as e:
+        JobConfig.load(None, ["envs.eval.0.num_tasks=0", "tracking.eval_every=-1"])
+    msg = str(e.value)
+    assert "envs.eval.0.id: Field required" in msg and "envs.eval.0.num_tasks: Input should be greater than" in msg
+    assert "tracking.eval_every: Input should be greater than or equal to 0" in msg
+
+
+def test_dynamic_sampling_settings():
+    cfg = JobConfig.load(None, ["rollout.dynamic_sampling=true"])
+    assert cfg.rollout.dynamic_sampling and cfg.rollout.dynamic_sampling_max_refills == 2
+    assert not JobConfig.load().rollout.dynamic_sampling  # off by default
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling_max_refills: Input should be greater than or equal to 0"):
+        JobConfig.load(None, ["rollout.dynamic_sampling_max_refills=-1"])
