@@ -1,6 +1,8 @@
 """One episode as a self-contained HTML page: every turn with its role, text, thinking, tool calls
 and their arguments, tool results, images inline (base64 PNG), errors, token counts and, for
-assistant turns, the policy versions that produced their tokens. No scripts, no external files."""
+assistant turns, the policy versions that produced their tokens; an episode whose context was
+compacted is shown segment by segment, the turns compaction made marked (carried, dropped,
+summary request, summary). No scripts, no external files."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ pre{white-space:pre-wrap;word-break:break-word;background:#fff;border:1px solid 
 .info{color:#666;font-size:.85rem}.error{color:#b00;font-weight:bold}
 figure{display:inline-block;margin:.3rem}figcaption{font-size:.8rem;color:#666}
 img{max-width:100%;image-rendering:pixelated;border:1px solid #ddd}
+.carried,.dropped{opacity:.6}h2.segment{border-top:3px double #888;padding-top:.5rem;font-size:1.1rem}
 """
 
 
@@ -61,7 +64,10 @@ def _turn(traj: Trajectory, index: int, turn: Turn) -> str:
         title += f" &middot; result of <code>{escape(turn.tool_name)}</code>"
         if turn.tool_index is not None:
             title += f" (call {turn.tool_index})"
-    parts = [f'<div class="turn {escape(turn.role)}" id="turn-{index}"><h3>#{index} {title}</h3>']
+    if turn.compaction:
+        title += f" &middot; <em>{escape(turn.compaction.replace('_', ' '))}</em>"
+    kind = f" {turn.compaction}" if turn.compaction else ""
+    parts = [f'<div class="turn {escape(turn.role)}{kind}" id="turn-{index}"><h3>#{index} {title}</h3>']
     details = [f"tokens {info['tokens']} [{turn.start}, {turn.end})"]
     if turn.role == "assistant":
         details.append(f"generated {info['generated']}")
@@ -106,6 +112,7 @@ def render_episode_html(traj: Trajectory, title: str | None = None) -> str:
         ("tokens", f"{len(traj.prompt_ids)} prompt + {len(traj.completion_ids)} completion "
                    f"({traj.num_generated} generated)"),
         ("policy versions", ", ".join(map(str, sorted({v for v in traj.versions if v >= 0}))) or "-"),
+        ("context segments", len(traj.segment_bounds)),
     ]
     rows += [(f"time {k}", f"{v:.3f}s") for k, v in sorted(traj.timings.items())]
     rows += [(f"meta {k}", json.dumps(v, ensure_ascii=False)) for k, v in sorted(meta.items())
@@ -116,7 +123,14 @@ def render_episode_html(traj: Trajectory, title: str | None = None) -> str:
     body.append("</table>")
     if traj.error:
         body.append(f'<p class="error">episode error: {escape(traj.error)}</p>')
-    body += [_turn(traj, i, t) for i, t in enumerate(traj.turns)]
+    bounds = traj.segment_bounds
+    for i, t in enumerate(traj.turns):
+        if len(bounds) > 1 and (i == 0 or t.segment != traj.turns[i - 1].segment):
+            lo, hi = bounds[t.segment]
+            note = "" if t.segment == 0 else " (a new context: compaction, rollout.context)"
+            body.append(f'<h2 class="segment" id="segment-{t.segment}">segment {t.segment}: tokens [{lo}, {hi})'
+                        f"{escape(note)}</h2>")
+        body.append(_turn(traj, i, t))
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>{escape(head)}</title><style>{STYLE}</style></head>\n<body>\n"
             + "\n".join(body) + "\n</body></html>\n")

@@ -97,12 +97,20 @@ def print_episode(traj: Trajectory, console: Console, store: TrajectoryStore | N
     head.add_row("reward", f"{traj.reward:g} ({ended})")
     head.add_row("tokens", f"{len(traj.prompt_ids)} prompt + {len(traj.completion_ids)} completion "
                            f"({traj.num_generated} generated)")
+    if traj.segment_starts:
+        head.add_row("segments", f"{len(traj.segment_bounds)} contexts (compacted), tokens "
+                                 + ", ".join(f"[{lo}, {hi})" for lo, hi in traj.segment_bounds))
     if traj.timings:
         head.add_row("timings", "  ".join(f"{k} {v:.3f}s" for k, v in sorted(traj.timings.items())))
     if traj.error:
         head.add_row(Text("error", style="bold red"), Text(traj.error, style="red"))
     console.print(Panel(head, title="episode", expand=False))
+    segment = 0
     for i, turn in enumerate(traj.turns):
+        if turn.segment != segment:
+            segment = turn.segment
+            lo, hi = traj.segment_bounds[segment]
+            console.rule(f"segment {segment}: a new context, tokens [{lo}, {hi})")
         console.print(_turn_renderable(traj, i, turn, store))
 
 
@@ -139,6 +147,8 @@ def _turn_renderable(traj: Trajectory, i: int, turn: Turn, store: TrajectoryStor
     if turn.reward:
         sub += f", reward {turn.reward:g}"
     title = f"#{i} {turn.role}" + (f" ({turn.tool_name})" if turn.tool_name else "")
+    if turn.compaction:
+        title += f" · {turn.compaction.replace('_', ' ')}"
     return Panel(body, title=title, subtitle=sub, title_align="left", subtitle_align="right",
                  border_style=ROLE_STYLE.get(turn.role, "white"))
 
@@ -223,11 +233,12 @@ def _compare_messages(first: int, recorded: list[Turn], replayed: list[Turn], ou
 
 
 def recorded_actions(traj: Trajectory) -> list[list[int]]:
-    """The exact ids the model sampled, one list per recorded assistant turn."""
+    """The exact ids the model sampled, one list per recorded assistant turn (summaries included;
+    a message carried into a new context segment was not sampled again)."""
     n = len(traj.prompt_ids)
     return [[tok for tok, m in zip(traj.completion_ids[max(t.start - n, 0):t.end - n],
                                    traj.loss_mask[max(t.start - n, 0):t.end - n], strict=True) if m]
-            for t in traj.turns if t.role == "assistant"]
+            for t in traj.turns if t.role == "assistant" and t.compaction != "carried"]
 
 
 def run_config(run_dir: Path | None) -> JobConfig | None:

@@ -190,7 +190,8 @@ class Trajectory(_Record):
 
     @property
     def num_turns(self) -> int:
-        return sum(1 for t in self.turns if t.role == "assistant")
+        """Assistant messages sampled (summaries included; a message carried into a new segment is not counted again)."""
+        return sum(1 for t in self.turns if t.role == "assistant" and t.compaction != "carried")
 
     @property
     def images(self) -> list[bytes]:

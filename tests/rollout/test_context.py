@@ -178,3 +178,34 @@ def test_chart_images_outside_the_last_turns_are_replaced(require_sandbox, strat
             assert not t.images and t.compaction == "dropped" and t.text == DROPPED_OUTPUT
     # the images the learner gets are those of the media runs, segment by segment
     assert traj.images == [img for part in traj.segments() for img in part.images]
+
+
+def test_replay_shows_the_segments_and_re_executes_a_compacted_episode(require_sandbox, tmp_path):
+    """A summarised episode in a real store: `k3rl replay` prints and writes it segment by segment,
+    and re-executing it (the run's config compacts at the same points, the recorded summaries are
+    played back) matches the recording."""
+    from rich.console import Console
+
+    from k3rl.replay import re_execute_episode, recorded_actions, replay_command
+    from k3rl.store import TrajectoryStore
+
+    require_sandbox()
+    traj, *_ = play("k3rl/LongHorizon-v0", trail_policy, ContextSection(strategy="summarize"), summary=trail_summary,
+                    hops=10)
+    assert len(recorded_actions(traj)) == traj.num_turns == 10 + 1 + len(traj.segment_starts)  # reads, answer, summaries
+    with TrajectoryStore(tmp_path / "run") as store:
+        store.append(traj.model_copy(update={"metadata": {**traj.metadata, "step": 1}}))
+    console = Console(record=True, width=160)
+    html = tmp_path / "ep.html"
+    assert replay_command(str(tmp_path / "run"), html=html, console=console) == 0
+    shown = console.export_text()
+    assert f"segments  {len(traj.segment_bounds)} contexts (compacted)" in shown
+    assert "segment 1: a new context" in shown and "assistant · summary " in shown and "user · summary request" in shown and "· carried" in shown
+    page = html.read_text()
+    assert 'id="segment-1"' in page and "<em>summary</em>" in page
+
+    cfg = JobConfig.model_validate({"rollout": {"context": {"strategy": "summarize"}}, "envs": {"max_turns": 64},
+                                    "sandbox": {"backend": BACKEND}})
+    result = re_execute_episode(traj, {"hops": 10}, cfg)
+    assert result.identical, result.divergences
+    assert result.steps == traj.num_turns
