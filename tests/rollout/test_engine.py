@@ -352,3 +352,22 @@ def test_engine_serves_an_hf_checkpoint(model, tmp_path):
     eng = EmbeddedEngine.from_preset(checkpoint=str(tmp_path / "ckpt"), background=False)
     p = _prompt(12, 4)
     assert eng.generate(p, GREEDY).token_ids == _engine(model).generate(p, GREEDY).token_ids
+
+
+def test_state_pool_growth_and_slot_moves_keep_every_sequence_exact(model):
+    """Sequences leave from the middle of the pool (the last one moves into the hole) while a long
+    prompt grows the latent capacity past its initial 256 tokens; each still decodes as if alone."""
+    eng = _engine(model, max_num_seqs=3, prefill_chunk=128)
+    prompts = [_prompt(10), _prompt(300, 1), _prompt(14, 2), _prompt(7, 3), _prompt(30, 4)]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (2, 9, 5, 8, 3)]
+    params[2] = SamplingParams(temperature=0.9, top_k=40, max_tokens=5, seed=8)
+    futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+    while not all(f.done() for f in futures):
+        eng.step()
+        assert [s.slot for s in eng._decoding] == list(range(len(eng._decoding)))  # occupied slots lead
+    assert eng._pool.capacity >= 512 and eng._pool.generation >= 1
+    assert eng._pool.lengths == [0, 0, 0]  # every slot freed
+    for p, s, f in zip(prompts, params, futures, strict=True):
+        alone = _engine(model).generate(p, s)
+        assert f.result().token_ids == alone.token_ids
+        assert f.result().logprobs == pytest.approx(alone.logprobs, rel=1e-4, abs=1e-4)
