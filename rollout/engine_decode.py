@@ -16,7 +16,7 @@ parameters in place is seen by every captured graph.
 `decode_forward` is `K3ForCausalLM.forward` for T = 1 with a cache, layer by layer through the
 model's own modules, leaving out the forward's host-side input checks (the media-placeholder
 test, the routed-expert range check of `latent_experts`, `torch.bincount`'s read of the
-largest id), which synchronise with the device and cannot be captured. Decode tokens are sampled tokens (never the placeholder) and routing
+largest id in its grouped path), which synchronise with the device and cannot be captured. Decode tokens are sampled tokens (never the placeholder) and routing
 ids come from top-k, so the checks have nothing to catch here.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from k3rl.kernels._backend import resolve_backend
-from k3rl.kernels.moe import GROUP_ALIGN, combine, latent_experts_loop
+from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.kernels.situ import situ_glu
 from k3rl.learner.model.attnres import aggregate, query_vector
 
@@ -37,26 +37,27 @@ MIN_CONTEXT = 64
 
 
 def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """`latent_experts_grouped` with the per-expert counts by scatter_add (torch.bincount reads the
-    maximum id back to the host on CUDA): the same padded groups, GEMMs and fp32 combine."""
+    """The routed experts of a decode batch with grouped GEMMs, no sort and no host sync.
+
+    Route r = (token r // k, its (r % k)-th expert e_r) gets row start[e_r] + rank_r of one
+    buffer of per-expert groups padded to GROUP_ALIGN rows, where rank_r counts the earlier
+    routes to e_r (a running sum over a one-hot); the k outputs of a token are then summed in
+    fp32 in routing order, u_t = sum_j p_tj h_tj (deterministic: no atomics).
+    """
     N, dim = z.shape
-    E = w1.shape[0]
+    E, k = w1.shape[0], idx.shape[1]
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of_route = order // idx.shape[1]
-    counts = torch.zeros(E, dtype=torch.int64, device=z.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    seen = (flat[:, None] == torch.arange(E, device=z.device)).long().cumsum(0)  # [R, E]
+    padded = (seen[-1] + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = torch.cumsum(padded, 0)
-    expert_sorted = flat[order]
-    rank = torch.arange(flat.numel(), device=z.device) - (torch.cumsum(counts, 0) - counts)[expert_sorted]
-    pos = (ends - padded)[expert_sorted] + rank
-    M = -(-(flat.numel() + E * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN  # static bound
-    x = z.new_zeros(M, dim).index_copy(0, pos, z[token_of_route])
+    pos = (ends - padded)[flat] + seen.gather(1, flat[:, None]).squeeze(1) - 1
+    M = -(-(flat.numel() + E * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN  # static bound on the rows
+    x = z.new_zeros(M, dim).index_copy(0, pos, z.unsqueeze(1).expand(N, k, dim).reshape(-1, dim))
     offs = ends.to(torch.int32)
     a = situ_glu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
                  torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), beta_gate, beta_up)
-    y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
-    return combine(y[pos], order, token_of_route, p, N, z.dtype)
+    h = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)[pos].view(N, k, -1)
+    return (h.float() * p.float()[..., None]).sum(1).to(z.dtype)
 
 
 def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""The decode step's own pieces against the model's: the grouped routed experts, the decode forward."""
+
+from __future__ import annotations
+
+import torch
+
+from k3rl.kernels.moe import latent_experts_loop
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.rollout.engine_decode import _grouped_experts, decode_forward
+from k3rl.rollout.state_pool import StatePool
+
+torch.set_num_threads(1)
+
+
+def test_grouped_experts_match_the_reference_loop():
+    torch.manual_seed(0)
+    E, f, lat, N, k = 6, 32, 16, 13, 3
+    w1, w3 = torch.randn(E, f, lat) * 0.2, torch.randn(E, f, lat) * 0.2
+    w2 = torch.randn(E, lat, f) * 0.2
+    z = torch.randn(N, lat)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])
+    idx[:5] = torch.tensor([0, 1, 2])  # one expert gets many routes, others none
+    p = torch.rand(N, k)
+    ref = latent_experts_loop(z, idx, p, w1, w3, w2)
+    got = _grouped_experts(z.bfloat16(), idx, p, w1.bfloat16(), w3.bfloat16(), w2.bfloat16(), 4.0, 25.0)
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_decode_forward_over_the_pool_equals_the_model_forward():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    ids = [[5, 9, 33, 2, 71, 8], [12, 4, 4, 100, 3, 17]]
+    pool = StatePool(model, num_slots=3, max_len=64, initial_capacity=16)
+    with torch.no_grad():
+        full, routing = model(torch.tensor(ids), return_routing=True)
+        for slot, seq in enumerate(ids):  # prefill all but the last token, one sequence per slot
+            cache = model.new_cache(1)
+            model(torch.tensor([seq[:-1]]), cache=cache)
+            pool.load(slot, cache)
+        view = pool.view(2, 16, torch.tensor([5, 5]), [5, 5])
+        logits, experts = decode_forward(model, torch.tensor([[s[-1]] for s in ids]), view)
+        pool.write_back(view)
+    torch.testing.assert_close(logits, full[:, -1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(experts, routing[:, -1])
