@@ -331,7 +331,8 @@ def _report(job: Job, summary: dict[str, Any], quiet: bool) -> None:
 
 
 def _log_samples(job: Job, stats: list[dict], step: int) -> None:
-    """The step's best episodes as HTML artifacts, read back from the store (the driver holds no tokens)."""
+    """The step's best episodes as HTML artifacts and MLflow traces, read back from the store (the driver
+    holds no tokens)."""
     from k3rl.store import TrajectoryStore
 
     n = job.cfg.tracking.sample_episodes
@@ -339,3 +340,4 @@ def _log_samples(job: Job, stats: list[dict], step: int) -> None:
     for t in TrajectoryStore(job.run_dir, readonly=True).read(step=step):
         if t.id in best:
             job.tracker.log_episode_html(t, step=step)
+            job.tracker.log_episode_trace(t, step=step)

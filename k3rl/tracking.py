@@ -1,5 +1,5 @@
 """Experiment tracking in MLflow: params, metrics per step, artifacts (config, episodes as HTML,
-the reward-curve PNG), resume by run id.
+the reward-curve PNG), sample episodes as traces (`k3rl.traces`), resume by run id.
 
 Default store: SQLite under `runs/` (the file store is deprecated) with the artifacts in a
 local directory beside it, so nothing leaves the disk; a team points `uri` at a server.
@@ -278,6 +278,13 @@ class Tracker:
 
         html = render_episode_html(trajectory, title=f"step {step} · episode {trajectory.id}")
         return self.log_artifact_text(html, f"episodes/step_{step:06d}/{trajectory.id}.html")
+
+    def log_episode_trace(self, trajectory: Trajectory, step: int) -> str:
+        """The episode as an MLflow trace of this run (a span per turn and tool call, the reward;
+        see `k3rl.traces`), tagged `k3rl.step`; returns the trace id."""
+        from k3rl.traces import log_episode_trace
+
+        return log_episode_trace(self.client, self.experiment_id, self.run_id, trajectory, step)
 
     def log_reward_curve_png(self, metrics: Iterable[str] | None = None, artifact_path: str = "reward_curve.png") -> str | None:
         """Plot the run's reward curves (default: `reward/mean` and every per-environment `reward/<env>/mean`) from what is in
