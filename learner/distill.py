@@ -1,0 +1,103 @@
+"""On-policy distillation: teachers score the tokens the student sampled.
+
+The student samples its episodes as in RL; a teacher (an HF-layout checkpoint of the K3
+architecture, any preset, built with `build_model(..., checkpoint=)`) computes log T(y_t) of every
+token the student sampled, in the student's own context. The per-token reverse KL of the student
+to the teacher,
+
+    KL(pi || T) = E_{y ~ pi} [ log pi(y_t | y_<t) - log T(y_t | y_<t) ],
+
+falls under a policy gradient whose per-token reward is r_t = log T(y_t) - log mu(y_t), with mu the
+behaviour policy that sampled y_t (its log-prob is recorded with every token), undiscounted:
+each token is credited with its own term only. So distillation is one more advantage, added to
+the env's (per episode or per turn, learner/advantages.py) in the same loss:
+
+    A_t = A_env_t + coef * (log T(y_t) - log mu(y_t))          on sampled tokens
+
+Several teachers: the episodes of an env go to the teacher named for it (the K3 report's
+multi-teacher setup, one expert per domain); a teacher named for no env takes the others, and
+episodes no teacher takes keep the env's advantage alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from k3rl.types import Trajectory
+
+from .data import build_micro_batches
+
+__all__ = ["Teacher", "distill_advantages", "load_teacher", "score"]
+
+
+@dataclass
+class Teacher:
+    model: torch.nn.Module
+    envs: tuple[str, ...] = ()  # the env ids it teaches; () = every env no other teacher names
+    coef: float = 1.0
+
+
+def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *, envs: Sequence[str] = (),
+                 coef: float = 1.0, device: str = "cpu", dtype: str = "float32") -> Teacher:
+    """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
+    from .model.factory import build_model
+
+    model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
+    return Teacher(model, tuple(envs), coef)
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_tokens: int = 4096) -> list[torch.Tensor]:
+    """log model(y_t) of every sampled completion token, [len(completion_ids)] per trajectory (0 where
+    loss_mask is 0); each context segment is scored as the sequence it was."""
+    device = next(model.parameters()).device
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(trajectories)
+    for mb in build_micro_batches(trajectories, micro_batch_tokens, "token_mean"):
+        media = None
+        if mb.images:
+            from k3rl.images import from_png
+
+            media = model.as_media([from_png(b) for b in mb.images])
+        logp, _ = model(mb.input_ids.to(device), images=media, cu_seqlens=mb.cu_seqlens.to(device),
+                        targets=mb.targets[None].to(device))
+        logp = logp[0].float().cpu()
+        offset = 0
+        for s in mb.traj_indices:
+            t = trajectories[s]
+            L = len(t.token_ids) - 1
+            keep = torch.ones(L, dtype=torch.bool)  # the positions build_micro_batches kept (not segment starts)
+            keep[[b - 1 for b in t.segment_starts]] = False
+            n = int(keep.sum())
+            full = torch.zeros(L)
+            full[keep] = logp[offset:offset + n]
+            offset += n
+            out[s] = full[len(t.prompt_ids) - 1:] * torch.tensor(t.loss_mask, dtype=torch.float32)
+    return out
+
+
+def _teacher_of(env_id: str, teachers: Sequence[Teacher]) -> Teacher | None:
+    named = next((t for t in teachers if env_id in t.envs), None)
+    return named or next((t for t in teachers if not t.envs), None)
+
+
+def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
+                       micro_batch_tokens: int = 4096) -> torch.Tensor:
+    """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
+    token) plus, on sampled tokens, coef * (log T - log mu) of the episode's teacher."""
+    n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
+    env = torch.as_tensor(env_advantages, dtype=torch.float32)
+    out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
+    for teacher in teachers:
+        mine = [i for i, t in enumerate(trajectories) if _teacher_of(t.env_id, teachers) is teacher]
+        if not mine:
+            continue
+        scored = score(teacher.model, [trajectories[i] for i in mine], micro_batch_tokens)
+        for i, log_t in zip(mine, scored, strict=True):
+            t = trajectories[i]
+            mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+            log_mu = torch.tensor(t.logprobs, dtype=torch.float64).float()
+            out[i, :len(t.completion_ids)] += teacher.coef * (log_t - log_mu) * mask
+    return out
