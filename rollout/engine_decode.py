@@ -146,10 +146,12 @@ class DecodeRunner:
         self.pool.ensure_capacity(S)
         B = rung(n, self.batch_rungs) if self.use_graphs else n
         pad = B - n
-        ints = torch.tensor([tokens + [0] * pad, seeds + [0] * pad, counters + [0] * pad, lengths + [0] * pad],
-                            dtype=torch.int64)
+        zeros = [0] * pad
+        ints = torch.tensor(tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros,  # flat: fast
+                            dtype=torch.int64).view(4, B)
         params = params + [(0.0, 0, 1.0)] * pad  # padding rows: greedy, unfiltered
-        floats = torch.tensor(list(zip(*params, strict=True)), dtype=torch.float64)
+        floats = torch.tensor([x for column in zip(*params, strict=True) for x in column],
+                              dtype=torch.float64).view(3, B)
         self.ints[:, :B].copy_(ints, non_blocking=True)
         self.floats[:, :B].copy_(floats, non_blocking=True)
         self.pool.lengths[:n] = [x + 1 for x in lengths]
