@@ -35,6 +35,7 @@ from torch import nn
 from k3rl.types import Trajectory, WeightUpdate
 
 from . import checkpoint as ckpt
+from .advantages import step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
 from .expert_parallel import (
@@ -44,7 +45,6 @@ from .expert_parallel import (
     local_expert_params,
     reduce_expert_grads,
 )
-from .advantages import step_advantages
 from .losses import LossConfig, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
 from .qk_clip import MaxLogitTracker, QKClip
