@@ -267,7 +267,8 @@ class Scheduler:
 
     async def next_batch(self, step: int, stall_timeout_s: float | None = None) -> list[Group]:
         """P finished groups whose every trainable token is at most `lag` versions older than step
-        `step`'s policy; stale and failed-whole groups are dropped and replaced on the way."""
+        `step`'s policy; stale, failed-whole and (dynamic sampling) zero-variance groups are dropped and
+        replaced on the way."""
         stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
         refills = 0  # groups dropped for zero variance at this step
         while True:
