@@ -50,7 +50,8 @@ def test_terminal_rewards_of_equal_length_episodes_give_grpo():
         assert a == pytest.approx([b] * 3, rel=1e-6)
 
 
-def segmented_episode(rng: random.Random, group: str, step_rewards: tuple[float, float], vocab: int = 256) -> Trajectory:
+def segmented_episode(rng: random.Random, group: str, step_rewards: tuple[float, float], vocab: int = 256,
+                      routes: tuple[int, int] | None = None) -> Trajectory:
     """An episode of two env turns in two context segments, the second opened by a summary turn:
     seg 0 = prompt, turn 1, tool reply, summary request, summary; seg 1 = rebuilt context, turn 2."""
     def ids(n):
@@ -58,10 +59,13 @@ def segmented_episode(rng: random.Random, group: str, step_rewards: tuple[float,
 
     P = 5
     t = Trajectory(env_id="test/Seg-v0", group_id=group, prompt_ids=ids(P), reward=sum(step_rewards),
-                   turns=[Turn(role="user", start=0, end=P)])
+                   turns=[Turn(role="user", start=0, end=P)], routed_experts=[] if routes else None)
 
     def say(n, **kw):
-        start, end = t.append(ids(n), generated=True, logprobs=[-rng.uniform(4, 6) for _ in range(n)], version=1)
+        routed = [[[rng.randrange(8) for _ in range(routes[1])] for _ in range(routes[0])] for _ in range(n)] \
+            if routes else None
+        start, end = t.append(ids(n), generated=True, logprobs=[-rng.uniform(4, 6) for _ in range(n)], version=1,
+                              routed=routed)
         t.turns.append(Turn(role="assistant", start=start, end=end, **kw))
 
     def hear(n, role="tool", **kw):
@@ -107,13 +111,17 @@ def test_step_advantages_shapes_and_shaping():
 
 def test_segments_pack_as_their_own_sequences_under_the_episode():
     rng = random.Random(2)
-    batch = [segmented_episode(rng, "g", (0.0, 1.0)), segmented_episode(rng, "g", (0.0, 0.0))]
-    (mb,) = build_micro_batches(batch, 4096, "token_mean", advantages=torch.tensor([0.7, -0.7]))
+    routes = (2, 3)  # routing replay: 2 MoE layers, top-3
+    batch = [segmented_episode(rng, "g", (0.0, 1.0), routes=routes), segmented_episode(rng, "g", (0.0, 0.0), routes=routes)]
+    (mb,) = build_micro_batches(batch, 4096, "token_mean", advantages=torch.tensor([0.7, -0.7]),
+                                num_moe_layers=2, top_k=3)
     parts = [s for t in batch for s in t.segments()]
-    (ref,) = build_micro_batches(parts, 4096, "token_mean", advantages=torch.tensor([0.7, 0.7, -0.7, -0.7]))
+    (ref,) = build_micro_batches(parts, 4096, "token_mean", advantages=torch.tensor([0.7, 0.7, -0.7, -0.7]),
+                                 num_moe_layers=2, top_k=3)
     for name in ("input_ids", "cu_seqlens", "targets", "mask", "behaviour_logp", "advantages", "versions",
-                 "agg_weights"):
+                 "agg_weights", "routed_experts"):
         assert torch.equal(getattr(mb, name), getattr(ref, name)), name
+    assert (mb.routed_experts >= 0).any()
     assert mb.seq_index.tolist() == [0] * (len(batch[0].token_ids) - 2) + [1] * (len(batch[1].token_ids) - 2)
     # every sampled token, summary included, is a target with the episode's advantage
     assert int(mb.mask.sum()) == sum(t.num_generated for t in batch) == 24
