@@ -76,6 +76,44 @@ def test_heldout_groups_run_each_task_greedily_once_and_n_times_sampled():
     assert all(s["issued_version"] == 11 for s in g.specs)
 
 
+def test_an_episode_specs_sampling_override_makes_it_greedy_with_the_real_engine():
+    """The job samples at temperature 1; the spec's {"temperature": 0.0} makes its episode greedy: every
+    token the argmax of the model's own forward, whatever the request seeds (the member ids) are."""
+    import asyncio
+
+    import torch
+
+    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.rollout.episode import EpisodeSpec, job_sampling, make_env, make_template, run_episode
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    engine = EmbeddedEngine(model, background=False)
+    cfg = JobConfig.load(None, ["envs.max_turns=1", "rollout.sampling.max_tokens_per_turn=8"])
+    template = make_template(cfg)
+    assert job_sampling(cfg).temperature == 1.0
+
+    async def generate(ids, sampling, images=None, key=None, group_key=None):
+        return engine.generate(ids, sampling, images=images)
+
+    def episode(member, **override):
+        spec = EpisodeSpec(id=f"g-{member}", env_id="k3rl/KeyLookup-v0", seed=2**31 + 5, group_id="g", **override)
+        return asyncio.run(run_episode(lambda: make_env(spec, cfg, template), spec, generate, template,
+                                       job_sampling(cfg), max_turns=1, max_context_tokens=512))
+
+    greedy = [episode(m, sampling={"temperature": 0.0}) for m in ("greedy", "s0")]
+    sampled = [episode(m) for m in ("s0", "s1")]
+    assert greedy[0].completion_ids == greedy[1].completion_ids and greedy[0].metadata["sampling"] == {"temperature": 0.0}
+    assert sampled[0].completion_ids != sampled[1].completion_ids and "sampling" not in sampled[0].metadata
+    t = greedy[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([t.token_ids]))[0]
+    P, n = len(t.prompt_ids), sum(t.loss_mask)  # the sampled tokens come first (one turn)
+    assert n and t.completion_ids[:n] == [int(logits[P - 1 + i].argmax()) for i in range(n)]
+
+
 @pytest.mark.slow
 def test_async_job_evaluates_at_a_known_version_and_dynamic_sampling_bounds_its_refills(tmp_path):
     """lag 2: training episodes keep running across weight pushes, yet every token of the eval logged at
