@@ -48,3 +48,20 @@ def test_take_trains_the_members_that_did_not_fail_and_stores_every_member_with_
                     "e4": ("stale", 2), "e5": ("failed", 2), "e6": ("unused", 3)}
     lost = TrajectoryStore(tmp_path, readonly=True).read(episode="e5")[0]
     assert lost.error == "episode lost: deadline" and lost.metadata["failed_at"] == "lost"
+
+
+def test_dropped_groups_are_stored_with_their_status_and_failed_members_as_failed(tmp_path):
+    async def go():
+        b = TrajectoryBuffer(group_size=2, store_dir=str(tmp_path))
+        await b.put(_t(0, "zv", reward=0.5))
+        await b.put(_t(1, "zv", error="SandboxError: container died"))
+        await b.put(_t(2, "ev", reward=1.0))
+        await b.put(_t(3, "ev", error="RuntimeError: engine"))
+        b.drop(["zv"], step=3, status="zero_variance")  # dynamic sampling: no reward variance
+        b.drop(["ev"], step=3, status="eval")  # evaluation keeps every member as eval, failed or not
+        return b.get_stats()
+
+    stats = asyncio.run(go())
+    fate = {r["id"]: r["status"] for r in TrajectoryStore(tmp_path, readonly=True).summary()}
+    assert fate == {"e0": "zero_variance", "e1": "failed", "e2": "eval", "e3": "eval"}
+    assert (stats["zero_variance"], stats["failed"], stats["eval"]) == (1, 1, 2)
