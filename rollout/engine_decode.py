@@ -47,10 +47,11 @@ def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) ->
     N, dim = z.shape
     E, k = w1.shape[0], idx.shape[1]
     flat = idx.reshape(-1)
-    seen = (flat[:, None] == torch.arange(E, device=z.device)).long().cumsum(0)  # [R, E]
-    padded = (seen[-1] + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+    # [E, R]: routes to each expert so far (a scan along the last dim: a scan along the first is serial on CUDA)
+    seen = (torch.arange(E, device=z.device)[:, None] == flat[None, :]).long().cumsum(1)
+    padded = (seen[:, -1] + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = torch.cumsum(padded, 0)
-    pos = (ends - padded)[flat] + seen.gather(1, flat[:, None]).squeeze(1) - 1
+    pos = (ends - padded)[flat] + seen.gather(0, flat[None, :]).squeeze(0) - 1
     M = -(-(flat.numel() + E * (GROUP_ALIGN - 1)) // GROUP_ALIGN) * GROUP_ALIGN  # static bound on the rows
     x = z.new_zeros(M, dim).index_copy(0, pos, z.unsqueeze(1).expand(N, k, dim).reshape(-1, dim))
     offs = ends.to(torch.int32)
