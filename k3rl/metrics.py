@@ -35,6 +35,7 @@ def episode_stats(traj: Trajectory) -> dict[str, Any]:
         "turns": traj.num_turns, "tokens": len(traj.token_ids), "generated": len(gen),
         "min_version": min(gen) if gen else None, "max_version": max(gen) if gen else None,
         "version_sum": sum(gen), "seconds": float(traj.timings.get("episode_s", 0.0)),
+        "parse_errors": int(traj.metadata.get("parse_errors", 0)),
     }
 
 
@@ -60,6 +61,8 @@ def step_metrics(batch: list[dict[str, Any]], step: int) -> dict[str, float]:
     m["episodes/success_rate"] = sum(map(success, rewards)) / n
     m["episodes/failed_rate"] = 1.0 - n / len(batch)
     m["episodes/truncated_rate"] = sum(bool(s.get("truncated")) for s in trained) / n
+    # episodes with a malformed assistant message: the first sign of a policy losing its format
+    m["episodes/format_error_rate"] = sum(s.get("parse_errors", 0) > 0 for s in trained) / n
     m["episodes/turns"] = sum(s["turns"] for s in trained) / n
     m["episodes/tokens"] = sum(s["tokens"] for s in trained) / n
     m["episodes/generated_tokens"] = sum(s["generated"] for s in trained) / n

@@ -224,6 +224,8 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             timings["env_s"] += time.monotonic() - e0
             said.reward = float(reward)
             traj.reward += float(reward)
+            if (info or {}).get("parse_error"):  # a malformed message: the format guard's signal
+                traj.metadata["parse_errors"] = traj.metadata.get("parse_errors", 0) + 1
             errors = {c.get("index"): c.get("error") for c in (info or {}).get("tool_calls", [])}
             for m in observed_messages(obs):
                 start, end = traj.append(session.add(m).ids, generated=False)

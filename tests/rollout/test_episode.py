@@ -87,6 +87,14 @@ def test_malformed_output_is_shown_to_the_model_and_counts_as_a_turn():
     errors = [t for t in traj.turns if t.role == "user" and "could not be parsed" in t.text]
     assert len(errors) == 2 and traj.truncated and traj.reward == 0.0 and traj.error is None
     assert traj.metadata["truncated_by"] == "max_turns" and traj.num_generated > 0
+    assert traj.metadata["parse_errors"] == 2  # counted for episodes/format_error_rate
+    from k3rl.metrics import episode_stats, step_metrics
+
+    other = Made()
+    good = run(other, oracle_generate(other))
+    assert "parse_errors" not in good.metadata
+    stats = [{**episode_stats(t), "min_version": 0, "max_version": 0} for t in (traj, good)]
+    assert step_metrics(stats, step=1)["episodes/format_error_rate"] == 0.5
 
 
 def test_a_message_cut_by_max_tokens_is_a_truncation_not_an_error():
