@@ -28,7 +28,8 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Host services the tests and the demo use: Docker daemon (no bridge network), bubblewrap,
-# debootstrap and the offline-built sandbox image. Installs only when root on Debian.
+# debootstrap, the offline-built sandbox image, and a headless Chromium for the browser tests.
+# Installs only when root on Debian.
 host: venv
 	@bash sandboxes/host_setup.sh
 

@@ -5,7 +5,9 @@
 #   2. starts `dockerd --bridge=none` when no Docker daemon answers (sandboxes need no network),
 #      and waits until it does,
 #   3. builds the sandbox image k3rl-sandbox:<recipe hash> offline (debootstrap from the mirror
-#      apt already uses + docker import); a no-op when the recipe is unchanged.
+#      apt already uses + docker import); a no-op when the recipe is unchanged,
+#   4. installs a headless Chromium (Debian's chromium-headless-shell) for the browser tests when
+#      no Chromium is there; optional: without it those tests are skipped.
 # Environment: K3RL_PYTHON (python with k3rl installed; default .venv/bin/python, else python3),
 #              K3RL_DOCKERD_LOG (default /var/log/k3rl-dockerd.log).
 set -euo pipefail
@@ -69,4 +71,15 @@ fi
 # 3. sandbox image ---------------------------------------------------------------------------
 say "building the sandbox image with $python (no-op when up to date)"
 "$python" -c "from k3rl.sandboxes import cli_build; cli_build()"
+
+# 4. headless Chromium for tests/test_browser.py ---------------------------------------------------
+if command -v chromium >/dev/null 2>&1 || command -v chromium-headless-shell >/dev/null 2>&1; then
+    say "chromium present"
+else
+    say "installing chromium-headless-shell (browser tests; optional)"
+    export DEBIAN_FRONTEND=noninteractive
+    if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium-headless-shell; }; then
+        say "could not install chromium-headless-shell: the browser tests will be skipped"
+    fi
+fi
 say "done"
