@@ -298,7 +298,7 @@ class McpToolEnv(ToolEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         obs, info = super().reset(seed=seed, options=options)
         try:
-            self.sandbox  # the server's tools are part of the opening: the prompt declares them
+            _ = self.sandbox  # the server's tools are part of the opening: the prompt declares them
         except BaseException:
             self._end_episode()
             raise
