@@ -116,11 +116,14 @@ def ui(
     tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] = "sqlite:///runs/mlflow.db",
     port: Annotated[int, typer.Option()] = 5000,
 ) -> None:
-    """Start the MLflow UI on the run store (loopback only); Ctrl-C or SIGTERM stops it and its workers."""
+    """Start the MLflow UI on the run store (loopback only): runs, reward curves, sample episodes as traces
+    and HTML pages. Ctrl-C or SIGTERM stops it and its workers."""
     # one server worker: a local UI has one user, and MLflow's default of 4 slows start-up on small machines
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1",
            "--port", str(port), "--workers", "1"]
     console.print(f"MLflow UI on http://127.0.0.1:{port}  ({' '.join(cmd)})")
+    console.print("sample episodes: the experiment's Traces tab (a span per turn and tool call), "
+                  "and episodes/*.html among a run's artifacts")
     raise typer.Exit(run_until_stopped(cmd))
 
 
