@@ -125,3 +125,27 @@ def test_a_connection_on_a_plain_sandbox_closes_cleanly(require_sandbox):
             connection.close()
         assert connection.process.at_eof
         assert not connection._thread.is_alive()
+
+
+def test_episodes_on_a_pooled_sandbox_each_start_their_own_server(require_sandbox):
+    """As in a rollout worker: sandboxes come from a SandboxPool on an event loop, the env steps in a thread."""
+    import asyncio
+    import threading
+
+    from k3rl.envs.sandboxed import pooled
+    from k3rl.sandboxes import SandboxPool
+
+    require_sandbox()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    pool = SandboxPool(backend=BACKEND, max_size=1, min_idle=1)
+    try:
+        asyncio.run_coroutine_threadsafe(pool.start(), loop).result(timeout=120)
+        env = make(**pooled(pool, loop))
+        for seed, family in [(0, "setting"), (1, "colour")]:
+            ep = run_oracle_episode(env, seed=seed, options={"family": family})
+            assert ep.reward == 1.0 and ep.error is None
+            assert pool.leased == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(pool.close(), loop).result(timeout=120)
+        loop.call_soon_threadsafe(loop.stop)
