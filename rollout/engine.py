@@ -540,11 +540,17 @@ class EmbeddedEngine(InferenceEngine):
             self._prefix.move_to_end((best.ids, best.images))
         return best
 
+    def _offers_prefix(self, seq: _Seq) -> bool:
+        """Only states computed entirely by the current weights are offered for reuse."""
+        return self.prefix_cache_size > 0 and seq.state_version == self._version
+
     def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
-        if self.prefix_cache_size <= 0 or seq.state_version != self._version:
-            return  # only states computed entirely by the current weights are offered for reuse
+        if not self._offers_prefix(seq):
+            return
         key = (tuple(ids), seq.digests[: seq.image_cursor])
-        self._prefix[key] = _PrefixEntry(key[0], key[1], cache.clone(), logits.clone())
+        # `cache` is never written again (a prefilled cache is only copied into slots; a pool state
+        # is extracted as a copy); a hit clones it before extending it. The logits may be a graph's buffer
+        self._prefix[key] = _PrefixEntry(key[0], key[1], cache, logits.clone())
         self._prefix.move_to_end(key)
         while len(self._prefix) > self.prefix_cache_size:
             self._prefix.popitem(last=False)
@@ -670,7 +676,8 @@ class EmbeddedEngine(InferenceEngine):
                 experts = [int(e) for e in row[2:]]
                 s.out_routed.append([experts[m : m + k] for m in range(0, len(experts), k)])
             if s.flushing:  # its last token is now fed: offer the state covering the whole sequence
-                self._remember(s, s.prompt + s.out_ids, self._pool.extract(s.slot), logits[i])
+                if self._offers_prefix(s):
+                    self._remember(s, s.prompt + s.out_ids, self._pool.extract(s.slot), logits[i])
                 fed.append(s)
                 continue
             s.logits = None
