@@ -215,7 +215,8 @@ class EmbeddedEngine(InferenceEngine):
 
     model            a K3ForCausalLM (its device and dtype are used as they are)
     tokenizer        decodes tokens for stop strings (default: the byte tokenizer)
-    max_num_seqs     sequences decoded together at most; more requests wait
+    max_num_seqs     sequences decoded together at most; more requests wait. Their decode state is
+                     preallocated (one slot each: KDA states, conv windows, MLA latents)
     prefill_chunk    prompt tokens per prefill forward (chunked prefill)
     max_prefill_tokens  prompt tokens processed per step over all prefilling sequences
     prefix_cache_size   cached prefix states kept (LRU); 0 disables cross-request reuse
