@@ -138,6 +138,7 @@ class DecodeRunner:
     def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool):
         self.model, self.pool, self.banned = model, pool, banned
         self.use_graphs = use_graphs and pool.device.type == "cuda"
+        self.pad = self.use_graphs  # pad the batch to its rung (graphs need it; settable to test the padding)
         N = pool.num_slots
         self.batch_rungs = tuple(sorted({r for r in BATCH_RUNGS if r < N} | {N}))
         self.ints = torch.zeros(4, N, dtype=torch.int64, device=pool.device)  # token, seed, counter, length
@@ -163,7 +164,7 @@ class DecodeRunner:
         lengths = self.pool.lengths[:n]
         S = self.context_rung(max(lengths))
         self.pool.ensure_capacity(S)
-        B = rung(n, self.batch_rungs) if self.use_graphs else n
+        B = rung(n, self.batch_rungs) if self.pad else n
         pad = B - n
         zeros = [0] * pad
         ints = torch.tensor(tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros,  # flat: fast
@@ -175,7 +176,7 @@ class DecodeRunner:
         self.floats[:, :B].copy_(floats, non_blocking=True)
         self.pool.lengths[:n] = [x + 1 for x in lengths]
         if not self.use_graphs:
-            return self._run(B, S, filtered, lengths)
+            return self._run(B, S, filtered, lengths + zeros)
         if self.graph_generation != self.pool.generation:  # the latent buffers moved: recapture
             self.graphs.clear()
             self.graph_generation = self.pool.generation

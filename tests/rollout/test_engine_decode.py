@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k3rl.kernels.moe import latent_experts_loop
@@ -43,3 +44,31 @@ def test_decode_forward_over_the_pool_equals_the_model_forward():
         pool.write_back(view)
     torch.testing.assert_close(logits, full[:, -1], rtol=1e-4, atol=1e-4)
     assert torch.equal(experts, routing[:, -1])
+
+
+def test_padding_rows_of_a_rung_change_nothing():
+    """The batch padded to its rung, as CUDA graphs run it (free slots of length 0, greedy and
+    unfiltered rows), gives every request the tokens of the unpadded batch."""
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.types import SamplingParams
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    prompts = [[(7 * i + 3 + n) % 250 + 1 for i in range(n)] for n in (5, 23, 11, 9, 17)]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=1.0, max_tokens=9, seed=11),
+              SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_tokens=7, seed=5),
+              SamplingParams(temperature=0, max_tokens=4, return_routed_experts=True),
+              SamplingParams(temperature=0.7, max_tokens=8, seed=2)]
+    results = []
+    for pad in (False, True):
+        eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
+        eng._runner.pad = pad
+        futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+        while not all(f.done() for f in futures):
+            eng.step()
+        results.append([f.result() for f in futures])
+    for a, b in zip(*results, strict=True):
+        assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
