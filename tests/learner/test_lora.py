@@ -55,18 +55,22 @@ def test_every_target_group_is_adapted_and_a_fresh_adapter_changes_nothing():
         apply_lora(build_model("k3-tiny", seed=0), LoraSettings(targets=["nothing_like_this"]))
 
 
-def test_a_training_step_changes_only_the_adapters():
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_rl_steps_of_the_trainer_change_only_the_adapters(optimizer):
+    """Two GRPO steps of the learner's Trainer (Per-Head Muon or AdamW) on a LoRA-adapted k3-tiny."""
+    from learner_helpers import make_trajectories
+
+    from k3rl.config import LearnerSection
+    from k3rl.learner.trainer import Trainer
+
+    torch.manual_seed(0)
     model, base = adapted()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    assert {id(p) for p in trainable} == {id(p) for a in adapters_of(model).values() for p in a.parameters()}
-    opt = torch.optim.AdamW(trainable, lr=1e-2)
-    ids = tokens(model)
-    for _ in range(2):  # step 1 moves B off zero, step 2 then moves A too
-        logits = model(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    trainer = Trainer(model, LearnerSection(micro_batch_tokens=64, steps=10, optimizer=optimizer, lr=1e-2))
+    adapter_params = {id(p) for a in adapters_of(model).values() for p in a.parameters()}
+    assert {id(p) for p in trainer.trainable} == adapter_params  # the optimizer holds the adapters only
+    for step in range(2):  # step 1 moves B off zero, step 2 then moves A too
+        stats = trainer.train_step(make_trajectories(seed=step))  # byte tokens, no media placeholders
+        assert stats["sequences"] == 8
     merged = merged_state_dict(model)
     assert set(merged) == set(base)
     frozen = {k: v for k, v in model.state_dict().items() if not k.startswith("lora_adapters.")
