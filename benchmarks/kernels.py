@@ -44,7 +44,7 @@ def _load_kernels_alone():
 _load_kernels_alone()
 from triton.testing import do_bench  # noqa: E402
 
-from k3rl.kernels.kda import chunk_kda, chunk_kda_reference, fused_recurrent_kda  # noqa: E402
+from k3rl.kernels.kda import chunk_kda, chunk_kda_reference, fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
 from k3rl.kernels.moe import latent_experts  # noqa: E402
 from k3rl.kernels.newton_schulz import newton_schulz, newton_schulz_loop  # noqa: E402
 from k3rl.kernels.situ import situ_glu, situ_glu_formula  # noqa: E402
@@ -349,6 +349,54 @@ def agree():
         )
 
 
+def strong_gate_inputs(lens, H, K=128, V=128, seed=0):
+    """The issue's strong gates: A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1), random beta, an initial
+    state, ragged documents (fp32 here; each run casts)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(lens)
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEV)
+    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), z=r(1, T, H, K),
+             beta=torch.rand(1, T, H, generator=gen, device=DEV))  # fmt: skip
+    gate = dict(A_log=torch.empty(H, device=DEV).uniform_(1, 16, generator=gen).log(), dt_bias=0.5 * r(H * K))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    return x, gate, cu, r(len(lens), H, K, V) * 0.1
+
+
+def grads_of(fn, x, gate, cu, S0, dtype, **kw):
+    """o, final state and the gradients of q, k, v, z, beta, S0 for a fixed random dO and dS."""
+    leaves = {n: t.to(dtype).clone().requires_grad_() for n, t in x.items()}
+    h0 = S0.clone().requires_grad_()
+    o, s = fn(
+        leaves["q"], leaves["k"], leaves["v"], leaves["z"], leaves["beta"], initial_state=h0,
+        output_final_state=True, cu_seqlens=cu, **gate, **GATE, **kw,
+    )  # fmt: skip
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    ((o.float() * torch.randn(o.shape, generator=gen, device=DEV)).sum() + s.sum()).backward()
+    return (
+        {"o": o.detach(), "final state": s.detach()}
+        | {f"d{n}": t.grad for n, t in leaves.items()}
+        | {"dS0": h0.grad}
+    )
+
+
+def agree_strong(lens=(4096, 1000, 3000), H=96):
+    """Relative L2 error against the fp32 reference on strong gates: ours (bf16), fla-core (bf16), and the
+    PyTorch reference itself in bf16 (its inputs rounded, fp32 inside): the floor of bf16 inputs."""
+    print(f"\n## Numerical agreement on strong gates (documents {list(lens)}, H = {H}; relative L2 error)\n")
+    x, gate, cu, S0 = strong_gate_inputs(list(lens), H)
+    ref = grads_of(chunk_kda_reference, x, gate, cu, S0, torch.float32)
+    runs = {"ours bf16": grads_of(chunk_kda, x, gate, cu, S0, BF16)}
+    if fla_chunk_kda:
+        runs["fla-core bf16"] = grads_of(
+            lambda *a, **kw: fla_chunk_kda(*a, safe_gate=True, **kw), x, gate, cu, S0, BF16
+        )
+    runs["reference bf16"] = grads_of(chunk_kda_reference, x, gate, cu, S0, BF16)
+    row("quantity", *runs)
+    row(*["---"] * (len(runs) + 1))
+    for name in ref:
+        row(name, *(f"{rel(r[name], ref[name]):.2e}" for r in runs.values()))
+
+
 def bench_graph(fn, calls=20, replays=10):
     """ms per call of `calls` back-to-back calls captured in one CUDA graph: no launch gaps and no cache
     flush between calls (do_bench flushes L2 before each call and times each launch on its own)."""
@@ -383,7 +431,7 @@ def _bench_graph(fn, calls, replays):
     return sorted(times)[len(times) // 2]
 
 
-def recurrent(bw):
+def recurrent(bw, sweep_configs=True):
     print("\n## Fused recurrent KDA, one decode token (64 sequences x 96 heads, fp32 state in and out)\n")
     B, H, K, V = 64, 96, 128, 128
     x = kda_inputs(B, 1, H, seed=2)
@@ -407,8 +455,10 @@ def recurrent(bw):
         configs = [
             (bv, nw, False) for bv in (16, 32, 64, 128) for nw in (1, 2, 4, 8) if bv * 128 // (32 * nw) <= 256
         ]
+        if not sweep_configs:  # the committed defaults only
+            configs = [(saved["BV"], saved["num_warps"], saved["stream"])]
         for inplace in (False, True):
-            for bv, nw, stream in configs + [(32, 2, True)]:
+            for bv, nw, stream in configs + ([(32, 2, True)] if sweep_configs else []):
                 triton_recurrent.CONFIG.update(BV=bv, num_warps=nw, stream=stream)
                 sweep[(bv, nw, stream, inplace)] = bench(in_place if inplace else out_of_place)
         print("config sweep (BV, warps, stream, in place) -> ms:", {k: round(v, 4) for k, v in sweep.items()})
@@ -419,9 +469,28 @@ def recurrent(bw):
             fn = in_place if inplace else out_of_place
             name = f"ours, {'in place' if inplace else 'out of place'} (BV {best[0]}, {best[1]} warps)"
             timed[name] = (bench(fn), bench_graph(fn))
+        # the fastest way to call either kernel: q, k normalised (q scaled) and the fp32 gate computed
+        # once outside the call, as an engine that keeps them would
+        pre = (
+            l2norm(x["q"]).mul(K**-0.5).to(BF16), l2norm(x["k"]).to(BF16), x["v"],
+            kda_gate(x["g"], x["A_log"], x["dt_bias"], GATE["lower_bound"]), x["beta"],
+        )  # fmt: skip
+        pre_kw = dict(scale=1.0, initial_state=h0, output_final_state=True)
+        ours_pre = lambda: fused_recurrent_kda(*pre, **pre_kw)
+        timed["ours, pre-normalised q/k, fp32 gate (out of place)"] = (bench(ours_pre), bench_graph(ours_pre))
         if fla_fused_recurrent_kda:
             fla = lambda: fla_fused_recurrent_kda(*args(), initial_state=h0, output_final_state=True, **kw)
             timed["fla-core 0.6.0 fused_recurrent_kda (out of place)"] = (bench(fla), bench_graph(fla))
+            fla_pre = lambda: fla_fused_recurrent_kda(*pre, **pre_kw)
+            timed["fla-core, pre-normalised q/k, fp32 gate (its fastest call)"] = (
+                bench(fla_pre),
+                bench_graph(fla_pre),
+            )
+            o3, s3 = fla_pre()
+            o4, s4 = ours_pre()
+            print(
+                f"agreement ours vs fla, pre-normalised: o rel {rel(o4, o3):.2e}, state rel {rel(s4, s3):.2e}"
+            )
             triton_recurrent.CONFIG.update(saved)  # agreement at the committed defaults
             o1, s1 = out_of_place()
             o2, s2 = fla()
@@ -563,6 +632,8 @@ def main():
         profile_ours=lambda: profile(with_fla=False),
         agree=agree,
         recurrent=lambda: recurrent(bw),
+        recurrent_quick=lambda: recurrent(bw, sweep_configs=False),
+        agree_strong=agree_strong,
         situ=situ,
         moe=lambda: moe(tflops),
         ns=ns,

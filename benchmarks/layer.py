@@ -262,7 +262,7 @@ def _tf32(_layer):
     return lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
-def run_kind(kind, N, peak, first_n):
+def run_kind(kind, N, peak, first_n, only_levers=None):
     layer, full = build_layer(MLA_IDX if kind.startswith("mla") else KDA_IDX)
     d = full.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -279,6 +279,8 @@ def run_kind(kind, N, peak, first_n):
     flops = 3 * layer_flops(parts[kind], full, N)
     base = None
     for name, setup in levers(kind, first_n):
+        if only_levers and name not in only_levers:
+            continue
         undo = None
         fn = part_fn(kind, layer)
         if setup == "compile":
@@ -319,6 +321,7 @@ def main():
     p.add_argument("--tokens", default="8192,32768")
     p.add_argument("--only", default="kda_moe,mla_moe,kda,moe,mla")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    p.add_argument("--levers", default="", help="only these rows, e.g. eager,compile (default: all)")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"# layer benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, "
@@ -331,7 +334,8 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, N in enumerate(int(n) for n in args.tokens.split(",")):
         for kind in args.only.split(","):
-            run_kind(kind, N, peak, first_n=(i == 0 and not args.no_compile))
+            only = set(args.levers.split(",")) if args.levers else None
+            run_kind(kind, N, peak, first_n=(i == 0 and not args.no_compile), only_levers=only)
 
 
 if __name__ == "__main__":

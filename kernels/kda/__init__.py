@@ -6,6 +6,12 @@
 - ``chunk_kda_reference``   chunkwise algorithm of docs/model.md §2.5 in PyTorch
 - ``kda_chunk_transition`` / ``kda_transition``  M_chunk of §2.5 step 7 and its product (§9.3)
 - ``kda_gate``, ``l2norm``  the gate and q/k normalisation the kernels fuse in
+
+The Triton chunk kernel is ``triton_chunk.py`` (host side: launch settings, autograd, the entry point)
+with one module per stage, in the order they run: ``triton_chunk_gate.py`` (gate, chunk cumsum),
+``triton_chunk_intra.py`` (A_qk, A_kk blocks), ``triton_chunk_solve.py`` (T~, W, U),
+``triton_chunk_state.py`` (the serial state passes), ``triton_chunk_output.py`` and
+``triton_chunk_grads.py`` (chunk-local gradients); the decode kernel is ``triton_recurrent.py``.
 """
 
 from .chunk import chunk_kda
