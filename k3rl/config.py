@@ -116,6 +116,40 @@ class RolloutSection(_Section):
                              "past that the step trains on the groups it has (dynamic_sampling/refills_exhausted)")
 
 
+class TeacherSpec(_Section):
+    """One teacher of on-policy distillation (learner/distill.py)."""
+
+    checkpoint: str = Field(description="HF-layout directory of a K3-architecture checkpoint (any preset; the "
+                                        "student's tokenizer and vocabulary)")
+    preset: Literal["k3", "k3-small", "k3-tiny"] = "k3-tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields replacing the preset's")
+    envs: list[str] = Field(default_factory=list, description="env ids whose episodes it scores; [] = every env "
+                                                              "no other teacher names")
+    coef: float = Field(1.0, gt=0, description="weight of its per-token reverse-KL advantage, log T - log mu")
+
+
+class DistillSection(_Section):
+    """On-policy distillation: teachers score the student's sampled tokens; their per-token
+    reverse-KL advantage is added to the env's (a teacher per env: the multi-teacher setup)."""
+
+    teachers: list[TeacherSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_teacher_per_env(self):
+        problems, seen = [], {}
+        for i, t in enumerate(self.teachers):
+            for e in t.envs:
+                if e in seen:
+                    problems.append((f"teachers.{i}.envs", f"{e} is already taught by teachers.{seen[e]}; "
+                                                           "name each env in one teacher only"))
+                seen.setdefault(e, i)
+        if sum(not t.envs for t in self.teachers) > 1:
+            problems.append(("teachers", "more than one teacher has envs: []; only one may take the envs no "
+                                         "teacher names"))
+        _refuse(problems)
+        return self
+
+
 class LearnerSection(_Section):
     algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
     advantage: Literal["grpo", "grpo_no_std", "rloo", "turn_grpo", "turn_grpo_no_std"] = Field(
@@ -150,6 +184,10 @@ class LearnerSection(_Section):
         "none", description="episodes cut by max_tokens_per_turn or the context: filter = not trained (their "
                             "reward still enters the group baseline); penalty = reward - overlong_penalty")
     overlong_penalty: float = Field(0.5, ge=0)
+    format_penalty: float = Field(
+        0.0, ge=0, description="subtracted from the reward of an episode with a malformed assistant message (the "
+                               "format guard, docs/learning.md: RL's reward says nothing of the message format, so "
+                               "without it the format drifts)")
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
@@ -173,6 +211,7 @@ class LearnerSection(_Section):
     )
     gpus: float = Field(0.0, ge=0.0)
     seed: int = 0
+    distill: DistillSection = Field(default_factory=DistillSection)
 
     @model_validator(mode="after")
     def _refuse_what_cannot_work(self):

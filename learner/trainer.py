@@ -358,6 +358,9 @@ class Trainer:
         overlong = torch.tensor([self._overlong(t) for t in trajectories], dtype=torch.bool)
         mode = getattr(cfg, "overlong", "none")
         shaped = rewards - cfg.overlong_penalty * overlong if mode == "penalty" else rewards
+        # the format guard: an episode with a malformed message earns less than any well-formed one
+        malformed = torch.tensor([t.metadata.get("parse_errors", 0) > 0 for t in trajectories], dtype=torch.bool)
+        shaped = shaped - getattr(cfg, "format_penalty", 0.0) * malformed
         adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0))  # [N], or [N, C] per token
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
         epochs = getattr(cfg, "ppo_epochs", 1)
@@ -413,6 +416,7 @@ class Trainer:
             "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
             "advantage_abs_mean": float(adv.abs().mean()),
             "overlong_frac": float(overlong.double().mean()),
+            "malformed_frac": float(malformed.double().mean()),
             "loss_tokens": float(sums.get("tokens", 0)) / epochs,
             "tokens": float(total_positions),
             "sequences": float(len(keep)),
@@ -479,11 +483,9 @@ class Trainer:
         out: list[list[float] | None] = [None] * len(trajectories)
         for mb in mbs:
             mb = mb.to(self.device)
-            logp = self._forward_logprobs(self.model, mb, None, self._media(mb))[0] * mb.mask
-            bounds = mb.cu_seqlens.tolist()
-            for i, s in enumerate(mb.traj_indices):
-                P = len(trajectories[s].prompt_ids)
-                out[s] = logp[bounds[i] + P - 1 : bounds[i + 1]].double().cpu().tolist()
+            logp = self._forward_logprobs(self.model, mb, None, self._media(mb))[0]
+            for s, values in per_completion(logp, mb, trajectories).items():  # segment by segment
+                out[s] = values.double().tolist()
         self.model.train()
         return out  # type: ignore[return-value]
 

@@ -375,3 +375,17 @@ def test_overlong_penalty_lowers_the_cut_episodes_advantage():
     expected = group_advantages(shaped, [x.group_id for x in batch], "grpo").abs().mean()
     assert m["advantage_abs_mean"] == pytest.approx(float(expected), rel=1e-6)
     assert m["sequences"] == 8
+
+
+def test_format_penalty_lowers_the_advantage_of_malformed_episodes():
+    from k3rl.learner.losses import group_advantages
+
+    batch = make_trajectories(8, n=8)
+    batch[1].metadata["parse_errors"] = 2
+    batch[6].metadata["parse_errors"] = 1
+    m = trainer(format_penalty=0.3).train_step(batch)
+    shaped = [x.reward - (0.3 if i in (1, 6) else 0.0) for i, x in enumerate(batch)]
+    expected = group_advantages(shaped, [x.group_id for x in batch], "grpo").abs().mean()
+    assert m["advantage_abs_mean"] == pytest.approx(float(expected), rel=1e-6)
+    assert m["malformed_frac"] == pytest.approx(2 / 8) and m["reward_mean"] == pytest.approx(
+        sum(x.reward for x in batch) / 8)  # the logged reward is the env's
