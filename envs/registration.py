@@ -92,17 +92,18 @@ def unknown_env_message(env_id: str) -> str | None:
 
 
 def check_env_ids(cfg: Any) -> None:
-    """Import `cfg.envs.imports`, then refuse (ConfigError) every `envs.train[i].id` that is not registered
-    or is not a ToolEnv. Call it before Ray starts."""
+    """Import `cfg.envs.imports`, then refuse (ConfigError) every `envs.train[i].id` and `envs.eval[i].id`
+    that is not registered or is not a ToolEnv. Call it before Ray starts."""
     import k3rl.envs  # noqa: F401  (the built-ins and the entry points)
     from k3rl.config import ConfigError
 
     import_env_modules(cfg.envs.imports)
     problems = []
-    for i, spec in enumerate(cfg.envs.train):
-        message = unknown_env_message(spec.id) or _not_a_tool_env(spec.id)
-        if message:
-            problems.append(f"envs.train.{i}.id: {message}")
+    for section in ("train", "eval"):
+        for i, spec in enumerate(getattr(cfg.envs, section, [])):
+            message = unknown_env_message(spec.id) or _not_a_tool_env(spec.id)
+            if message:
+                problems.append(f"envs.{section}.{i}.id: {message}")
     if problems:
         hint = ("an environment of your own is registered by a module listed in envs.imports, or by a package's "
                 "k3rl.envs entry point; `k3rl envs list` shows what is registered")

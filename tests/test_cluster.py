@@ -99,6 +99,9 @@ def test_unknown_env_ids_and_modules_are_refused_before_anything_starts(tmp_path
         check_env_ids(JobConfig.load(None, ["envs.imports=[driver_envs]", "envs.train.0.id=driver/Revers-v0"]))
     assert "envs.train.0.id: Environment `Revers` doesn't exist in namespace driver. Did you mean: `Reverse`?" in str(e.value)
     check_env_ids(JobConfig.load(None, ["envs.imports=[driver_envs]", "envs.train.0.id=driver/Reverse-v0"]))
+    with pytest.raises(ConfigError, match=r"envs.eval.0.id: Environment `Revers` doesn't exist"):  # held-out envs too
+        check_env_ids(JobConfig.load(None, ["envs.imports=[driver_envs]", "envs.train.0.id=driver/Reverse-v0",
+                                            "envs.eval=[{id: driver/Revers-v0}]"]))
     with pytest.raises(ConfigError, match=r"envs.imports.1: cannot import 'no_such_envs': ModuleNotFoundError"):
         import_env_modules(["driver_envs", "no_such_envs"])
     (tmp_path / "broken_envs.py").write_text("raise RuntimeError('half-written module')\n")
