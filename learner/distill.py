@@ -30,7 +30,7 @@ from k3rl.types import Trajectory
 
 from .data import build_micro_batches
 
-__all__ = ["Teacher", "distill_advantages", "load_teacher", "score"]
+__all__ = ["Teacher", "distill_advantages", "load_teacher", "per_completion", "score"]
 
 
 @dataclass
@@ -49,6 +49,25 @@ def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *,
     return Teacher(model, tuple(envs), coef)
 
 
+def per_completion(flat: torch.Tensor, mb, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
+    """Cut a micro-batch's per-position values (`flat`, [positions]) back into each trajectory's
+    completion, [len(completion_ids)] (0 where loss_mask is 0), by trajectory index. A segmented
+    trajectory's segment starts are not positions of the micro-batch (nothing predicts them)."""
+    flat = flat.detach().float().cpu()
+    out, offset = {}, 0
+    for s in mb.traj_indices:
+        t = trajectories[s]
+        L = len(t.token_ids) - 1
+        keep = torch.ones(L, dtype=torch.bool)  # the positions build_micro_batches kept
+        keep[[b - 1 for b in t.segment_starts]] = False
+        n = int(keep.sum())
+        full = torch.zeros(L)
+        full[keep] = flat[offset:offset + n]
+        offset += n
+        out[s] = full[len(t.prompt_ids) - 1:] * torch.tensor(t.loss_mask, dtype=torch.float32)
+    return out
+
+
 @torch.no_grad()
 def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_tokens: int = 4096) -> list[torch.Tensor]:
     """log model(y_t) of every sampled completion token, [len(completion_ids)] per trajectory (0 where
@@ -63,18 +82,8 @@ def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_to
             media = model.as_media([from_png(b) for b in mb.images])
         logp, _ = model(mb.input_ids.to(device), images=media, cu_seqlens=mb.cu_seqlens.to(device),
                         targets=mb.targets[None].to(device))
-        logp = logp[0].float().cpu()
-        offset = 0
-        for s in mb.traj_indices:
-            t = trajectories[s]
-            L = len(t.token_ids) - 1
-            keep = torch.ones(L, dtype=torch.bool)  # the positions build_micro_batches kept (not segment starts)
-            keep[[b - 1 for b in t.segment_starts]] = False
-            n = int(keep.sum())
-            full = torch.zeros(L)
-            full[keep] = logp[offset:offset + n]
-            offset += n
-            out[s] = full[len(t.prompt_ids) - 1:] * torch.tensor(t.loss_mask, dtype=torch.float32)
+        for s, values in per_completion(logp[0], mb, trajectories).items():
+            out[s] = values
     return out
 
 

@@ -37,6 +37,7 @@ from k3rl.types import Trajectory, WeightUpdate
 from . import checkpoint as ckpt
 from .advantages import step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
+from .distill import distill_advantages, load_teacher, per_completion
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
 from .expert_parallel import (
     apply_expert_parallel,
@@ -66,6 +67,16 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_
     p = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
     lo = peak * min_lr_ratio
     return lo + (peak - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def _abs_mean_over_tokens(adv: torch.Tensor, trajectories: list[Trajectory]) -> float:
+    """Mean |advantage|: over episodes when [N], over the sampled tokens when [N, C] (not the padding)."""
+    if adv.dim() == 1:
+        return float(adv.abs().mean())
+    mask = torch.zeros(adv.shape, dtype=torch.bool)
+    for i, t in enumerate(trajectories):
+        mask[i, :len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    return float(adv.abs()[mask].mean()) if mask.any() else 0.0
 
 
 class Trainer:
@@ -130,6 +141,11 @@ class Trainer:
         self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
 
     @torch.no_grad()
+        # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
+        distill = getattr(config, "distill", None)
+        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef,
+                                      device=str(self.device)) for t in (distill.teachers if distill else [])]
+
     def reset_reference(self) -> None:
         """Make the current weights the KL reference policy (e.g. after an SFT warm start).
 
@@ -369,6 +385,8 @@ class Trainer:
         minis = self._minibatches(keep, trajectories) if keep else []
         old_policy = epochs * len(minis) > 1
         self.model.train()
+        if self.teachers:
+            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens)
         for idx in minis:
             mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])
             total_positions += n
@@ -414,7 +432,7 @@ class Trainer:
             "lr": lr,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(trajectories) > 1 else 0.0,
-            "advantage_abs_mean": float(adv.abs().mean()),
+            "advantage_abs_mean": _abs_mean_over_tokens(adv, trajectories),
             "overlong_frac": float(overlong.double().mean()),
             "malformed_frac": float(malformed.double().mean()),
             "loss_tokens": float(sums.get("tokens", 0)) / epochs,

@@ -445,8 +445,10 @@ def preflight(cfg: JobConfig) -> None:
     can be made and reset, and its first prompt (one seed) fits `rollout.max_context_tokens`;
     with an SFT warm start, its oracle plays an episode whose messages each fit
     `rollout.sampling.max_tokens_per_turn`. A `model.checkpoint` must exist and hold the
-    architecture the config describes. Raises PreflightError naming the env or the field."""
+    architecture the config describes; so must each `learner.distill.teachers` checkpoint.
+    Raises PreflightError naming the env or the field."""
     _check_checkpoint(cfg)
+    _check_teachers(cfg)
     import_env_modules(cfg.envs.imports)
     template = make_template(cfg)
     limit = cfg.rollout.max_context_tokens
@@ -485,6 +487,41 @@ def _check_checkpoint(cfg: JobConfig) -> None:
         raise PreflightError(f"model.checkpoint: {ckpt} was written for another architecture than model.preset="
                              f"{cfg.model.preset!r} with model.overrides: {differ}; set the preset and overrides "
                              "that match it")
+
+
+def _check_teachers(cfg: JobConfig) -> None:
+    """Each learner.distill.teachers checkpoint holds the K3 architecture its preset + overrides
+    describe, with the student's vocabulary (it scores the student's token ids)."""
+    from pathlib import Path
+
+    from k3rl.learner.model import K3Config
+    from k3rl.learner.model.factory import architecture_differences, model_config
+
+    for i, t in enumerate(cfg.learner.distill.teachers):
+        field = f"learner.distill.teachers.{i}"
+        path = Path(t.checkpoint) / "config.json"
+        if not path.is_file():
+            raise PreflightError(f"{field}.checkpoint: {t.checkpoint} holds no config.json; point it at an HF-layout "
+                                 "checkpoint directory of the K3 architecture (e.g. one save_hf wrote)")
+        try:
+            ours = model_config(t.preset, t.overrides)
+        except Exception as err:
+            raise PreflightError(f"{field}.overrides: {err}") from err
+        try:
+            theirs = K3Config.from_hf(path)
+            differ = architecture_differences(ours, t.checkpoint)
+        except Exception as err:
+            raise PreflightError(f"{field}.checkpoint: {path} is not a K3-architecture config ({type(err).__name__}: "
+                                 f"{err}); a teacher must be a K3 model of any preset") from err
+        if differ:
+            raise PreflightError(f"{field}.checkpoint: {t.checkpoint} was written for another architecture than "
+                                 f"preset={t.preset!r} with overrides {t.overrides}: {differ}; set {field}.preset "
+                                 "and .overrides to match it")
+        student = cfg.model.k3_config().vocab_size
+        if theirs.vocab_size != student:
+            raise PreflightError(f"{field}.checkpoint: vocab_size {theirs.vocab_size}, the student's (model) is "
+                                 f"{student}; a teacher scores the student's token ids, so it needs the same "
+                                 "tokenizer and vocabulary")
 
 
 def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> None:

@@ -69,3 +69,58 @@ def test_each_env_goes_to_its_teacher_and_mixes_with_the_env_advantage(tmp_path)
     only_a = distill_advantages(batch, env_adv, [teacher_a])  # no teacher for B and C: the env's advantage
     for i in (1, 2, 4, 5):
         assert torch.equal(only_a[i], env_adv[i].expand(adv.shape[1]))
+
+
+def test_the_learners_logprobs_of_a_segmented_episode_are_scored_segment_by_segment():
+    model = tiny(0)
+    episodes = [segmented_episode(random.Random(s), "g", (0.0, 1.0)) for s in range(2)]
+    got = Trainer(model, LearnerSection(micro_batch_tokens=4096, steps=1)).logprobs(episodes)
+    for g, e in zip(got, episodes, strict=True):
+        assert len(g) == len(e.completion_ids)
+        assert torch.allclose(torch.tensor(g, dtype=torch.float32), score(model, [e])[0], atol=1e-5)
+
+
+def test_a_job_teacher_is_loaded_by_the_trainer_and_enters_the_step(tmp_path):
+    save_hf(tiny(3), tmp_path / "t")
+    section = LearnerSection(micro_batch_tokens=256, steps=1, optimizer="adamw", lr=1e-4,
+                             distill={"teachers": [{"checkpoint": str(tmp_path / "t"), "preset": "k3-tiny",
+                                                    "coef": 0.5}]})
+    trainer = Trainer(tiny(0), section)
+    assert len(trainer.teachers) == 1 and trainer.teachers[0].coef == 0.5
+    batch = make_trajectories(4, n=4)
+    env_adv = torch.zeros(4)
+    want = distill_advantages(batch, env_adv, trainer.teachers)  # [N, C]: padded past shorter completions
+    mask = torch.zeros(want.shape, dtype=torch.bool)
+    for i, t in enumerate(batch):
+        mask[i, :len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.bool)
+    for t in batch:
+        t.reward = 1.0  # every reward equal: the env's GRPO advantage is 0, the step's is the teacher's alone
+    metrics = trainer.train_step(batch)
+    assert abs(metrics["advantage_abs_mean"] - float(want.abs()[mask].mean())) < 1e-4  # over sampled tokens only
+    assert metrics["advantage_abs_mean"] > float(want.abs().mean())  # (the padding's zeros would lower it)
+
+
+def test_teachers_are_checked_before_the_job_starts(tmp_path):
+    import json
+
+    import pytest
+
+    from k3rl.config import ConfigError, JobConfig
+    from k3rl.rollout.episode import PreflightError, preflight
+
+    with pytest.raises(ConfigError, match=r"learner.distill.teachers.1.envs: k3rl/KeyLookup-v0 is already taught"):
+        JobConfig.from_dict({"learner": {"distill": {"teachers": [
+            {"checkpoint": "a", "envs": ["k3rl/KeyLookup-v0"]}, {"checkpoint": "b", "envs": ["k3rl/KeyLookup-v0"]}]}}})
+
+    def job(path, **kw):
+        return JobConfig.from_dict({"learner": {"distill": {"teachers": [{"checkpoint": str(path), **kw}]}}})
+
+    with pytest.raises(PreflightError, match=r"learner.distill.teachers.0.checkpoint: .* holds no config.json"):
+        preflight(job(tmp_path / "missing"))
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(PreflightError, match=r"teachers.0.checkpoint: .* is not a K3-architecture config"):
+        preflight(job(tmp_path / "llama"))
+    save_hf(tiny(0), tmp_path / "t")
+    with pytest.raises(PreflightError, match=r"teachers.0.checkpoint: .* another architecture .* moe_intermediate_size"):
+        preflight(job(tmp_path / "t", overrides={"moe_intermediate_size": 32}))
