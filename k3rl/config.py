@@ -150,6 +150,47 @@ class DistillSection(_Section):
         return self
 
 
+LORA_GROUPS = ("attention", "shared_experts", "routed_experts", "latent")
+
+
+class LoraSection(_Section):
+    """LoRA RL (learner/lora.py): only low-rank adapters W + (alpha / rank) B A train."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="on an adapted linear layer's input (not on routed experts)")
+    targets: list[str] = Field(
+        default_factory=lambda: ["attention", "shared_experts", "latent"], min_length=1,
+        description="the weights to adapt: the groups attention, shared_experts, routed_experts, latent, or "
+                    "regular expressions searched in weight names (e.g. 'self_attn\\.q_proj\\.weight$')")
+    sync: Literal["adapters", "merged"] = Field(
+        "adapters", description="what a weight sync sends: the adapters alone (each engine merges them into its "
+                                "own base weights) or the merged weights W + (alpha / rank) B A under the release's names")
+
+    @model_validator(mode="after")
+    def _patterns_compile(self):
+        import re
+
+        problems = []
+        for i, t in enumerate(self.targets):
+            if t in LORA_GROUPS:
+                continue
+            try:
+                re.compile(t)
+            except re.error as e:
+                problems.append((f"targets.{i}", f"{t!r} is neither a group ({', '.join(LORA_GROUPS)}) nor a regular "
+                                                 f"expression ({e})"))
+        _refuse(problems)
+        return self
+
+    def settings(self):
+        """The `k3rl.learner.lora.LoraSettings` of this section (groups expanded to their patterns)."""
+        from k3rl.learner.lora import GROUPS, LoraSettings
+
+        patterns = [p for t in self.targets for p in GROUPS.get(t, [t])]
+        return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=patterns)
+
+
 class LearnerSection(_Section):
     algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
     advantage: Literal["grpo", "grpo_no_std", "rloo", "turn_grpo", "turn_grpo_no_std"] = Field(
@@ -212,10 +253,11 @@ class LearnerSection(_Section):
     gpus: float = Field(0.0, ge=0.0)
     seed: int = 0
     distill: DistillSection = Field(default_factory=DistillSection)
+    lora: LoraSection | None = Field(None, description="LoRA RL: only adapters train; absent = full fine-tuning")
 
     @model_validator(mode="after")
     def _refuse_what_cannot_work(self):
-        problems = []
+        problems = self._lora_problems()
         if self.ratio_mask_low >= self.ratio_mask_high:
             problems.append(("ratio_mask_low", f"{self.ratio_mask_low} must be below ratio_mask_high "
                                                f"({self.ratio_mask_high})"))
@@ -238,6 +280,21 @@ class LearnerSection(_Section):
                                              f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
         _refuse(problems)
         return self
+
+    def _lora_problems(self) -> list[tuple[str, str]]:
+        if self.lora is None:
+            return []
+        problems = []
+        if self.data_parallel != "none":
+            problems.append(("lora", "LoRA is not supported with data_parallel: fsdp (untested with sharded frozen "
+                                     "weights); set learner.data_parallel: none, or remove learner.lora"))
+        if self.qk_clip_tau is not None:
+            problems.append(("lora", "QK-Clip rescales the frozen attention weights, which LoRA keeps as the "
+                                     "engines' base; set learner.qk_clip_tau: null, or remove learner.lora"))
+        if self.lora.sync == "adapters" and not self.qb_frozen:
+            problems.append(("lora.sync", "'adapters' sends only the adapters, but qb_frozen: false also changes the "
+                                          "router biases; set learner.lora.sync: merged (or learner.qb_frozen: true)"))
+        return problems
 
 
 # built-in envs whose observations hold images (the vLLM engine cannot take them)
@@ -421,6 +478,9 @@ class JobConfig(_Section):
         if self.rollout.engine != "vllm":
             return []
         problems = []
+        if self.learner.lora is not None and self.learner.lora.sync == "adapters":
+            problems.append(("learner.lora.sync", "rollout.engine 'vllm' takes whole weights; set "
+                                                  "learner.lora.sync: merged (or rollout.engine: embedded)"))
         if self.learner.routing_replay:
             problems.append(("learner.routing_replay", "rollout.engine 'vllm' does not return the routed experts "
                                                        "that routing replay trains with; set "

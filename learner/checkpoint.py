@@ -2,6 +2,8 @@
 without one, bit for bit.
 
     <dir>/model/                 config.json + safetensors shards + index (official HF layout, save_hf)
+    <dir>/adapter/               with LoRA: adapter_config.json + adapter_model.safetensors (PEFT layout;
+                                 model/ then holds the base weights the adapters are added to)
     <dir>/reference/             the frozen reference policy of the KL term, same layout (when KL is on)
     <dir>/optimizer-rank{r}.pt   optimizer state (each rank's shard under FSDP, as local tensors)
     <dir>/qb-rank{r}.pt          Quantile Balancing histograms accumulated on the rank (the bias is in model/)
@@ -89,6 +91,13 @@ def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
     return model
 
 
+def _lora_base_state(trainer) -> dict[str, torch.Tensor]:
+    """The adapted model's own weights under a plain model's names (views: loading into them loads them)."""
+    from .lora import base_state_dict
+
+    return base_state_dict(trainer.model)
+
+
 def _load_reference(trainer, path: Path) -> None:
     """The saved reference policy; a checkpoint written without KL has none, and then the
     reference becomes the loaded policy weights (the policy at the start of this run)."""
@@ -121,6 +130,11 @@ def save(trainer, directory) -> Path:
             state = trainer.full_state_dict()  # collective
             if rank == 0:
                 save_hf(_unsharded_model_for_saving(trainer, state), d / "model", experts="dense")
+        elif trainer.lora is not None:  # LoRA is single-rank (config refuses FSDP)
+            from .lora import save_peft_adapter
+
+            save_hf(_unsharded_model_for_saving(trainer, _lora_base_state(trainer)), d / "model", experts="dense")
+            save_peft_adapter(trainer.model, d / "adapter", trainer.lora.settings())
         elif rank == 0:
             save_hf(trainer.model, d / "model", experts="dense")
     else:
@@ -186,6 +200,14 @@ def load(trainer, directory) -> None:
             state = trainer.full_state_dict()  # collective: the whole model on every rank, streamed into
             load_state_into(state, d / "model")
             load_full_state_dict(trainer.model, state)
+        elif trainer.lora is not None:
+            from .lora import load_peft_adapter
+
+            if not (d / "adapter" / "adapter_model.safetensors").exists():
+                raise FileNotFoundError(f"{d} has no adapter/ (PEFT adapters): it was not written with learner.lora; "
+                                        "resume it without learner.lora, or start a new run")
+            load_state_into(_lora_base_state(trainer), d / "model")  # views of the frozen weights
+            load_peft_adapter(trainer.model, d / "adapter")
         else:
             load_state_into(trainer.model, d / "model")
     else:

@@ -38,7 +38,9 @@ ATTENTION = [r"self_attn\.(q|k|v|o|g|q_a|q_b|kv_a_proj_with_mqa|kv_b)_proj\.weig
 SHARED_EXPERTS = [r"shared_experts\.(gate|up|down)_proj\.weight$"]
 ROUTED_EXPERTS = [r"mlp\.experts\.w[123]$"]
 LATENT = [r"routed_expert_(down|up)_proj\.weight$"]
+GROUPS = {"attention": ATTENTION, "shared_experts": SHARED_EXPERTS, "routed_experts": ROUTED_EXPERTS, "latent": LATENT}
 PEFT_PREFIX = "base_model.model."
+SCALING_NAME = PEFT_PREFIX + "lora_scaling"  # the 0-dim alpha / r beside the adapters in a weight sync
 
 
 class LoraSettings(BaseModel):
@@ -80,6 +82,17 @@ class LoraAdapter(nn.Module):
         return self.scaling * (self.dropout(x) @ a.T @ b.T)
 
 
+class _Beside:
+    """Forward hook of an adapted linear layer: out + s * B(A(dropout(x))). An object, not a closure,
+    so that a deep copy of the model (the KL reference) gets hooks that call its own copies."""
+
+    def __init__(self, adapter: LoraAdapter) -> None:
+        self.adapter = adapter
+
+    def __call__(self, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out + self.adapter.beside(args[0])
+
+
 class _AddDelta(nn.Module):
     """Parametrization of a stacked expert weight: W -> W + s * B @ A (the adapter lives in the model's
     `lora_adapters`, not here, so its parameters are registered once)."""
@@ -113,7 +126,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> dict[str, LoraAdapte
         owner = model.get_submodule(owner_name)
         adapter = adapters[name] = LoraAdapter(getattr(owner, attr), settings)
         if isinstance(owner, nn.Linear):
-            owner.register_forward_hook(lambda mod, args, out, a=adapter: out + a.beside(args[0]))
+            owner.register_forward_hook(_Beside(adapter))
         else:
             parametrize.register_parametrization(owner, attr, _AddDelta(adapter))
     model.lora_adapters = nn.ModuleDict({_key(n): a for n, a in adapters.items()})
@@ -133,8 +146,9 @@ def _name(key: str) -> str:
     return key.replace("__", ".")
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights with every adapter merged in (W + s * B @ A), under a plain model's names."""
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own weights without the adapters, under a plain model's names (views of the
+    parameters: loading into them loads the model)."""
     out = {}
     for key, value in model.state_dict().items():
         if key.startswith("lora_adapters."):
@@ -142,6 +156,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         plain = re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", key)
         if ".parametrizations." not in plain:
             out[plain] = value.detach()
+    return out
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights with every adapter merged in (W + s * B @ A), under a plain model's names."""
+    out = base_state_dict(model)
     with torch.no_grad():
         for name, adapter in adapters_of(model).items():
             out[name] = out[name] + adapter.delta().to(out[name].dtype)
@@ -161,6 +181,38 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             stem = hf_name(name).removesuffix(".weight")
             out[f"{PEFT_PREFIX}{stem}.lora_A.weight"], out[f"{PEFT_PREFIX}{stem}.lora_B.weight"] = a, b
     return out
+
+
+def is_adapter_update(names) -> bool:
+    """Whether a weight update's tensor names are adapters (`adapter_state_dict`), not weights."""
+    return SCALING_NAME in names
+
+
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights an adapters-only update stands for: W + s * B @ A for every adapter pair of
+    `adapters` (PEFT names, plus `SCALING_NAME`), where `base` holds W under the release's names
+    (per-expert names for routed experts). Returns {release name: merged weight} in W's dtype."""
+    scaling = float(adapters[SCALING_NAME])
+    merged = {}
+    for key, a in adapters.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        stem = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        name = stem + ".weight"
+        if name not in base:
+            raise ValueError(f"adapter {key} adapts {name}, which the engine's model does not have; the learner and "
+                             "the engines must build the same model (model.preset / overrides)")
+        b = adapters[f"{PEFT_PREFIX}{stem}.lora_B.weight"]
+        w = base[name]
+        delta = scaling * (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32))
+        merged[name] = (w.float() + delta).to(w.dtype)
+    return merged
+
+
+def lora_targets(adapters) -> list[str]:
+    """The release names of the weights an adapters-only update adapts."""
+    return [k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") + ".weight"
+            for k in adapters if k.endswith(".lora_A.weight")]
 
 
 def peft_config(model: nn.Module, settings: LoraSettings, base_model: str | None = None) -> dict:

@@ -110,6 +110,12 @@ class Trainer:
         self.reference = None
         if config.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        # LoRA (learner/lora.py): adapters on the built model, before any sharding; the rest frozen
+        self.lora = getattr(config, "lora", None)
+        if self.lora is not None:
+            from .lora import apply_lora
+
+            apply_lora(model, self.lora.settings())
         self.expert_parallel = getattr(config, "expert_parallel", 1)
         if self.expert_parallel > 1:
             ep_group, replicate_group = expert_parallel_groups(self.expert_parallel, self.device.type)
@@ -135,23 +141,24 @@ class Trainer:
             self.qk_clip = QKClip(c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, tau=tau)
             self.max_logits = MaxLogitTracker(model)
 
+        # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
+        distill = getattr(config, "distill", None)
+        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef,
+                                      device=str(self.device)) for t in (distill.teachers if distill else [])]
+
         self.step = 0  # RL optimizer steps done
         self.sft_step_count = 0  # SFT optimizer steps done
         self.data_position = {"trajectories": 0, "sft_trajectories": 0, "tokens": 0}
         self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
 
     @torch.no_grad()
-        # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
-        distill = getattr(config, "distill", None)
-        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef,
-                                      device=str(self.device)) for t in (distill.teachers if distill else [])]
-
     def reset_reference(self) -> None:
         """Make the current weights the KL reference policy (e.g. after an SFT warm start).
 
         The reference is an unsharded frozen copy on every rank; under FSDP (with or without
-        expert parallelism) the current weights are gathered into it: collective there."""
-        if self.reference is None:
+        expert parallelism) the current weights are gathered into it: collective there. With
+        LoRA the reference stays the base model (the weights the adapters are added to)."""
+        if self.reference is None or self.lora is not None:
             return
         if self.sharded:
             state = self.full_state_dict()  # collective: every rank gathers the whole model
@@ -378,6 +385,8 @@ class Trainer:
         malformed = torch.tensor([t.metadata.get("parse_errors", 0) > 0 for t in trajectories], dtype=torch.bool)
         shaped = shaped - getattr(cfg, "format_penalty", 0.0) * malformed
         adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0))  # [N], or [N, C] per token
+        if self.teachers:
+            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens)
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
         epochs = getattr(cfg, "ppo_epochs", 1)
         parts = []  # (micro-batches, prepared inputs) of each minibatch
@@ -385,8 +394,6 @@ class Trainer:
         minis = self._minibatches(keep, trajectories) if keep else []
         old_policy = epochs * len(minis) > 1
         self.model.train()
-        if self.teachers:
-            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens)
         for idx in minis:
             mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])
             total_positions += n
@@ -530,7 +537,14 @@ class Trainer:
         from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
         from k3rl.learner.model.state_dict_adapter import to_hf
 
-        state = self.full_state_dict()
+        if self.lora is not None and self.lora.sync == "adapters":
+            return self._export_adapters(version, bucket_bytes, to_cpu)
+        if self.lora is not None:
+            from .lora import merged_state_dict
+
+            state = merged_state_dict(self.model)
+        else:
+            state = self.full_state_dict()
         if self.model_config is not None and getattr(self.model_config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         hf = to_hf(state, experts=experts or getattr(self.model, "routed_experts_format", "dense"))
@@ -541,6 +555,16 @@ class Trainer:
             }
         hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
         return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
+
+    def _export_adapters(self, version: int, bucket_bytes: int, to_cpu: bool) -> WeightUpdate:
+        """LoRA with `sync: adapters`: the adapters alone, in fp32 under PEFT's names, plus the scaling
+        alpha / r (`lora.SCALING_NAME`); each engine merges them into its own base weights. Marked
+        full: with the base an engine starts from, it makes the whole policy."""
+        from .lora import SCALING_NAME, adapter_state_dict
+
+        state = {**adapter_state_dict(self.model), SCALING_NAME: torch.tensor(self.lora.settings().scaling)}
+        state = {k: (v.detach().cpu() if to_cpu else v.detach().to(self.device)).contiguous() for k, v in state.items()}
+        return WeightUpdate.from_state_dict(version, state, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, directory) -> None:
         """Model (official HF layout), optimizer, QB state, RNG, counters and data position.

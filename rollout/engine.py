@@ -248,6 +248,7 @@ class EmbeddedEngine(InferenceEngine):
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.name = name
         self._version = version
+        self._lora_base: dict[str, torch.Tensor] | None = None  # unmerged weights under LoRA adapters syncs
         self._cv = threading.Condition()
         self._incoming: deque[_Seq] = deque()
         self._aborts: set[str] = set()
@@ -446,6 +447,8 @@ class EmbeddedEngine(InferenceEngine):
         if update.version <= self._version:
             raise ValueError(f"weight update v{update.version} is not newer than the engine's v{self._version}; "
                              "versions must increase")
+        merged = self._merge_lora_adapters(update)
+        new_base, update = merged is update and update.full, merged
         expected = self.model.state_dict()
         # a partial update may carry some experts of a layer (the others keep their values); a
         # full one must carry all of them, so nothing is filled in and the gaps are reported.
@@ -467,8 +470,27 @@ class EmbeddedEngine(InferenceEngine):
         for name, t in state.items():
             expected[name].copy_(t.to(device=expected[name].device, dtype=expected[name].dtype))
         self._version = update.version
+        if new_base:
+            self._lora_base = None  # whole new weights: later LoRA adapters are merged into these
         self._prefix.clear()  # states of the old version must not seed new requests
         return self._version
+
+    def _merge_lora_adapters(self, update: WeightUpdate) -> WeightUpdate:
+        """An adapters-only update (learner.lora.sync: adapters) as the weights it stands for,
+        W + (alpha / r) B A, with W the engine's weights from before the first adapters update
+        (kept aside then: each version is merged into the base, never into merged weights).
+        Any other update is returned as it is."""
+        from k3rl.learner.lora import is_adapter_update, lora_targets, merge_adapters
+        from k3rl.learner.model.state_dict_adapter import to_hf
+
+        adapters = update.state_dict()
+        if not is_adapter_update(adapters):
+            return update
+        if self._lora_base is None:
+            weights = to_hf(self.model.state_dict(), experts="dense")
+            self._lora_base = {n: weights[n].clone() for n in lora_targets(adapters) if n in weights}
+        merged = merge_adapters(self._lora_base, adapters)
+        return WeightUpdate.from_state_dict(update.version, merged, full=False, transport=update.transport)
 
     # 2. aborts
     def _abort(self, ids: set[str]) -> None:

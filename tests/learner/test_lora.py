@@ -136,3 +136,133 @@ def test_peft_reads_the_adapter(tmp_path):
     config = peft.LoraConfig.from_pretrained(str(tmp_path))
     assert (config.r, config.lora_alpha, config.peft_type) == (4, 8, peft.PeftType.LORA)
     assert "language_model.model.layers.0.self_attn.q_proj" in config.target_modules
+
+
+# ----- wired through the learner: config, weight sync to a real engine, checkpoints ---------------------------
+ALL_GROUPS = ["attention", "shared_experts", "routed_experts", "latent"]
+
+
+def lora_trainer(seed=0, sync="adapters", **cfg):
+    from k3rl.config import LearnerSection, LoraSection
+    from k3rl.learner.trainer import Trainer
+
+    cfg.setdefault("micro_batch_tokens", 64)
+    cfg.setdefault("steps", 10)
+    cfg.setdefault("lr", 1e-2)
+    lora = LoraSection(rank=4, alpha=8, targets=ALL_GROUPS, sync=sync)
+    return Trainer(build_model("k3-tiny", seed=seed), LearnerSection(lora=lora, **cfg))
+
+
+def test_config_groups_expand_to_the_patterns_and_bad_settings_are_refused():
+    from k3rl.config import ConfigError, JobConfig, LoraSection
+
+    assert LoraSection(targets=["attention", r"q_proj\.weight$"]).settings().targets == [*ATTENTION, r"q_proj\.weight$"]
+    assert JobConfig().learner.lora is None  # off unless asked for
+    cfg = JobConfig.load(None, ["learner.lora.rank=4", "learner.lora.targets=[attention,routed_experts]"])
+    assert cfg.learner.lora.settings().targets == ATTENTION + ROUTED_EXPERTS and cfg.learner.lora.sync == "adapters"
+    for bad, where in ((["learner.lora.targets=['(']"], "learner.lora.targets.0"),
+                       (["learner.lora.rank=4", "learner.data_parallel=fsdp", "learner.world_size=2"], "learner.lora"),
+                       (["learner.lora.rank=4", "learner.qk_clip_tau=100"], "learner.lora"),
+                       (["learner.lora.sync=adapters", "learner.qb_frozen=false"], "learner.lora.sync")):
+        with pytest.raises(ConfigError, match=where.replace(".", r"\.") + ": "):
+            JobConfig.load(None, bad)
+
+
+def test_adapters_sync_is_smaller_by_the_expected_factor_and_the_engine_merges_each_version_into_its_base():
+    """A real EmbeddedEngine on the same k3-tiny: after each adapters-only update its weights equal
+    the learner's merged weights W + s * B @ A (v2 is merged into the base, not into v1's merge)."""
+    from learner_helpers import make_trajectories
+
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.rollout.transport import PackedUpdate
+
+    torch.manual_seed(0)
+    t = lora_trainer()
+    engine = EmbeddedEngine.from_preset("k3-tiny", seed=0)
+    try:
+        for version in (1, 2):
+            t.train_step(make_trajectories(seed=version))
+            update = t.export_weights(version)
+            assert engine.update_weights(update) == version
+            merged = merged_state_dict(t.model)
+            got = engine.model.state_dict()
+            assert set(merged) == set(got)
+            for name, value in merged.items():
+                torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7, msg=name)
+        plain_names = set(merged_state_dict(t.model)) - set(adapters_of(t.model))
+        base = build_model("k3-tiny", seed=0).state_dict()
+        assert all(torch.equal(got[n], base[n]) for n in plain_names)  # nothing else moved
+    finally:
+        engine.close()
+    # bytes on the wire (what the transports report as weight_sync/bytes): the adapters (fp32) vs every weight
+    sent = PackedUpdate.pack(t.export_weights(3)).nbytes
+    full = PackedUpdate.pack(lora_trainer(sync="merged").export_weights(3)).nbytes
+    r = 4
+    adapter_bytes = sum(r * (w.shape[-1] + w.shape[-2]) * (w.shape[0] if w.dim() == 3 else 1) * 4
+                        for name, w in base.items() if name in adapters_of(t.model))
+    weight_bytes = sum(w.numel() * w.element_size() for w in base.values())
+    assert adapter_bytes <= sent <= adapter_bytes + 16 * 4 * len(base)  # + 16-byte alignment per tensor
+    assert weight_bytes <= full <= weight_bytes + 16 * len(base) * 8
+    print(f"adapters sync {sent} B, merged sync {full} B: {full / sent:.1f}x smaller "
+          f"(expected {weight_bytes / adapter_bytes:.1f}x)")
+    assert full / sent == pytest.approx(weight_bytes / adapter_bytes, rel=0.05)
+
+
+def test_merged_sync_sends_base_plus_ba_under_the_release_names():
+    from k3rl.learner.model.state_dict_adapter import to_hf
+
+    t = lora_trainer(sync="merged")
+    nudge_b(t.model)
+    sent = t.export_weights(1).state_dict()
+    expected = to_hf(merged_state_dict(t.model), experts="dense")
+    assert set(sent) == set(expected)
+    assert all(torch.equal(sent[k], expected[k]) for k in expected)
+
+
+def test_kl_reference_stays_the_base_model():
+    from learner_helpers import make_trajectories
+
+    torch.manual_seed(0)
+    t = lora_trainer(kl_coef=0.1)
+    t.train_step(make_trajectories(seed=0))
+    t.train_step(make_trajectories(seed=1))
+    t.reset_reference()
+    base = build_model("k3-tiny", seed=0).state_dict()
+    ref = t.reference.state_dict()
+    assert not hasattr(t.reference, "lora_adapters") and all(torch.equal(ref[k], base[k]) for k in base)
+    ids = tokens(t.model)
+    with torch.no_grad():
+        assert not torch.allclose(t.reference(ids), t.model(ids))  # the policy moved, the reference did not
+
+
+def test_checkpoint_holds_the_peft_adapter_and_resume_is_bit_identical(tmp_path):
+    from learner_helpers import make_trajectories
+
+    from k3rl.learner.lora import base_state_dict
+
+    batches = [make_trajectories(s) for s in range(4)]
+    torch.manual_seed(0)
+    a = lora_trainer(kl_coef=0.1)
+    a.train_step(batches[0])
+    a.train_step(batches[1])
+    a.save_checkpoint(tmp_path)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    ref = [a.train_step(batches[2]), a.train_step(batches[3])]
+    b = lora_trainer(seed=123, kl_coef=0.1)  # other base weights and adapters: everything comes from the checkpoint
+    b.load_checkpoint(tmp_path)
+    assert b.step == 2
+    got = [b.train_step(batches[2]), b.train_step(batches[3])]
+    for r, g in zip(ref, got, strict=True):
+        for key in ("loss", "pg_loss", "kl", "grad_norm", "lr"):
+            assert r[key] == g[key], key
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert all(torch.equal(v, base_state_dict(b.model)[k]) for k, v in base_state_dict(a.model).items())
+    # a checkpoint written without LoRA cannot resume a LoRA run
+    from k3rl.config import LearnerSection
+    from k3rl.learner.trainer import Trainer
+
+    Trainer(build_model("k3-tiny"), LearnerSection(micro_batch_tokens=64)).save_checkpoint(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="has no adapter/"):
+        lora_trainer().load_checkpoint(tmp_path / "plain")
