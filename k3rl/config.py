@@ -126,6 +126,8 @@ class TeacherSpec(_Section):
     envs: list[str] = Field(default_factory=list, description="env ids whose episodes it scores; [] = every env "
                                                               "no other teacher names")
     coef: float = Field(1.0, gt=0, description="weight of its per-token reverse-KL advantage, log T - log mu")
+    clip: float | None = Field(None, gt=0, description="R: log T - log mu clipped to [-R, R] per token (the K3 "
+                                                        "report's per-token reward); None = not clipped")
 
 
 class DistillSection(_Section):

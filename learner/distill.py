@@ -12,7 +12,10 @@ behaviour policy that sampled y_t (its log-prob is recorded with every token), u
 each token is credited with its own term only. So distillation is one more advantage, added to
 the env's (per episode or per turn, learner/advantages.py) in the same loss:
 
-    A_t = A_env_t + coef * (log T(y_t) - log mu(y_t))          on sampled tokens
+    A_t = A_env_t + coef * clip(log T(y_t) - log mu(y_t), -R, R)          on sampled tokens
+
+(the K3 report's per-token reward, arXiv 2607.24653 §4, clips the log-ratio to [-R, R]: a token
+the teacher gives almost no mass would otherwise outweigh every other; `clip=None` leaves it).
 
 Several teachers: the episodes of an env go to the teacher named for it (the K3 report's
 multi-teacher setup, one expert per domain); a teacher named for no env takes the others, and
@@ -38,15 +41,17 @@ class Teacher:
     model: torch.nn.Module
     envs: tuple[str, ...] = ()  # the env ids it teaches; () = every env no other teacher names
     coef: float = 1.0
+    clip: float | None = None  # R: the log-ratio clipped to [-R, R]; None = not clipped
 
 
 def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *, envs: Sequence[str] = (),
-                 coef: float = 1.0, device: str = "cpu", dtype: str = "float32") -> Teacher:
+                 coef: float = 1.0, clip: float | None = None, device: str = "cpu",
+                 dtype: str = "float32") -> Teacher:
     """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
     from .model.factory import build_model
 
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
-    return Teacher(model, tuple(envs), coef)
+    return Teacher(model, tuple(envs), coef, clip)
 
 
 def per_completion(flat: torch.Tensor, mb, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
@@ -95,7 +100,7 @@ def _teacher_of(env_id: str, teachers: Sequence[Teacher]) -> Teacher | None:
 def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
                        micro_batch_tokens: int = 4096) -> torch.Tensor:
     """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
-    token) plus, on sampled tokens, coef * (log T - log mu) of the episode's teacher."""
+    token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
@@ -108,5 +113,8 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
             t = trajectories[i]
             mask = torch.tensor(t.loss_mask, dtype=torch.float32)
             log_mu = torch.tensor(t.logprobs, dtype=torch.float64).float()
-            out[i, :len(t.completion_ids)] += teacher.coef * (log_t - log_mu) * mask
+            ratio = log_t - log_mu
+            if teacher.clip is not None:
+                ratio = ratio.clamp(-teacher.clip, teacher.clip)
+            out[i, :len(t.completion_ids)] += teacher.coef * ratio * mask
     return out

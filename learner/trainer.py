@@ -143,7 +143,7 @@ class Trainer:
 
         # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
         distill = getattr(config, "distill", None)
-        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef,
+        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef, clip=t.clip,
                                       device=str(self.device)) for t in (distill.teachers if distill else [])]
 
         self.step = 0  # RL optimizer steps done

@@ -84,9 +84,9 @@ def test_a_job_teacher_is_loaded_by_the_trainer_and_enters_the_step(tmp_path):
     save_hf(tiny(3), tmp_path / "t")
     section = LearnerSection(micro_batch_tokens=256, steps=1, optimizer="adamw", lr=1e-4,
                              distill={"teachers": [{"checkpoint": str(tmp_path / "t"), "preset": "k3-tiny",
-                                                    "coef": 0.5}]})
+                                                    "coef": 0.5, "clip": 100.0}]})
     trainer = Trainer(tiny(0), section)
-    assert len(trainer.teachers) == 1 and trainer.teachers[0].coef == 0.5
+    assert len(trainer.teachers) == 1 and (trainer.teachers[0].coef, trainer.teachers[0].clip) == (0.5, 100.0)
     batch = make_trajectories(4, n=4)
     env_adv = torch.zeros(4)
     want = distill_advantages(batch, env_adv, trainer.teachers)  # [N, C]: padded past shorter completions
@@ -124,3 +124,12 @@ def test_teachers_are_checked_before_the_job_starts(tmp_path):
     save_hf(tiny(0), tmp_path / "t")
     with pytest.raises(PreflightError, match=r"teachers.0.checkpoint: .* another architecture .* moe_intermediate_size"):
         preflight(job(tmp_path / "t", overrides={"moe_intermediate_size": 32}))
+
+
+def test_clip_bounds_each_tokens_log_ratio():
+    model = tiny(5)
+    batch = make_trajectories(6, n=4)  # behaviour log-probs around -5.5, the teacher's elsewhere
+    free = distill_advantages(batch, torch.zeros(4), [Teacher(model)])
+    clipped = distill_advantages(batch, torch.zeros(4), [Teacher(model, clip=0.5)])
+    assert free.abs().max() > 0.5
+    assert torch.allclose(clipped, free.clamp(-0.5, 0.5))

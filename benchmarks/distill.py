@@ -1,0 +1,205 @@
+"""On-policy distillation on the CPU: does a k3-tiny student learn KeyLookup faster from a teacher?
+
+    python benchmarks/distill.py                      # the measurement in BENCHMARKS.md
+    python benchmarks/distill.py --rl-steps 2 --teacher-sft-steps 2 --eval-tasks 4   # a smoke run
+
+In one process, with the job's own parts (the demo's config, examples/demo.yaml: the episode loop,
+the embedded engine, the learner's Trainer, its weight export):
+
+1. a teacher: a k3-tiny trained on KeyLookup by SFT on oracle demonstrations (many steps), saved
+   as an HF-layout checkpoint;
+2. a student: a fresh k3-tiny with a short SFT warm start only;
+3. from that same student, the same RL budget twice: GRPO on the env's reward alone, and GRPO
+   plus the teacher's per-token reverse-KL advantage (`learner.distill.teachers`, the teacher
+   loaded from its checkpoint by the Trainer).
+
+Per RL step: the training episodes' mean reward and success rate; every --eval-every steps the
+held-out greedy success on --eval-tasks tasks (seeds training never draws). Writes
+<out>.json and <out>.png (the curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3rl.config import JobConfig  # noqa: E402
+from k3rl.learner.model import build_model  # noqa: E402
+from k3rl.learner.model.checkpoint import save_hf  # noqa: E402
+from k3rl.learner.trainer import Trainer  # noqa: E402
+from k3rl.metrics import success  # noqa: E402
+from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
+from k3rl.rollout.episode import (  # noqa: E402
+    EpisodeSpec,
+    collect_demonstrations,
+    job_limits,
+    job_sampling,
+    make_env,
+    make_template,
+    run_episode,
+)
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo.yaml")
+
+
+def sft(model, cfg: JobConfig, demos, steps: int, lr: float, seed: int) -> None:
+    """`steps` SFT steps on batches of one RL step's size (what the job's warm start does)."""
+    learner = cfg.learner.model_copy(update={"sft_steps": steps, "sft_lr": lr, "kl_coef": 0.0})
+    trainer = Trainer(model, learner)
+    rng = random.Random(seed)
+    size = min(len(demos), cfg.rollout.prompts_per_step * cfg.rollout.group_size)
+    for i in range(steps):
+        m = trainer.sft_step(rng.sample(demos, k=size))
+        if i % 10 == 0 or i == steps - 1:
+            print(f"  sft step {i + 1}/{steps}: nll {m['nll']:.3f}", flush=True)
+
+
+def play(engine: EmbeddedEngine, cfg: JobConfig, specs: list[EpisodeSpec]):
+    """The episodes of `specs`, all at once against the engine (it batches their requests)."""
+    template = make_template(cfg)
+
+    async def generate(token_ids, sampling, images=None, key=None, group_key=None):
+        return await engine.agenerate(token_ids, sampling, images)
+
+    async def all_of_them():
+        return await asyncio.gather(*(run_episode(lambda s=s: make_env(s, cfg, template), s, generate, template,
+                                                  job_sampling(cfg), **job_limits(cfg)) for s in specs))
+
+    return asyncio.run(all_of_them())
+
+
+def train_specs(cfg: JobConfig, step: int, rng: random.Random, version: int) -> list[EpisodeSpec]:
+    env = cfg.envs.train[0]
+    out = []
+    for p in range(cfg.rollout.prompts_per_step):
+        gid, seed = f"s{step}-g{p}", rng.randrange(2**31)
+        out += [EpisodeSpec(id=f"{gid}-m{k}", env_id=env.id, seed=seed, group_id=gid, env_kwargs=dict(env.kwargs),
+                            issued_version=version) for k in range(cfg.rollout.group_size)]
+    return out
+
+
+def evaluate(engine: EmbeddedEngine, cfg: JobConfig, tasks: int) -> float:
+    """Greedy success on held-out tasks (seeds from 2**31 on: training draws below)."""
+    env = cfg.envs.train[0]
+    specs = [EpisodeSpec(id=f"eval-{i}", env_id=env.id, seed=2**31 + i, env_kwargs=dict(env.kwargs),
+                         sampling={"temperature": 0.0}) for i in range(tasks)]
+    return sum(success(t.reward) for t in play(engine, cfg, specs)) / tasks
+
+
+def rl(student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, eval_every: int,
+       eval_tasks: int, seed: int) -> list[dict]:
+    teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef}] if teacher_dir else []
+    learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
+                                                "distill": {"teachers": teachers}})
+    trainer = Trainer(copy.deepcopy(student), learner)
+    engine = EmbeddedEngine(copy.deepcopy(student).eval(), max_num_seqs=64)
+    rng = random.Random(seed)  # the same tasks in both arms
+    rows = []
+    try:
+        for step in range(steps + 1):
+            row = {"step": step}
+            if step % eval_every == 0 or step == steps:
+                row["eval_success"] = evaluate(engine, cfg, eval_tasks)
+            if step < steps:
+                t0 = time.perf_counter()
+                batch = play(engine, cfg, train_specs(cfg, step, rng, step))
+                m = trainer.train_step(batch)
+                engine.update_weights(trainer.export_weights(step + 1))
+                row.update(reward=m["reward_mean"], success=sum(success(t.reward) for t in batch) / len(batch),
+                           advantage_abs_mean=m["advantage_abs_mean"], seconds=time.perf_counter() - t0)
+            print(f"  {json.dumps({k: round(v, 3) for k, v in row.items()})}", flush=True)
+            rows.append(row)
+    finally:
+        engine.close()
+    return rows
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, rows in results["arms"].items():
+        train = [r for r in rows if "reward" in r]
+        a.plot([r["step"] + 1 for r in train], [r["reward"] for r in train], marker=".", label=name)
+        ev = [r for r in rows if "eval_success" in r]
+        b.plot([r["step"] for r in ev], [r["eval_success"] for r in ev], marker="o", label=name)
+    a.set(xlabel="RL step", ylabel="training reward (mean of the step's episodes)", ylim=(0, 1.02))
+    b.set(xlabel="RL step", ylabel="held-out greedy success", ylim=(0, 1.02))
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"k3-tiny student on KeyLookup; teacher success {results['teacher_eval_success']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--teacher-sft-steps", type=int, default=60)
+    ap.add_argument("--teacher", help="the teacher's checkpoint directory: loaded when it holds one, else "
+                                      "written there (default: a temporary directory)")
+    ap.add_argument("--student-sft-steps", type=int, default=8)
+    ap.add_argument("--sft-lr", type=float, default=0.01)
+    ap.add_argument("--rl-steps", type=int, default=15)
+    ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--eval-tasks", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], help="job config overrides on examples/demo.yaml")
+    ap.add_argument("--out", default="benchmarks/results/distill")
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    cfg = JobConfig.load(DEMO, args.set)
+    t0 = time.perf_counter()
+    demos = collect_demonstrations(cfg, "distill", cfg.learner.sft_episodes)
+
+    teacher_dir = args.teacher or tempfile.mkdtemp(prefix="k3rl-teacher-")
+    if os.path.exists(os.path.join(teacher_dir, "config.json")):
+        print(f"teacher: {teacher_dir}", flush=True)
+        teacher = build_model("k3-tiny", checkpoint=teacher_dir)
+    else:
+        print(f"teacher: {args.teacher_sft_steps} SFT steps", flush=True)
+        teacher = build_model("k3-tiny", seed=args.seed + 1)
+        sft(teacher, cfg, demos, args.teacher_sft_steps, args.sft_lr, args.seed + 1)
+        save_hf(teacher, teacher_dir)
+    engine = EmbeddedEngine(teacher.eval(), max_num_seqs=64)
+    try:
+        teacher_success = evaluate(engine, cfg, args.eval_tasks)
+    finally:
+        engine.close()
+    print(f"teacher held-out greedy success {teacher_success:.2f}", flush=True)
+
+    print(f"student: {args.student_sft_steps} SFT steps", flush=True)
+    student = build_model("k3-tiny", seed=args.seed)
+    sft(student, cfg, demos, args.student_sft_steps, args.sft_lr, args.seed)
+
+    arms = {}
+    for name, teacher_path in (("RL alone", None), ("RL + teacher", teacher_dir)):
+        print(f"{name}: {args.rl_steps} RL steps", flush=True)
+        arms[name] = rl(student, cfg, args.rl_steps, teacher_path, args.coef, args.eval_every, args.eval_tasks,
+                        args.seed)
+    results = {"args": vars(args), "teacher_eval_success": teacher_success, "arms": arms,
+               "seconds": time.perf_counter() - t0}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, args.out + ".png")
+    print(f"wrote {args.out}.json and {args.out}.png ({results['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
