@@ -1,6 +1,6 @@
 """One GPU's shard of full-width K3 layers in bf16: forward + backward time, model FLOPs, MFU.
 
-    python3 benchmarks/layer.py [--tokens 8192,32768] [--only kda_moe,mla_moe,kda,moe,mla]
+    python3 benchmarks/layer.py [--tokens 8192,32768] [--only kda_moe,mla_moe,kda,moe,mla] [--profile]
 
 The layers are the real modules of ``learner/model`` built from the ``k3`` preset (hidden 7168;
 KDA 96 heads of 128; Gated MLA 96 heads; Stable LatentMoE latent 3584, experts of 3072, top-16 of
@@ -262,7 +262,18 @@ def _tf32(_layer):
     return lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False)
 
 
-def run_kind(kind, N, peak, first_n, only_levers=None):
+def profile_step(step, label, top=15):
+    """The CUDA kernels of one step by total device time (where a part's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(f"\nprofile: {label}, top {top} kernels by device time")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=top, max_name_column_width=70))
+
+
+def run_kind(kind, N, peak, first_n, only_levers=None, profile=False):
     layer, full = build_layer(MLA_IDX if kind.startswith("mla") else KDA_IDX)
     d = full.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -297,6 +308,8 @@ def run_kind(kind, N, peak, first_n, only_levers=None):
             torch.cuda.reset_peak_memory_stats()
             ms = timed(step)
             mem = torch.cuda.max_memory_allocated() / 2**30
+            if profile and name == "eager":
+                profile_step(step, f"{kind}, {N} tokens, eager")
             base = base or ms
             tflops = flops / ms / 1e9
             print(
@@ -322,6 +335,7 @@ def main():
     p.add_argument("--only", default="kda_moe,mla_moe,kda,moe,mla")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     p.add_argument("--levers", default="", help="only these rows, e.g. eager,compile (default: all)")
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each eager step")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"# layer benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}, "
@@ -335,7 +349,8 @@ def main():
     for i, N in enumerate(int(n) for n in args.tokens.split(",")):
         for kind in args.only.split(","):
             only = set(args.levers.split(",")) if args.levers else None
-            run_kind(kind, N, peak, first_n=(i == 0 and not args.no_compile), only_levers=only)
+            first = i == 0 and not args.no_compile
+            run_kind(kind, N, peak, first_n=first, only_levers=only, profile=args.profile)
 
 
 if __name__ == "__main__":
