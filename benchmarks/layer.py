@@ -36,6 +36,7 @@ Levers (rows), each measured on the same layer and inputs:
   router tf32        the fp32 router matmul on TF32 tensor cores (allow_tf32)
   recompute experts  selective activation recompute: the routed experts under torch.utils.checkpoint
   compile            regional torch.compile of the decoder layer (first token count only: compile time)
+  kda conv bf16      the KDA short convolutions (depthwise conv + SiLU) in bf16 instead of fp32
   mla bf16 sdpa      MLA attention by SDPA on bf16 inputs (flash / cuDNN) instead of the fp32 kernel
 """
 
@@ -54,6 +55,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop  # noqa: E402
+from k3rl.learner.model import kda as kda_module  # noqa: E402
 from k3rl.learner.model import model_config  # noqa: E402
 from k3rl.learner.model.model import FP32_PARAM_SUFFIXES, K3DecoderLayer  # noqa: E402
 from k3rl.learner.model.moe import MoEGate  # noqa: E402
@@ -179,6 +181,18 @@ def bf16_attention(mla):
     return naive_attention
 
 
+def short_conv_bf16(x, weight, left, cu_seqlens):
+    """learner.model.kda.short_conv for one unpacked batch, in x's dtype instead of fp32 (the lever)."""
+    import torch.nn.functional as F
+
+    if cu_seqlens is not None or left is not None:
+        raise ValueError("the bf16 short-conv lever covers one unpacked batch without a cache")
+    W = weight.shape[-1]
+    xx = F.pad(x.transpose(1, 2), (W - 1, 0))  # [B, C, W-1+T]
+    y = F.conv1d(xx, weight.to(x.dtype), groups=x.shape[-1]).transpose(1, 2)
+    return F.silu(y), xx.transpose(1, 2)[:, xx.shape[-1] - (W - 1) :]
+
+
 def matmul_peak():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -241,6 +255,8 @@ def levers(kind, first_n):
         rows += [("experts loop", lambda L: _swap(L.mlp, "experts_fn", latent_experts_loop))]
         rows += [("router tf32", _tf32)]
         rows += [("recompute experts", lambda L: _swap(L.mlp, "recompute", True))]
+    if kind in ("kda_moe", "kda"):
+        rows += [("kda conv bf16", lambda L: _swap_global(kda_module, "short_conv", short_conv_bf16))]
     if kind in ("mla_moe", "mla"):
         rows += [
             ("mla bf16 sdpa", lambda L: _swap(L.self_attn, "naive_attention", bf16_attention(L.self_attn)))
@@ -255,6 +271,12 @@ def _swap(obj, name, value):
     had = name in obj.__dict__
     setattr(obj, name, value)
     return lambda: setattr(obj, name, old) if had else delattr(obj, name)
+
+
+def _swap_global(module, name, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    return lambda: setattr(module, name, old)
 
 
 def _tf32(_layer):
