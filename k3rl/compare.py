@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from k3rl.tracking import TrackingError, find_run, metric_history, mlflow_client, sqlite_path
+from k3rl.tracking import TrackingError, figure_png, find_run, metric_history, mlflow_client, sqlite_path
 
 EVAL_CURVE = re.compile(r"eval/(?P<env>.+)/(?P<kind>success|pass_at_\d+)")
 
@@ -127,8 +127,6 @@ def compare_runs(runs: list[str], out: Path = Path("runs/compare.png"), tracking
 
 def plot_runs(curves: list[RunCurve], labels: dict[str, str], metric: str) -> bytes:
     """PNG bytes: `metric` by run, and below it (when a run has them) the held-out eval curves."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -148,13 +146,7 @@ def plot_runs(curves: list[RunCurve], labels: dict[str, str], metric: str) -> by
     if with_eval:
         axes[1].set(title="held-out evaluation (greedy success, pass@k)", xlabel="RL steps done", ylabel="rate",
                     ylim=(-0.03, 1.03))
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
+    return figure_png(fig, axes)
 
 
 def _line(ax, points: list[tuple[int, float]], label: str, colour: str, style: str) -> None:

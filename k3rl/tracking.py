@@ -346,8 +346,6 @@ def metric_history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def plot_curves(curves: Mapping[str, list[tuple[int, float]]], title: str, ylabel: str, xlabel: str = "step") -> bytes:
     """Line plot of named (step, value) series as PNG bytes (matplotlib, Agg backend, no display)."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -362,8 +360,16 @@ def plot_curves(curves: Mapping[str, list[tuple[int, float]]], title: str, ylabe
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    return figure_png(fig, [ax])
+
+
+def figure_png(fig, axes) -> bytes:
+    """A matplotlib figure as PNG bytes, its axes gridded and with legends."""
+    import io
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
