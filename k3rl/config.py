@@ -165,6 +165,9 @@ class LoraSection(_Section):
         default_factory=lambda: ["attention", "shared_experts", "latent"], min_length=1,
         description="the weights to adapt: the groups attention, shared_experts, routed_experts, latent, or "
                     "regular expressions searched in weight names (e.g. 'self_attn\\.q_proj\\.weight$')")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="the adapters' optimizer, in place of learner.optimizer (AdamW: measured ahead of "
+                             "Per-Head Muon on adapters, BENCHMARKS.md 'LoRA')")
     sync: Literal["adapters", "merged"] = Field(
         "adapters", description="what a weight sync sends: the adapters alone (each engine merges them into its "
                                 "own base weights) or the merged weights W + (alpha / rank) B A under the release's names")
@@ -418,10 +421,11 @@ class RaySection(_Section):
 # Post-training peak learning rates (RL, SFT warm start) per preset, used when a job leaves
 # learner.lr / learner.sft_lr unset. Post-training moves a trained model a little: rates one to
 # two orders below pre-training's, smaller the wider the model (Muon's update RMS is matched to
-# AdamW's, so these read as AdamW rates). k3-tiny's were measured on the demo (BENCHMARKS.md,
-# "RL that learns"); k3-small's and k3's follow the width scaling of published post-training.
+# AdamW's, so these read as AdamW rates). k3-tiny's are the demo's, measured stable over 30 RL
+# steps (docs/learning.md: at 1e-3 one update already drops confident tokens by 9 nats);
+# k3-small's and k3's follow the width scaling of published post-training and are not measured here.
 POST_TRAINING_LR: dict[str, tuple[float, float]] = {
-    "k3-tiny": (5e-4, 1e-2),
+    "k3-tiny": (1e-4, 1e-2),
     "k3-small": (1e-5, 1e-4),
     "k3": (2e-6, 1e-5),
 }
