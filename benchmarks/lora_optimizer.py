@@ -47,8 +47,8 @@ def held_out_nll(trainer: Trainer, batch: list[Trajectory]) -> float:
 
 def run(task: str, optimizer: str, lr: float, steps: int, seed: int = 0) -> tuple[float, float]:
     torch.manual_seed(seed)
-    section = LearnerSection(optimizer=optimizer, sft_lr=lr, sft_steps=steps, micro_batch_tokens=512,
-                             routing_replay=False, lora=LoraSection(rank=8, alpha=16))
+    section = LearnerSection(sft_lr=lr, sft_steps=steps, micro_batch_tokens=512, routing_replay=False,
+                             lora=LoraSection(rank=8, alpha=16, optimizer=optimizer))
     trainer = Trainer(build_model("k3-tiny", seed=seed), section)
     rng, held_out = random.Random(1 + seed), copy_batch(random.Random(99 + seed))
     start = held_out_nll(trainer, held_out)

@@ -128,7 +128,8 @@ class Trainer:
         self.loss_cfg = LossConfig.from_section(config)
 
         groups, self.param_summary = param_groups(model, lr=config.lr, weight_decay=config.weight_decay)
-        if config.optimizer == "adamw":
+        optimizer = self.lora.optimizer if self.lora is not None else config.optimizer
+        if optimizer == "adamw":
             for g in groups:
                 g["kind"], g["block_rows"] = "adamw", None
         self.optimizer = PerHeadMuon(groups, lr=config.lr, weight_decay=config.weight_decay)

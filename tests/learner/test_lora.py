@@ -149,7 +149,7 @@ def lora_trainer(seed=0, sync="adapters", **cfg):
     cfg.setdefault("micro_batch_tokens", 64)
     cfg.setdefault("steps", 10)
     cfg.setdefault("lr", 1e-2)
-    lora = LoraSection(rank=4, alpha=8, targets=ALL_GROUPS, sync=sync)
+    lora = LoraSection(rank=4, alpha=8, targets=ALL_GROUPS, sync=sync, optimizer=cfg.pop("optimizer", "adamw"))
     return Trainer(build_model("k3-tiny", seed=seed), LearnerSection(lora=lora, **cfg))
 
 
@@ -158,6 +158,8 @@ def test_config_groups_expand_to_the_patterns_and_bad_settings_are_refused():
 
     assert LoraSection(targets=["attention", r"q_proj\.weight$"]).settings().targets == [*ATTENTION, r"q_proj\.weight$"]
     assert JobConfig().learner.lora is None  # off unless asked for
+    kinds = {o: {g["kind"] for g in lora_trainer(optimizer=o).optimizer.param_groups} for o in ("adamw", "muon")}
+    assert kinds["adamw"] == {"adamw"} and "adamw" not in kinds["muon"]  # lora.optimizer picks the adapters' one
     cfg = JobConfig.load(None, ["learner.lora.rank=4", "learner.lora.targets=[attention,routed_experts]"])
     assert cfg.learner.lora.settings().targets == ATTENTION + ROUTED_EXPERTS and cfg.learner.lora.sync == "adapters"
     for bad, where in ((["learner.lora.targets=['(']"], "learner.lora.targets.0"),
@@ -242,14 +244,14 @@ def test_checkpoint_holds_the_peft_adapter_and_resume_is_bit_identical(tmp_path)
 
     batches = [make_trajectories(s) for s in range(4)]
     torch.manual_seed(0)
-    a = lora_trainer(kl_coef=0.1)
+    a = lora_trainer(kl_coef=0.1, optimizer="muon")
     a.train_step(batches[0])
     a.train_step(batches[1])
     a.save_checkpoint(tmp_path)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     ref = [a.train_step(batches[2]), a.train_step(batches[3])]
-    b = lora_trainer(seed=123, kl_coef=0.1)  # other base weights and adapters: everything comes from the checkpoint
+    b = lora_trainer(seed=123, kl_coef=0.1, optimizer="muon")  # other base weights and adapters: everything comes from the checkpoint
     b.load_checkpoint(tmp_path)
     assert b.step == 2
     got = [b.train_step(batches[2]), b.train_step(batches[3])]
