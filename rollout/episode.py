@@ -227,12 +227,15 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             if (info or {}).get("parse_error"):  # a malformed message: the format guard's signal
                 traj.metadata["parse_errors"] = traj.metadata.get("parse_errors", 0) + 1
             errors = {c.get("index"): c.get("error") for c in (info or {}).get("tool_calls", [])}
+            tool_s = (info or {}).get("timings") or {}  # "tool:<index>:<name>" -> seconds
             for m in observed_messages(obs):
                 start, end = traj.append(session.add(m).ids, generated=False)
                 images.extend(m.images)
                 traj.turns.append(Turn(role=m.role, text=m.content, images=m.images, tool_name=m.tool_name,
                                        tool_index=m.tool_index, start=start, end=end, segment=len(traj.segment_starts),
-                                       error=errors.get(m.tool_index) if m.role == "tool" else None))
+                                       error=errors.get(m.tool_index) if m.role == "tool" else None,
+                                       duration_s=float(tool_s.get(f"tool:{m.tool_index}:{m.tool_name}", 0.0))
+                                       if m.role == "tool" else 0.0))
                 if compactor is not None:
                     compactor.replied(m)
             if terminated or truncated:

@@ -70,6 +70,7 @@ def test_oracle_episode_is_token_exact_and_masked():
     assert len(assistant) == 2 and assistant[0].tool_calls[0].name == "lookup" and assistant[1].text == env.task.value
     assert [t.role for t in traj.turns] == ["user", "assistant", "tool", "assistant"]
     assert traj.turns[2].text == env.task.value and traj.task_id == env.task.id
+    assert traj.turns[2].duration_s > 0  # the tool call's own time (the trace's tool span)
     for t in traj.turns:
         assert 0 <= t.start <= t.end <= len(traj.token_ids)
     assert traj.turns[-1].end == len(traj.token_ids)
