@@ -291,8 +291,9 @@ class LearnerSection(_Section):
             return []
         problems = []
         if self.data_parallel != "none":
-            problems.append(("lora", "LoRA is not supported with data_parallel: fsdp (untested with sharded frozen "
-                                     "weights); set learner.data_parallel: none, or remove learner.lora"))
+            problems.append(("lora", "LoRA is not supported with data_parallel: fsdp or expert_parallel (untested "
+                                     "with sharded frozen weights); set learner.data_parallel: none, or remove "
+                                     "learner.lora"))
         if self.qk_clip_tau is not None:
             problems.append(("lora", "QK-Clip rescales the frozen attention weights, which LoRA keeps as the "
                                      "engines' base; set learner.qk_clip_tau: null, or remove learner.lora"))

@@ -103,7 +103,9 @@ class LearnerActor:
     # ----- weights to the engines -----------------------------------------------------------------
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank exports the whole model (collective under FSDP), in the engines' dtype (the
-        fp32 allow-list stays fp32) and where it is (packed on the GPU, if any); rank 0 sends it."""
+        fp32 allow-list stays fp32) and where it is (packed on the GPU, if any); rank 0 sends it.
+        With `learner.lora.sync: adapters` the update is the adapters alone (fp32), which is what
+        the report's `weight_sync/bytes` then counts."""
         import torch
 
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None

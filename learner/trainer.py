@@ -534,7 +534,9 @@ class Trainer:
         default, as the model's weights came (`model.routed_experts_format`: "mxfp4" when the
         learner and the engines started from the release), so the engines keep holding what they
         started with. `to_cpu=False` keeps the tensors where the model is (for a GPU-to-GPU broadcast
-        or CUDA IPC). Under FSDP this is collective: call it on every rank (each gets the same update)."""
+        or CUDA IPC). Under FSDP this is collective: call it on every rank (each gets the same update).
+        With LoRA: `sync: merged` sends W + (alpha / r) B A for every weight, `sync: adapters` only the
+        adapters (`_export_adapters`; `dtype` and `experts` do not apply)."""
         from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
         from k3rl.learner.model.state_dict_adapter import to_hf
 

@@ -194,6 +194,17 @@ def test_adapters_sync_is_smaller_by_the_expected_factor_and_the_engine_merges_e
         plain_names = set(merged_state_dict(t.model)) - set(adapters_of(t.model))
         base = build_model("k3-tiny", seed=0).state_dict()
         assert all(torch.equal(got[n], base[n]) for n in plain_names)  # nothing else moved
+        # whole weights (another model's) become the base the next adapters are merged into
+        from k3rl.learner.model.state_dict_adapter import to_hf
+        from k3rl.types import WeightUpdate
+
+        other = build_model("k3-tiny", seed=5).state_dict()
+        engine.update_weights(WeightUpdate.from_state_dict(3, to_hf(other, experts="dense")))
+        engine.update_weights(t.export_weights(4))
+        got = engine.model.state_dict()
+        for name, adapter in adapters_of(t.model).items():
+            expected = other[name] + adapter.delta().detach()
+            torch.testing.assert_close(got[name], expected, rtol=1e-6, atol=1e-7, msg=name)
     finally:
         engine.close()
     # bytes on the wire (what the transports report as weight_sync/bytes): the adapters (fp32) vs every weight
