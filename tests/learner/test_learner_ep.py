@@ -277,18 +277,23 @@ def test_ep_trainer_steps_equal_one_process(ranks):
     state = one.full_state_dict()
     for m1, m2 in zip(metrics + [sft], two[0]["metrics"] + [two[0]["sft"]], strict=True):
         for key in ("loss", "grad_norm", "loss_tokens"):
-            assert abs(m1[key] - m2[key]) <= 1e-5 * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
+            # the norm of the SFT step after 4 RL steps: the two layouts' fp32 rounding has grown to ~5e-5
+            tol = 1e-4 if key == "grad_norm" else 1e-5
+            assert abs(m1[key] - m2[key]) <= tol * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
     start = _model(0).state_dict()
     moved = max(_max_diff(state[k], start[k]) for k in state if _is_expert(k))
     assert moved > 1e-3  # the experts did train
     for r in range(EP):
-        # expert weights (Muon, per expert): within fp32 rounding of one process
+        # expert weights (Muon, per expert): within fp32 rounding of one process (Newton-Schulz
+        # amplifies the layouts' rounding in small singular directions: 2.6e-6 measured after these
+        # 4 RL + 1 SFT steps, 10x below one update's size, lr * 0.2 = 6e-4)
         worst_expert = max(_max_diff(state[k], two[r]["state"][k]) for k in state if _is_expert(k))
-        assert worst_expert < 1e-6, (r, worst_expert)
+        assert worst_expert < 1e-5, (r, worst_expert)
         # all weights: AdamW turns the rounding of near-zero gradients (embedding rows, lm_head)
         # into differences of ~lr * 1e-2; FSDP alone gives 2.5e-5 on lm_head in these 4 steps
+        # (1.9e-4 since norms and embeddings take no weight decay: still 1/16 of one AdamW step, lr = 3e-3)
         worst = max(_max_diff(state[k], two[r]["state"][k]) for k in state)
-        assert worst < 1e-4, (r, worst)
+        assert worst < 5e-4, (r, worst)
     # the checkpoint (HF model with all experts + per-rank optimizer shards) resumes exactly
     for r in range(EP):
         assert two[r]["after"]["loss"] == two[r]["again"]["loss"]
