@@ -56,15 +56,16 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
 async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None]) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:  # every actor, episode and the MLflow run end on every exit
         job = await Job.start(cfg, resume, stack)
-        await job.warm_start()
+        stop = _ctrl_c()  # from here on Ctrl-C ends the job cleanly (Ray's start-up is behind us)
         step, steps, history, evals, t_job = job.step, cfg.learner.steps, [], {}, time.monotonic()
-        await job.push(step + 1)
-        if not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step
+        warmed = await _unless(stop, _then_true(job.warm_start()))  # None: Ctrl-C during the warm start
+        if warmed:
+            await job.push(step + 1)
+        if warmed and not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step
             evals[0] = await job.evaluate(0)
             job.tracker.log_metrics(evals[0], step=0)
-        stop = _ctrl_c()
         with _progress(quiet, step, steps) as show:
-            while step < steps:
+            while warmed and step < steps:
                 t0 = time.monotonic()
                 batch = await _unless(stop, job.sched.next_batch(step + 1))  # fresh groups, under the lag bound
                 if batch is None:  # Ctrl-C: end with a checkpoint of the last complete step
@@ -91,11 +92,12 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                     _log_samples(job, stats, step)
                 if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
                     await job.save(step)
-        await job.save(step)  # a no-op when that step already has its checkpoint
+        if warmed:  # (stopped in the warm start: nothing trained by RL yet, nothing to save)
+            await job.save(step)  # a no-op when that step already has its checkpoint
         await job.sched.stop()
         # what finished but was not trained is stored as unused; a resume rolls it back and re-issues it
         await within(job.buffer.flush_unused.remote(step + 1), BUFFER_S, "the buffer to store the unused episodes")
-        summary = {"completed": step >= steps, "steps": step, "run_dir": str(job.run_dir),
+        summary = {"completed": bool(warmed) and step >= steps, "steps": step, "run_dir": str(job.run_dir),
                    "mlflow_run_id": job.tracker.run_id, "history": history, "eval": evals,
                    "buffer": await within(job.buffer.get_stats.remote(), BUFFER_S, "the buffer's counts"),
                    "accounting": job.sched.metrics(),
@@ -251,6 +253,11 @@ async def _unless(stop: asyncio.Event, coro):
         return task.result()
     task.cancel()
     return None
+
+
+async def _then_true(coro) -> bool:
+    await coro
+    return True
 
 
 async def _quietly(ref) -> None:

@@ -209,6 +209,34 @@ def test_ctrl_c_ends_with_a_checkpoint_and_leaves_nothing(tmp_path):
     assert nothing_left("interrupted") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
+def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path):
+    """Ctrl-C while the SFT warm start runs (a long one): the job ends at once with 130, KILLED, no
+    RL step, no checkpoint, nothing left behind."""
+    from mlflow.tracking import MlflowClient
+
+    config = _job(tmp_path, "early", [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
+                  "learner.steps=5", "learner.sft_steps=2000", "learner.sft_episodes=8",
+                  "learner.eval_before_training=true")
+    proc = _train(config, tmp_path)
+    t = time.monotonic()
+    for line in proc.stdout:  # the untrained policy's evaluation is logged just before the SFT starts
+        if "untrained policy" in line:
+            break
+        assert time.monotonic() - t < 300, "the job did not reach its warm start within 300 s"
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    t = time.monotonic()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    assert time.monotonic() - t < 90  # not after the 2000 SFT steps
+    run_dir = tmp_path / "runs" / "early"
+    assert not list((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").exists() else True
+    client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("k3rl").experiment_id])[0]
+    assert run.info.status == "KILLED" and not client.get_metric_history(run.info.run_id, "reward/mean")[1:]
+    assert nothing_left("early") == {"containers": [], "bwrap": [], "ray_orphans": []}
+
+
 def test_same_seeds_lag_0_one_worker_give_identical_trajectories(tmp_path):
     import ray
 
