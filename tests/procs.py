@@ -44,3 +44,32 @@ def alive(pids: set[int], within_s: float = 0.0) -> set[int]:
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(0.1)
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_ui(uri: str, cwd: Path, timeout_s: float = 180.0):
+    """`k3rl ui` on a free loopback port, returned once its MLflow server answers, as (the k3rl ui
+    process, the port, the server's processes). The caller stops them."""
+    import subprocess
+    import sys
+
+    from k3rl.learner.distributed import free_port
+
+    port = free_port()
+    ui = subprocess.Popen([sys.executable, "-m", "k3rl.cli", "ui", "--port", str(port), "--tracking-uri", uri],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not port_open(port):
+        if ui.poll() is not None:
+            raise AssertionError("k3rl ui exited before its server answered")
+        if time.monotonic() > deadline:
+            ui.kill()
+            raise AssertionError(f"the MLflow server did not answer within {timeout_s:.0f} s")
+        time.sleep(0.5)
+    return ui, port, descendants(ui.pid)

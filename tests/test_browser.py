@@ -11,17 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
-from procs import alive, descendants
-from test_cli import port_open
+from procs import alive, port_open, start_ui
 from test_store import make_episode
 
-from k3rl.learner.distributed import free_port
 from k3rl.render_html import render_episode_html
 from k3rl.rollout.episode import run_oracle_episode
 from k3rl.tracking import Tracker
@@ -77,17 +73,8 @@ def test_k3rl_ui_shows_the_runs_episode_trace(tmp_path):
     tracker = Tracker(uri=uri, experiment="browser", run_name="browser-run")
     trace_id = tracker.log_episode_trace(run_oracle_episode("k3rl/KeyLookup-v0", seed=3), step=1)
     tracker.finish()
-    port = free_port()
-    ui = subprocess.Popen([sys.executable, "-m", "k3rl.cli", "ui", "--port", str(port), "--tracking-uri", uri],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True)
-    started: set[int] = set()
+    ui, port, started = start_ui(uri, tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        while not port_open(port):
-            assert ui.poll() is None, "k3rl ui exited before its server answered"
-            assert time.monotonic() < deadline, "the MLflow server did not answer within 180 s"
-            time.sleep(0.5)
-        started = descendants(ui.pid)
         base = f"http://127.0.0.1:{port}/#/experiments/{tracker.experiment_id}"
 
         runs = ""

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from procs import alive, descendants
-
-from k3rl.learner.distributed import free_port
+from procs import alive, port_open, start_ui
 
 K3RL = [sys.executable, "-m", "k3rl.cli"]
 
@@ -23,24 +19,10 @@ def k3rl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subpro
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
-def port_open(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_stopping_k3rl_ui_stops_the_mlflow_server_it_started(tmp_path, sig):
-    port = free_port()
-    ui = subprocess.Popen([*K3RL, "ui", "--port", str(port), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path, start_new_session=True)
-    started = set()
+    ui, port, started = start_ui(f"sqlite:///{tmp_path}/mlflow.db", tmp_path)
     try:
-        deadline = time.monotonic() + 180
-        while not port_open(port):
-            assert ui.poll() is None, "k3rl ui exited before its server answered"
-            assert time.monotonic() < deadline, "the MLflow server did not answer within 180 s"
-            time.sleep(0.5)
-        started = descendants(ui.pid)
         assert started, "k3rl ui should run the server as a child process"
         ui.send_signal(sig)  # to k3rl ui alone, as `kill` or a service manager would (not its process group)
         assert ui.wait(timeout=60) == 128 + sig
