@@ -91,6 +91,10 @@ def call_tool(params):
         return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
 
 
+class UnknownMethod(LookupError):
+    """A JSON-RPC method this server does not offer (answered with error -32601)."""
+
+
 def answer(method, params):
     if method == "initialize":
         asked = params.get("protocolVersion")
@@ -104,7 +108,7 @@ def answer(method, params):
                           for name, (_, desc, schema) in TOOLS.items()]}
     if method == "tools/call":
         return call_tool(params)
-    raise NotImplementedError(method)
+    raise UnknownMethod(method)
 
 
 def main():
@@ -121,7 +125,7 @@ def main():
             reply = {"jsonrpc": "2.0", "id": message["id"]}
             try:
                 reply["result"] = answer(message["method"], message.get("params") or {})
-            except NotImplementedError:
+            except UnknownMethod:
                 reply["error"] = {"code": -32601, "message": f"method not found: {message['method']}"}
             except LookupError as exc:
                 reply["error"] = {"code": -32602, "message": str(exc)}
