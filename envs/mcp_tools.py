@@ -27,6 +27,7 @@ import concurrent.futures
 import io
 import json
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -148,9 +149,18 @@ class McpConnection:
             raise
         except Exception as exc:
             raise McpServerError(f"the MCP server {self.process.cmd!r} failed while {doing}: "
-                                 f"{type(exc).__name__}: {exc}{self.how_it_ended()}") from exc
+                                 f"{type(exc).__name__}: {exc}{self.how_it_ended(settle_s=2.0)}") from exc
 
-    def how_it_ended(self) -> str:
+    def how_it_ended(self, settle_s: float = 0.0) -> str:
+        """How the server process ended ("" while it runs). `settle_s`: once the session has failed (its
+        pumps are gone), read on for up to that long, since a server that died may not have shown
+        its end of stdout yet (a write to it can fail first)."""
+        deadline = time.monotonic() + settle_s
+        while not self.process.at_eof and time.monotonic() < deadline:
+            try:
+                self.process.read(0.2)
+            except Exception:  # noqa: BLE001 - the sandbox is gone: nothing more to learn
+                break
         if not self.process.at_eof:
             return ""
         return f" (it exited with code {self.process.returncode}; stderr: {self.process.stderr_tail[-500:]!r})"

@@ -538,7 +538,8 @@ def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> 
                                  "oracle(history) or set learner.sft_steps=0")
         raise PreflightError(f"{spec.env_id}: the oracle episode for the SFT warm start failed at "
                              f"{traj.metadata['failed_at']}: {traj.error}")
-    longest = max((sum(traj.loss_mask[t.start - len(traj.prompt_ids):t.end - len(traj.prompt_ids)])
+    P = len(traj.prompt_ids)  # an assistant turn may start inside the prompt (its header is prompted)
+    longest = max((sum(traj.loss_mask[max(0, t.start - P):max(0, t.end - P)])
                    for t in traj.turns if t.role == "assistant"), default=0)
     per_turn = cfg.rollout.sampling.max_tokens_per_turn
     if longest > per_turn:

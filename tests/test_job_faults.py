@@ -216,6 +216,7 @@ def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path):
 
     config = _job(tmp_path, "early", [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
                   "learner.steps=5", "learner.sft_steps=2000", "learner.sft_episodes=8",
+                  "rollout.sampling.max_tokens_per_turn=128",  # the oracle's messages fit (preflight)
                   "learner.eval_before_training=true")
     proc = _train(config, tmp_path)
     t = time.monotonic()

@@ -70,6 +70,9 @@ def test_preflight_refuses_oracle_messages_over_max_tokens_per_turn():
     with pytest.raises(PreflightError, match=r"k3rl/KeyLookup-v0: an oracle message is \d+ tokens, over "
                                              r"rollout.sampling.max_tokens_per_turn=16; raise it"):
         preflight(cfg)
+    # the first message (the tool call, over 100 tokens) is longer than the answer: it is measured too
+    with pytest.raises(PreflightError, match=r"an oracle message is 1\d\d tokens, over rollout.sampling.max_tokens_per_turn=40"):
+        preflight(job(learner__sft_steps=2, rollout__sampling={"max_tokens_per_turn": 40}))
     preflight(job(learner__sft_steps=0, rollout__sampling={"max_tokens_per_turn": 16}))  # no SFT: no oracle needed
 
 
@@ -83,7 +86,7 @@ def test_preflight_refuses_sft_without_an_oracle_and_envs_that_cannot_start():
         preflight(job(envs__train=[{"id": "k3rltest/Broken-v0"}]))
     with pytest.raises(PreflightError, match=r"oracle episode for the SFT warm start was truncated by max_turns "
                                              r"\(envs.max_turns=1\); raise envs.max_turns"):
-        preflight(job(learner__sft_steps=1, envs__max_turns=1))
+        preflight(job(learner__sft_steps=1, envs__max_turns=1, rollout__sampling={"max_tokens_per_turn": 128}))
 
 
 def test_demonstrations_are_oracle_episodes_token_exact():
