@@ -42,6 +42,14 @@ FLAKY = {"id": "faulty/FlakyLookup-v0", "kwargs": {"num_keys": 2, "tool_failure"
 SANDBOXED = {"id": "faulty/SandboxedLookup-v0", "kwargs": {"num_keys": 2}}
 
 
+BWRAP_BEFORE: set[str] = set()  # bwrap processes of other tests, alive before this module ran
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bwrap_before():
+    BWRAP_BEFORE.update(subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split())
+
+
 def leftovers(job: str) -> dict[str, list]:
     """What a job may have left: containers with its label, live Ray actors (when Ray is up in this
     process), sandbox processes, and Ray processes whose session has no raylet any more."""
@@ -51,7 +59,8 @@ def leftovers(job: str) -> dict[str, list]:
 
     out = {"containers": subprocess.run(["docker", "ps", "-aq", "--filter", f"label=k3rl.job={job}"],
                                         capture_output=True, text=True).stdout.split(),
-           "bwrap": subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split(),
+           "bwrap": [p for p in subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split()
+                     if p not in BWRAP_BEFORE],
            "ray_orphans": [p for p, _ in orphaned_ray_processes()]}
     if ray.is_initialized():
         from ray._private.state import actors
