@@ -41,15 +41,16 @@ async def within(awaitable, seconds: float, what: str):
 
 def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
             kill_worker_at_step: int | None = None, kill_engine_at_step: int | None = None,
-            kill_learner_at_step: int | None = None) -> dict[str, Any]:
+            kill_learner_at_step: int | None = None, kill_teacher_at_step: int | None = None) -> dict[str, Any]:
     """Run (or with `resume`, continue) the job. `kill_*_at_step` kill rollout worker 0, inference
-    engine 0 or learner rank 0 after that step's training (the failure tests)."""
+    engine 0, learner rank 0 or the first teacher engine after that step's training (the failure tests)."""
     from k3rl.envs.registration import check_env_ids
     from k3rl.rollout.episode import preflight
 
     check_env_ids(cfg)  # before Ray starts: an unknown id, a prompt over the context, a bad oracle
     preflight(cfg)
-    faults = {"worker": kill_worker_at_step, "engine": kill_engine_at_step, "learner": kill_learner_at_step}
+    faults = {"worker": kill_worker_at_step, "engine": kill_engine_at_step, "learner": kill_learner_at_step,
+              "teacher": kill_teacher_at_step}
     return asyncio.run(_run_job(cfg, resume, quiet, faults))
 
 
@@ -75,7 +76,9 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                                     f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
                 stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
                 t1 = time.monotonic()
-                m = {**step_metrics(stats, step), "policy_version": float(step),
+                # teachers served by engines of their own attach log T to the episodes (rollout/teacher.py)
+                ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
+                m = {**step_metrics(stats, step), "policy_version": float(step), **scored,
                      **await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}")}
                 t2 = time.monotonic()
                 _inject_faults(faults, step, job)
@@ -117,6 +120,7 @@ class Job:
     tracker: Any
     pool: Any
     learner: Any
+    teachers: Any  # the engines of learner.distill.teachers (rollout/teacher.py)
     buffer: Any
     sched: Any
     step: int  # training steps done (the checkpoint's, on resume)
@@ -131,6 +135,7 @@ class Job:
         from k3rl.rollout.buffer import TrajectoryBuffer
         from k3rl.rollout.pool import EngineSpec, PoolActor
         from k3rl.rollout.scheduler import Scheduler
+        from k3rl.rollout.teacher import TeacherGroup
         from k3rl.rollout.worker import RolloutWorker
         from k3rl.store import TrajectoryStore
         from k3rl.tracking import Tracker
@@ -163,8 +168,10 @@ class Job:
         stack.push_async_callback(_stop_pool, pool)
         learner = LearnerGroup(cfg, run_dir, pool)
         stack.callback(learner.shutdown)
-        await within(asyncio.gather(pool.wait_ready.remote(), learner.start()), LEARNER_START_S,
-                     "the inference engines and the learner ranks to build their models")
+        teachers = TeacherGroup(cfg)
+        stack.callback(teachers.shutdown)
+        await within(asyncio.gather(pool.wait_ready.remote(), learner.start(), teachers.wait_ready()), LEARNER_START_S,
+                     "the inference engines, the learner ranks and the teachers' engines to build their models")
         ckpt = ckpt if resume else None
         state = await within(learner.call("load", str(ckpt)), LEARNER_START_S, f"loading {ckpt}") if ckpt else {}
         step = int(state.get("step", 0))
@@ -183,7 +190,7 @@ class Job:
         sched = Scheduler(cfg, run_name, make_worker, buffer, first_step=step + 1,
                           next_index=int(state.get("next_group", 0)), reopen=state.get("open_groups", []))
         stack.push_async_callback(sched.stop)
-        return cls(cfg, run_dir, tracker, pool, learner, buffer, sched, step, ckpt is not None)
+        return cls(cfg, run_dir, tracker, pool, learner, teachers, buffer, sched, step, ckpt is not None)
 
     async def warm_start(self) -> None:
         """A fresh run: the untrained policy's reward (the curve's step 0), then SFT on oracle demonstrations,
@@ -292,6 +299,8 @@ def _inject_faults(faults: dict[str, int | None], step: int, job: Job) -> None:
         ray.kill(job.sched.workers[0], no_restart=True)
     if faults["engine"] == step:
         ray.kill(ray.get(job.pool.worker_handles.remote())[0], no_restart=True)
+    if faults["teacher"] == step:
+        ray.kill(job.teachers.engines[0], no_restart=True)
 
 
 def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, float]:

@@ -20,6 +20,11 @@ the teacher gives almost no mass would otherwise outweigh every other; `clip=Non
 Several teachers: the episodes of an env go to the teacher named for it (the K3 report's
 multi-teacher setup, one expert per domain); a teacher named for no env takes the others, and
 episodes no teacher takes keep the env's advantage alone.
+
+Where a teacher runs: with `engines: 0` the learner loads it (`load_teachers`) and scores in its own
+process; otherwise the job serves it by engines of its own (rollout/teacher.py), which score the
+step's episodes before the learner gets them and attach log T to each, `metadata["teacher_logprobs"]`;
+`distill_advantages` uses attached scores where an episode has them and scores the rest itself.
 """
 
 from __future__ import annotations
@@ -33,15 +38,19 @@ from k3rl.types import Trajectory
 
 from .data import build_micro_batches
 
-__all__ = ["Teacher", "distill_advantages", "load_teacher", "per_completion", "score"]
+__all__ = ["TEACHER_LOGPROBS", "Teacher", "distill_advantages", "load_teacher", "load_teachers", "per_completion",
+           "score", "teacher_index"]
+
+TEACHER_LOGPROBS = "teacher_logprobs"  # metadata key: log T per completion token, attached by a teacher's engines
 
 
 @dataclass
 class Teacher:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None: served by engines of its own, whose scores the episodes carry
     envs: tuple[str, ...] = ()  # the env ids it teaches; () = every env no other teacher names
     coef: float = 1.0
     clip: float | None = None  # R: the log-ratio clipped to [-R, R]; None = not clipped
+    name: str = ""  # its checkpoint, for errors
 
 
 def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *, envs: Sequence[str] = (),
@@ -51,7 +60,14 @@ def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *,
     from .model.factory import build_model
 
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
-    return Teacher(model, tuple(envs), coef, clip)
+    return Teacher(model, tuple(envs), coef, clip, name=checkpoint)
+
+
+def load_teachers(specs: Sequence, device: str = "cpu") -> list[Teacher]:
+    """The learner's teachers from `learner.distill.teachers`: one with `engines: 0` is loaded here (on
+    `device`); the others are served by engines of their own and come without a model."""
+    return [load_teacher(s.checkpoint, s.preset, s.overrides, envs=s.envs, coef=s.coef, clip=s.clip, device=device)
+            if s.engines == 0 else Teacher(None, tuple(s.envs), s.coef, s.clip, name=s.checkpoint) for s in specs]
 
 
 def per_completion(flat: torch.Tensor, mb, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
@@ -92,23 +108,48 @@ def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_to
     return out
 
 
-def _teacher_of(env_id: str, teachers: Sequence[Teacher]) -> Teacher | None:
-    named = next((t for t in teachers if env_id in t.envs), None)
-    return named or next((t for t in teachers if not t.envs), None)
+def teacher_index(env_id: str, teachers: Sequence) -> int | None:
+    """Which teacher (anything with `.envs`) scores an episode of `env_id`: the one naming it, else the
+    one naming no env, else none."""
+    named = next((i for i, t in enumerate(teachers) if env_id in t.envs), None)
+    return named if named is not None else next((i for i, t in enumerate(teachers) if not t.envs), None)
+
+
+def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_batch_tokens: int) -> list[torch.Tensor]:
+    """log T of each trajectory's completion: the scores its teacher's engines attached, else scored here."""
+    out = [None if t.metadata.get(TEACHER_LOGPROBS) is None
+           else torch.tensor(t.metadata[TEACHER_LOGPROBS], dtype=torch.float32) for t in trajectories]
+    for t, log_t in zip(trajectories, out, strict=True):
+        if log_t is not None and len(log_t) != len(t.completion_ids):
+            raise ValueError(f"episode {t.id}: metadata[{TEACHER_LOGPROBS!r}] has {len(log_t)} entries but "
+                             f"completion_ids has {len(t.completion_ids)}; they must align token by token")
+    missing = [i for i, log_t in enumerate(out) if log_t is None]
+    if missing and teacher.model is None:
+        raise ValueError(
+            f"teacher {teacher.name} is served by engines of its own, but episode {trajectories[missing[0]].id} "
+            f"carries no scores of it (metadata[{TEACHER_LOGPROBS!r}]): score the batch with "
+            "k3rl.rollout.teacher.TeacherGroup before train_step (the job does), or set the teacher's engines: 0 "
+            "to score it in the learner")
+    if missing:
+        for i, log_t in zip(missing, score(teacher.model, [trajectories[i] for i in missing], micro_batch_tokens),
+                            strict=True):
+            out[i] = log_t
+    return out
 
 
 def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
                        micro_batch_tokens: int = 4096) -> torch.Tensor:
     """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
-    token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher."""
+    token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher (its log T
+    attached by the teacher's engines, or scored here)."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
-    for teacher in teachers:
-        mine = [i for i, t in enumerate(trajectories) if _teacher_of(t.env_id, teachers) is teacher]
+    for k, teacher in enumerate(teachers):
+        mine = [i for i, t in enumerate(trajectories) if teacher_index(t.env_id, teachers) == k]
         if not mine:
             continue
-        scored = score(teacher.model, [trajectories[i] for i in mine], micro_batch_tokens)
+        scored = _teacher_logprobs(teacher, [trajectories[i] for i in mine], micro_batch_tokens)
         for i, log_t in zip(mine, scored, strict=True):
             t = trajectories[i]
             mask = torch.tensor(t.loss_mask, dtype=torch.float32)

@@ -37,7 +37,7 @@ from k3rl.types import Trajectory, WeightUpdate
 from . import checkpoint as ckpt
 from .advantages import step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
-from .distill import distill_advantages, load_teacher, per_completion
+from .distill import distill_advantages, load_teachers, per_completion
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
 from .expert_parallel import (
     apply_expert_parallel,
@@ -144,8 +144,7 @@ class Trainer:
 
         # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
         distill = getattr(config, "distill", None)
-        self.teachers = [load_teacher(t.checkpoint, t.preset, t.overrides, envs=t.envs, coef=t.coef, clip=t.clip,
-                                      device=str(self.device)) for t in (distill.teachers if distill else [])]
+        self.teachers = load_teachers(distill.teachers if distill else [], device=str(self.device))
 
         self.step = 0  # RL optimizer steps done
         self.sft_step_count = 0  # SFT optimizer steps done

@@ -1,17 +1,21 @@
 """On-policy distillation (learner/distill.py) with real k3-tiny teachers: the teacher's scores are
 the learner's own log-probs of the sampled tokens, segment by segment; the advantage is
-coef * (log T - log mu) on sampled tokens, added to the env's; each env goes to its teacher."""
+coef * (log T - log mu) on sampled tokens, added to the env's; each env goes to its teacher.
+A teacher served by engines of its own (rollout/teacher.py, real Ray actors) scores as the learner
+would, and its engine dying is an error naming its checkpoint."""
 
 from __future__ import annotations
 
 import random
+import re
 
+import pytest
 import torch
 from learner_helpers import make_trajectories
 from test_advantages import segmented_episode
 
 from k3rl.config import LearnerSection
-from k3rl.learner.distill import Teacher, distill_advantages, load_teacher, score
+from k3rl.learner.distill import Teacher, distill_advantages, load_teacher, load_teachers, score
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.checkpoint import save_hf
 from k3rl.learner.trainer import Trainer
@@ -84,7 +88,7 @@ def test_a_job_teacher_is_loaded_by_the_trainer_and_enters_the_step(tmp_path):
     save_hf(tiny(3), tmp_path / "t")
     section = LearnerSection(micro_batch_tokens=256, steps=1, optimizer="adamw", lr=1e-4,
                              distill={"teachers": [{"checkpoint": str(tmp_path / "t"), "preset": "k3-tiny",
-                                                    "coef": 0.5, "clip": 100.0}]})
+                                                    "coef": 0.5, "clip": 100.0, "engines": 0}]})
     trainer = Trainer(tiny(0), section)
     assert len(trainer.teachers) == 1 and (trainer.teachers[0].coef, trainer.teachers[0].clip) == (0.5, 100.0)
     batch = make_trajectories(4, n=4)
@@ -102,8 +106,6 @@ def test_a_job_teacher_is_loaded_by_the_trainer_and_enters_the_step(tmp_path):
 
 def test_teachers_are_checked_before_the_job_starts(tmp_path):
     import json
-
-    import pytest
 
     from k3rl.config import ConfigError, JobConfig
     from k3rl.rollout.episode import PreflightError, preflight
@@ -133,3 +135,112 @@ def test_clip_bounds_each_tokens_log_ratio():
     clipped = distill_advantages(batch, torch.zeros(4), [Teacher(model, clip=0.5)])
     assert free.abs().max() > 0.5
     assert torch.allclose(clipped, free.clamp(-0.5, 0.5))
+
+
+# ----- teachers served by engines of their own (rollout/teacher.py) ----------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _job(*teachers: dict):
+    from k3rl.config import JobConfig
+
+    return JobConfig.from_dict({"learner": {"micro_batch_tokens": 64, "distill": {"teachers": list(teachers)}}})
+
+
+def _live_teacher_engines(deadline_s: float = 30.0) -> int:
+    """TeacherEngine actors not dead (after giving killed ones a moment to go)."""
+    import time
+
+    from ray._private.state import actors
+
+    t = time.monotonic()
+    while True:
+        live = sum(a["ActorClassName"] == "TeacherEngine" and a["State"] != "DEAD" for a in actors().values())
+        if not live or time.monotonic() - t > deadline_s:
+            return live
+        time.sleep(0.5)
+
+
+def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(ray_cluster, tmp_path):
+    """Teacher a on 2 engines of its own (e/A), teacher b in the learner (the rest): the engines attach
+    the learner's own log-probs of a (a segmented episode too), and the advantages equal the
+    in-learner path's on the same batch."""
+    import asyncio
+
+    import ray
+
+    from k3rl.rollout.teacher import TeacherGroup
+
+    a, b = tiny(1), tiny(2)
+    save_hf(a, tmp_path / "a")
+    save_hf(b, tmp_path / "b")
+    cfg = _job({"checkpoint": str(tmp_path / "a"), "envs": ["e/A"], "coef": 0.5, "engines": 2},
+               {"checkpoint": str(tmp_path / "b"), "engines": 0})
+    batch = [*make_trajectories(7, n=5), segmented_episode(random.Random(3), "g", (0.0, 1.0))]
+    for t, e in zip(batch, ["e/A", "e/B", "e/A", "e/B", "e/A", "e/A"], strict=True):
+        t.env_id = e
+    group = TeacherGroup(cfg)
+
+    async def main():
+        await group.wait_ready()
+        return await group.score(ray.put(batch))
+
+    try:
+        scored_ref, metrics = asyncio.run(main())
+        scored = ray.get(scored_ref)
+    finally:
+        group.shutdown()
+    assert metrics["distill/episodes_scored"] == 4 and metrics["time/teacher_s"] > 0
+    for t, s in zip(batch, scored, strict=True):
+        if t.env_id == "e/A":
+            got = torch.tensor(s.metadata["teacher_logprobs"])
+            assert torch.allclose(got, score(a, [t])[0], atol=1e-5)
+        else:  # teacher b is the learner's to score
+            assert "teacher_logprobs" not in s.metadata
+    teachers = load_teachers(cfg.learner.distill.teachers)  # a: no model (its engines scored), b: loaded here
+    assert teachers[0].model is None and teachers[1].model is not None
+    env_adv = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.5])
+    want = distill_advantages(batch, env_adv, [Teacher(a, ("e/A",), coef=0.5), Teacher(b)])  # all in the learner
+    assert torch.allclose(distill_advantages(scored, env_adv, teachers), want, atol=1e-5)
+    with pytest.raises(ValueError, match=f"teacher {re.escape(str(tmp_path / 'a'))} is served by engines .* engines: 0"):
+        distill_advantages(batch, env_adv, teachers)  # not scored by a's engines: the learner cannot
+    assert _live_teacher_engines() == 0
+
+
+def test_a_teacher_engine_dying_or_not_starting_is_named_by_its_checkpoint(ray_cluster, tmp_path):
+    import asyncio
+
+    import ray
+
+    from k3rl.rollout.teacher import TeacherError, TeacherGroup
+
+    save_hf(tiny(1), tmp_path / "a")
+    group = TeacherGroup(_job({"checkpoint": str(tmp_path / "a")}))
+    try:
+        asyncio.run(group.wait_ready())
+        ray.kill(group.engines[0], no_restart=True)
+        with pytest.raises(TeacherError, match=re.escape(f"learner.distill.teachers.0 ({tmp_path / 'a'}) engine 0 died")):
+            asyncio.run(group.score(ray.put(make_trajectories(0, n=2))))
+    finally:
+        group.shutdown()
+    # a checkpoint its engine cannot load (another architecture than the preset): named at start
+    bad = TeacherGroup(_job({"checkpoint": str(tmp_path / "a"), "overrides": {"moe_intermediate_size": 32}}))
+    try:
+        with pytest.raises(TeacherError, match=re.escape(f"teachers.0 ({tmp_path / 'a'}) engine 0 did not start")):
+            asyncio.run(bad.wait_ready())
+    finally:
+        bad.shutdown()
+    assert _live_teacher_engines() == 0
