@@ -1,0 +1,404 @@
+"""MoonEP: expert parallelism with balanced load and static shapes (the K3 report, arXiv
+2607.24653, "MoonEP"), on top of plain EP (`expert_parallel.py`: rank r of the EP group is the
+home of experts [r n, (r+1) n), n = E / ep, and holds their weights, the ones the optimizer steps).
+
+Two things plain EP lacks:
+
+1. Redundant experts. Every rank has `slots` extra expert slots. From a routing histogram
+   (routes per expert over recent steps, summed over the EP group) the hottest experts get
+   copies in those slots, placed so that every rank's expected load is about the same.
+   A copy's weights are fetched from the home rank at each forward; in the backward the
+   copies' gradients travel back and are summed onto the home weights, so the optimizer sees
+   one weight per expert.
+2. Static-shape dispatch. Each (source rank, destination rank) pair exchanges exactly
+   `capacity` rows, padded with zero rows (which carry no gradient), so the split sizes of the
+   all-to-alls are constants known before the step: no counts are exchanged and read on the
+   host to size buffers (plain EP does one such exchange per layer). With a balanced plan a
+   rank's receive buffer is ep * capacity ~ margin * S k rows (S tokens a rank, k routes a
+   token), where a dispatch sized for the worst case needs ep * S k.
+
+Our choices where the report gives no detail (it plans per micro-batch and per layer on the
+GPU, splitting experts unevenly so that every rank gets exactly S k routes):
+- the plan comes from a histogram over recent steps (`MoonEPExperts.replan`), not from the
+  current micro-batch; it splits an expert's routes among its copies by fixed shares;
+- capacity = ceil(margin * max_r load_r * S k), load_r the plan's expected share of rank r;
+  a route beyond a pair's capacity is dropped (its expert output counts as zero). Drops are
+  an error unless `allow_drops`; either way they are counted (`dropped_routes`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3rl.kernels.moe import combine as combine_routes
+from k3rl.kernels.moe import latent_experts
+
+from .expert_parallel import ExpertParallelExperts, _check_divides
+from .model.moe import RoutedExperts
+
+__all__ = [
+    "MoonEPExperts",
+    "MoonEPPlan",
+    "apply_moon_ep",
+    "moon_ep_modules",
+    "plan_redundant_experts",
+    "rank_loads",
+    "replan_all",
+    "route_destinations",
+]
+
+
+@dataclass(frozen=True)
+class MoonEPPlan:
+    """Where the copies of every expert live and which share of its routes each one serves.
+
+    Rank r's local expert stack is its n home experts followed by its `slots` redundant slots:
+    local index j < n is expert r n + j, local index n + s is `slot_experts[r][s]` (-1: empty).
+    `shares[e]` are the fractions of expert e's routes its copies serve (they sum to 1), in the
+    order of `holders(e)`. `load[r]` is rank r's expected share of all routes under this plan
+    (the loads sum to 1); `home_load[r]` the same under plain EP.
+    """
+
+    num_experts: int
+    ep: int
+    slots: int
+    slot_experts: tuple[tuple[int, ...], ...]
+    shares: tuple[tuple[float, ...], ...]
+    load: tuple[float, ...]
+    home_load: tuple[float, ...]
+
+    @property
+    def num_home(self) -> int:
+        return self.num_experts // self.ep
+
+    def holders(self, expert: int) -> list[tuple[int, int]]:
+        """(rank, local index) of every copy of `expert`: the home copy first, then by rank."""
+        out = [(expert // self.num_home, expert % self.num_home)]
+        for r, row in enumerate(self.slot_experts):
+            out += [(r, self.num_home + s) for s, e in enumerate(row) if e == expert]
+        return out
+
+    @cached_property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(copy_rank [E, ep], copy_local [E, ep], bounds [E, ep]): copy j of expert e lives on
+        rank copy_rank[e, j] at local index copy_local[e, j] and serves the fraction
+        [bounds[e, j-1], bounds[e, j]) of its routes (bounds[e, -1] = 0; 2 past the last copy)."""
+        E = self.num_experts
+        rank = torch.zeros((E, self.ep), dtype=torch.int64)
+        local = torch.zeros((E, self.ep), dtype=torch.int64)
+        bounds = torch.full((E, self.ep), 2.0, dtype=torch.float64)
+        for e in range(E):
+            where = self.holders(e)
+            rank[e, : len(where)] = torch.tensor([r for r, _ in where])
+            local[e, : len(where)] = torch.tensor([j for _, j in where])
+            bounds[e, : len(where) - 1] = torch.tensor(self.shares[e][:-1], dtype=torch.float64).cumsum(0)
+        return rank, local, bounds
+
+    def capacity(self, tokens_per_rank: int, top_k: int, margin: float) -> int:
+        """Rows a pair of ranks exchanges: ceil(margin * max_r load_r * S k)."""
+        return max(1, math.ceil(margin * max(self.load) * tokens_per_rank * top_k))
+
+
+def _check_histogram(histogram, num_experts: int | None = None) -> list[float]:
+    h = torch.as_tensor(histogram).detach().double().cpu()
+    if h.dim() != 1 or (num_experts is not None and h.numel() != num_experts):
+        want = f"[{num_experts}]" if num_experts is not None else "[num_experts]"
+        raise ValueError(f"MoonEP: the routing histogram must have shape {want} (routes per expert), "
+                         f"got {tuple(h.shape)}")  # fmt: skip
+    if not bool(torch.isfinite(h).all()) or bool((h < 0).any()):
+        raise ValueError("MoonEP: the routing histogram must hold finite counts >= 0 (routes per expert)")
+    return h.tolist()
+
+
+def _check_slots(slots: int, num_experts: int, ep: int) -> None:
+    most = num_experts - num_experts // ep  # a rank can hold a copy of every expert it is not home to
+    if not 0 <= slots <= most:
+        raise ValueError(
+            f"MoonEP: redundant slots per rank must lie in [0, {most}] (num_experts={num_experts}, ep={ep}), "
+            f"got {slots}; the K3 report shows E / ep = {num_experts // ep} slots are enough for any routing"
+        )
+
+
+def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
+    """Choose and place the redundant copies from a routing histogram [E] (routes per expert).
+
+    L_e = expert e's share of all routes, load_r = rank r's share (home copies first:
+    load_r = sum_{home(e) = r} L_e), target T = 1 / ep, h_e = the share e's home copy still
+    serves (L_e at first). Greedy filling, one receiving rank at a time:
+        donor    d = argmax_r load_r, while load_d > T
+        receiver r = argmin_{r != d, load_r < T, r has a free slot} load_r
+        fill r up to T from d's home experts, heaviest first: a = min(T - load_r, h_e) moves
+        from the home copy of e to a copy of e on r (one slot): h_e -= a, load_d -= a, load_r += a.
+    A receiver is filled from a single donor (it needs at most E / ep slots, the K3 report's
+    bound), possibly taking more than the donor's excess: the donor then drops below T and is
+    filled by a later donor. It stops when every load is within 1e-9 of T, or when no receiver
+    has a free slot left. Ties go to the lower rank / expert id: every rank computes the same plan.
+    """
+    if ep < 1:
+        raise ValueError(f"MoonEP: the EP size must be >= 1, got {ep}")
+    counts = _check_histogram(histogram)
+    E = len(counts)
+    _check_divides(E, ep)
+    _check_slots(slots, E, ep)
+    n, total, T, tol = E // ep, sum(counts), 1.0 / ep, 1e-9
+    share = [c / total for c in counts] if total > 0 else [1.0 / E] * E  # no data yet: uniform
+    home = list(share)  # what each home copy serves
+    copies: dict[tuple[int, int], float] = {}  # (rank, expert) -> what that redundant copy serves
+    used = [0] * ep
+    load = [sum(share[r * n : (r + 1) * n]) for r in range(ep)]
+    home_load = tuple(load)
+
+    for _ in range(2 * ep + E):  # each round fills a receiver or uses up its slots
+        d = min(range(ep), key=lambda r: (-load[r], r))
+        receivers = [r for r in range(ep) if r != d and load[r] < T - tol and used[r] < slots]
+        if load[d] - T <= tol or not receivers:
+            break
+        r = min(receivers, key=lambda r: (load[r], r))
+        for e in sorted(range(d * n, (d + 1) * n), key=lambda e: (-home[e], e)):
+            a = min(T - load[r], home[e])
+            if a <= tol or used[r] == slots:
+                break
+            used[r] += 1
+            copies[(r, e)] = a
+            home[e] -= a
+            load[d] -= a
+            load[r] += a
+
+    rows = tuple(tuple(sorted(e for r2, e in copies if r2 == r) + [-1] * (slots - used[r])) for r in range(ep))
+    shares = []
+    for e in range(E):
+        parts = [home[e]] + [copies[(r, e)] for r in range(ep) if (r, e) in copies]
+        s = sum(parts)
+        shares.append(tuple(x / s for x in parts) if s > 0 else (1.0,) + (0.0,) * (len(parts) - 1))
+    return MoonEPPlan(E, ep, slots, rows, tuple(shares), tuple(load), home_load)
+
+
+def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan):
+    """Where each of a source rank's N k routes goes, in expert-sorted order.
+
+    Returns (order [N k] flat route ids sorted by expert (token order inside), token_of_route,
+    dest rank, local index on it). The n_e routes a source sends to expert e are split among
+    the copies by their shares, deterministically: the p-th of them (token order) goes to copy j
+    when round(F_j n_e) <= p < round(F_{j+1} n_e), F_j = the shares of copies 0..j-1 summed.
+    Nothing depends on timing or on other ranks' routes.
+    """
+    copy_rank, copy_local, bounds = (t.to(topk_idx.device) for t in plan.tables)
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_route = order // topk_idx.shape[1]
+    expert = flat[order]
+    counts = torch.bincount(flat, minlength=plan.num_experts)
+    p = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    starts = torch.round(bounds[expert] * counts[expert, None])  # [N k, ep]: where copies 1.. begin
+    j = (starts <= p[:, None]).sum(1)
+    return order, token_of_route, copy_rank[expert, j], copy_local[expert, j]
+
+
+def rank_loads(topk_idx_per_rank: list[torch.Tensor], plan: MoonEPPlan) -> torch.Tensor:
+    """Routed rows each rank computes [ep] when rank s routes `topk_idx_per_rank[s]`."""
+    rows = torch.zeros(plan.ep, dtype=torch.int64)
+    for idx in topk_idx_per_rank:
+        rows += torch.bincount(route_destinations(idx, plan)[2].cpu(), minlength=plan.ep)
+    return rows
+
+
+def _slot_positions(dest: torch.Tensor, ep: int) -> torch.Tensor:
+    """Position of each route among the routes to its destination rank (route order kept)."""
+    by_dest = torch.argsort(dest, stable=True)
+    counts = torch.bincount(dest, minlength=ep)
+    pos = torch.empty_like(dest)
+    pos[by_dest] = torch.arange(dest.numel(), device=dest.device) - (torch.cumsum(counts, 0) - counts)[dest[by_dest]]
+    return pos
+
+
+class _Exchange(torch.autograd.Function):
+    """All-to-alls of several tensors in one autograd node: `splits[i]` = (send, recv) rows of
+    tensor i per rank. Backward: the same exchanges with send and recv swapped, in the same
+    order on every rank (separate nodes could run their backwards in a rank-dependent order)."""
+
+    @staticmethod
+    def forward(ctx, group, splits, *tensors):
+        ctx.group, ctx.splits = group, splits
+        outs = []
+        for x, (send, recv) in zip(tensors, splits, strict=True):
+            out = x.new_empty(sum(recv), *x.shape[1:])
+            dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+            outs.append(out)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_Exchange.apply(ctx.group, [(r, s) for s, r in ctx.splits], *grads))
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """How this rank's redundant slots get their weights (constant for a plan): `send` home
+    expert indices, grouped by destination rank, `send_splits` / `recv_splits` per rank, and
+    `recv_slot` the slot each received row fills."""
+
+    send: list[int]
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_slot: list[int]
+
+    @classmethod
+    def of(cls, plan: MoonEPPlan, rank: int) -> _Fetch:
+        n = plan.num_home
+        send, send_splits = [], []
+        for row in plan.slot_experts:  # sender: each destination's slots in slot order
+            mine = [e - rank * n for e in row if e >= 0 and e // n == rank]
+            send += mine
+            send_splits.append(len(mine))
+        recv_splits, recv_slot = [], []
+        for src in range(plan.ep):  # receiver: the same order, grouped by the home rank
+            slots = [s for s, e in enumerate(plan.slot_experts[rank]) if e >= 0 and e // n == src]
+            recv_slot += slots
+            recv_splits.append(len(slots))
+        return cls(send, send_splits, recv_splits, recv_slot)
+
+
+def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta_up, group, plan: MoonEPPlan,
+                           capacity: int, allow_drops: bool = False, backend: str = "auto"):  # fmt: skip
+    """`latent_experts` under MoonEP: w1/w3/w2 hold this rank's home experts only. Collective.
+
+    Returns (u [N, l], routes this rank dropped (a 0-d int64 tensor)).
+
+        fetch       the slots' weights from their home ranks      (splits from the plan)
+        dispatch    [ep * capacity, l] rows + their local expert   (splits: capacity per rank)
+        experts     h = w2_j SiTU-GLU(w1_j x, w3_j x); padding rows weigh 0 (zero out, zero grad)
+        return      [ep * capacity, l] back, in the same slots     (splits: capacity per rank)
+        combine     u_t = sum_e p_e h_e in fp32, a dropped route's h_e = 0
+    """
+    N, ep, rank = z.shape[0], plan.ep, dist.get_rank(group)
+    n, C, lat = w1.shape[0], capacity, z.shape[1]
+    order, token_of_route, dest, local = route_destinations(topk_idx, plan)
+    pos = _slot_positions(dest, ep)
+    kept = pos < C
+    slot = torch.where(kept, dest * C + pos, ep * C)  # ep * C: the bin of dropped routes
+    dropped = (~kept).sum()
+
+    # the local expert of every row sent, -1 for padding; one extra column per pair: my drops
+    meta = torch.full((ep * C + 1,), -1, dtype=torch.int64, device=z.device).index_copy(0, slot, local)
+    meta = torch.cat([meta[: ep * C].view(ep, C), dropped.expand(ep, 1)], 1)
+    meta_in = torch.empty_like(meta)
+    dist.all_to_all_single(meta_in, meta, group=group)
+    if not allow_drops and bool(meta_in[:, C].any()):  # every rank reads the same sum: all raise together
+        raise RuntimeError(
+            f"MoonEP: {int(meta_in[:, C].sum())} routes exceeded the capacity of {C} rows per rank pair this "
+            "step; raise the margin, replan more often (the histogram is stale), or allow dropped routes"
+        )
+    expert_in = meta_in[:, :C].reshape(-1)
+
+    fetch = _Fetch.of(plan, rank)
+    flat = [w.reshape(n, -1) for w in (w1, w3, w2)]
+    send, recv_slot = (torch.tensor(i, dtype=torch.int64, device=z.device) for i in (fetch.send, fetch.recv_slot))
+    rows = z.new_zeros(ep * C + 1, lat).index_copy(0, slot, z[token_of_route])[: ep * C]
+    x, fetched = _Exchange.apply(
+        group, [([C] * ep, [C] * ep), (fetch.send_splits, fetch.recv_splits)], rows, torch.cat(flat, 1)[send]
+    )
+    held = fetched.new_zeros(plan.slots, fetched.shape[1]).index_copy(0, recv_slot, fetched)
+    w1s, w3s, w2s = held.split([f.shape[1] for f in flat], 1)
+    w1, w3, w2 = (torch.cat([w, s.view(-1, *w.shape[1:])]) for w, s in zip((w1, w3, w2), (w1s, w3s, w2s)))
+
+    valid = expert_in >= 0  # a padding row goes to local expert 0 with weight 0
+    h = latent_experts(x, expert_in.clamp(min=0).unsqueeze(1), valid.float().unsqueeze(1), w1, w3, w2,
+                       beta_gate, beta_up, backend=backend)  # fmt: skip
+    (y,) = _Exchange.apply(group, [([C] * ep, [C] * ep)], h)
+    y = torch.cat([y, y.new_zeros(1, lat)])[slot]  # [N k] in `order`; dropped routes read zeros
+    return combine_routes(y, order, token_of_route, topk_weight, N, z.dtype), dropped
+
+
+class MoonEPExperts(ExpertParallelExperts):
+    """Drop-in for `RoutedExperts` under MoonEP: the parameters are plain EP's (w1/w3/w2 with this
+    rank's E / ep home experts: same names, same gradient reduction and clipping), plus a plan,
+    the routes counted since the last `replan`, and a capacity for `tokens_per_rank` tokens.
+
+    Every rank of `group` must call forward and `replan` together.
+    """
+
+    def __init__(self, experts: RoutedExperts, group, slots: int, tokens_per_rank: int, margin: float = 1.25,
+                 allow_drops: bool = False, replicate_group=None):  # fmt: skip
+        super().__init__(experts, group, replicate_group)
+        _check_slots(slots, self.num_experts, self.ep_size)
+        if tokens_per_rank < 1 or not margin > 0:
+            raise ValueError(f"MoonEP: tokens_per_rank must be >= 1 and margin > 0, got {tokens_per_rank} and {margin}")
+        self.slots, self.tokens_per_rank, self.margin, self.allow_drops = slots, tokens_per_rank, margin, allow_drops
+        self.register_buffer("routes_seen", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64), persistent=False)
+        # no routes seen yet: plain EP's layout, and a capacity for the worst case (S k a pair)
+        self.plan, self.planned = plan_redundant_experts(torch.zeros(self.num_experts), self.ep_size, slots), False
+
+    def set_plan(self, plan: MoonEPPlan) -> None:
+        if (plan.num_experts, plan.ep, plan.slots) != (self.num_experts, self.ep_size, self.slots):
+            raise ValueError(f"MoonEP: a plan for E={plan.num_experts}, ep={plan.ep}, slots={plan.slots} does not fit "
+                             f"this layer (E={self.num_experts}, ep={self.ep_size}, slots={self.slots})")  # fmt: skip
+        self.plan, self.planned = plan, True
+
+    @torch.no_grad()
+    def replan(self) -> MoonEPPlan:
+        """A new plan from the routes counted since the last replan, summed over the EP group
+        (collective); the counts start again from zero."""
+        dist.all_reduce(self.routes_seen, group=self.group)
+        self.set_plan(plan_redundant_experts(self.routes_seen, self.ep_size, self.slots))
+        self.routes_seen.zero_()
+        return self.plan
+
+    def capacity(self, top_k: int) -> int:
+        """Rows per rank pair: the plan's (`MoonEPPlan.capacity`), or S k before the first plan."""
+        if not self.planned:
+            return self.tokens_per_rank * top_k
+        return self.plan.capacity(self.tokens_per_rank, top_k, self.margin)
+
+    def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if z.shape[0] > self.tokens_per_rank:
+            raise ValueError(f"MoonEP: {z.shape[0]} tokens on this rank, more than tokens_per_rank="
+                             f"{self.tokens_per_rank} that the capacity is sized for")  # fmt: skip
+        with torch.no_grad():
+            self.routes_seen += torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(self.routes_seen.device)
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if torch.is_autocast_enabled(z.device.type):  # as RoutedExperts: the op is not an autocast op
+            dt = torch.get_autocast_dtype(z.device.type)
+            z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
+        elif z.dtype != w1.dtype:
+            z = z.to(w1.dtype)
+        u, dropped = moon_ep_latent_experts(
+            z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, self.group, self.plan,
+            self.capacity(idx.shape[1]), self.allow_drops, self.backend,
+        )  # fmt: skip
+        self.dropped_routes += dropped.detach()
+        return u
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, slots={self.slots}, tokens_per_rank={self.tokens_per_rank}"
+
+
+def apply_moon_ep(model: nn.Module, group, slots: int, tokens_per_rank: int, margin: float = 1.25,
+                  allow_drops: bool = False, replicate_group=None) -> nn.Module:  # fmt: skip
+    """Shard the routed experts of every MoE layer over `group` with MoonEP (in place); as
+    `apply_expert_parallel`, on every rank with the same full weights, before FSDP."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
+    for _, m in targets:  # every layer first: fail before changing anything
+        _check_divides(m.w1.shape[0], dist.get_world_size(group))
+        _check_slots(slots, m.w1.shape[0], dist.get_world_size(group))
+    for name, m in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, MoonEPExperts(m, group, slots, tokens_per_rank, margin, allow_drops, replicate_group))
+    return model
+
+
+def moon_ep_modules(model: nn.Module) -> dict[str, MoonEPExperts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoonEPExperts)}
+
+
+def replan_all(model: nn.Module) -> list[MoonEPPlan]:
+    """`replan` every MoonEP layer (collective: call it on every rank, e.g. after each step)."""
+    return [m.replan() for m in moon_ep_modules(model).values()]
