@@ -6,7 +6,8 @@
 
 The driver holds handles and small per-episode stats, never tokens. Who does what:
 `rollout/scheduler.py` (admission, supervision, staleness, failures), `rollout/buffer.py`
-(groups, the store), `learner/actor.py` (ranks, checkpoints, the weight transport),
+(groups, the store), `rollout/teacher.py` (distillation teachers on engines of their own, scoring
+each batch before the learner trains it), `learner/actor.py` (ranks, checkpoints, the weight transport),
 `k3rl/metrics.py` (step metrics and the policy-version convention), `docs/architecture.md`.
 """
 

@@ -1,9 +1,13 @@
 """`k3rl train` with learner.distill.teachers through the real loop (Ray, the embedded engine, MLflow
-on SQLite): the learner loads the teacher from its checkpoint and its per-token advantage enters
-the steps; a teacher checkpoint of another architecture is refused at start, by field path."""
+on SQLite): the teacher is served by an engine of its own (a Ray actor beside the inference pool) that
+scores each step's episodes before the learner trains them, and the step's advantages are those of
+the in-learner path on the same (stored) batch; its engine dying ends the job with an error naming
+its checkpoint, leaving no actor behind; a teacher checkpoint of another architecture is refused at
+start, by field path."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,36 +17,80 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-def train(tmp_path, name: str, teacher: str, *extra: str) -> subprocess.CompletedProcess:
+def settings(tmp_path, name: str, teacher: str, *extra: str) -> list[str]:
     runs, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/runs/mlflow.db"
-    sets = [f"name={name}", "model.preset=k3-tiny", "rollout.group_size=2", "rollout.prompts_per_step=2",
+    return [f"name={name}", "model.preset=k3-tiny", "rollout.group_size=2", "rollout.prompts_per_step=2",
             "rollout.sampling.max_tokens_per_turn=16", "rollout.max_context_tokens=512", "envs.max_turns=1",
             "rollout.max_policy_lag=0", "learner.steps=2", "learner.checkpoint_every=0", "learner.sft_steps=0",
             "learner.micro_batch_tokens=2048", f"learner.distill.teachers=[{{checkpoint: {teacher}, coef: 0.5}}]",
             f"tracking.runs_dir={runs}", f"tracking.uri={uri}", "ray.num_cpus=4", *extra]
-    args = [a for s in sets for a in ("--set", s)]
+
+
+def train(tmp_path, name: str, teacher: str, *extra: str) -> subprocess.CompletedProcess:
+    args = [a for s in settings(tmp_path, name, teacher, *extra) for a in ("--set", s)]
     return subprocess.run([sys.executable, "-m", "k3rl.cli", "train", *args], capture_output=True, text=True,
                           timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
 
 
-def test_a_teacher_scores_the_students_tokens_in_the_job(tmp_path):
+def test_a_teacher_on_an_engine_of_its_own_scores_the_students_tokens_in_the_job(tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from k3rl.learner.distill import Teacher, distill_advantages
     from k3rl.learner.model import build_model
     from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.store import TrajectoryStore
 
     torch.manual_seed(0)
-    save_hf(build_model("k3-tiny", seed=7), tmp_path / "teacher")
-    r = train(tmp_path, "opd", str(tmp_path / "teacher"))
+    teacher = build_model("k3-tiny", seed=7).eval()
+    save_hf(teacher, tmp_path / "teacher")
+    r = train(tmp_path, "opd", str(tmp_path / "teacher"))  # engines: 1 (the default)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((tmp_path / "runs" / "opd" / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 2
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
     history = {k: [m.value for m in client.get_metric_history(summary["mlflow_run_id"], k)]
-               for k in ("reward_mean", "advantage_abs_mean")}
+               for k in ("reward_mean", "advantage_abs_mean", "distill/episodes_scored", "time/teacher_s")}
     # the untrained student earns 0 on every episode: the env's advantage is 0, what is left is the teacher's
     assert history["reward_mean"] == [0.0, 0.0]
-    assert len(history["advantage_abs_mean"]) == 2 and min(history["advantage_abs_mean"]) > 0.05
+    assert history["distill/episodes_scored"] == [4.0, 4.0] and min(history["time/teacher_s"]) > 0
+    # each step's advantages are those the learner computes itself (in-learner teacher) on the stored batch
+    store = TrajectoryStore(tmp_path / "runs" / "opd", readonly=True)
+    for step, logged in zip((1, 2), history["advantage_abs_mean"], strict=True):
+        batch = store.read(step=step, status="trained")
+        assert len(batch) == 4
+        adv = distill_advantages(batch, torch.zeros(len(batch)), [Teacher(teacher, coef=0.5)])
+        sampled = torch.zeros(adv.shape, dtype=torch.bool)
+        for i, t in enumerate(batch):
+            sampled[i, :len(t.loss_mask)] = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert logged > 0.05 and abs(logged - float(adv.abs()[sampled].mean())) < 1e-4, (step, logged)
+
+
+def test_a_teacher_engine_dying_ends_the_job_naming_its_checkpoint_and_leaves_nothing(tmp_path):
+    import time
+
+    import ray
+    from ray._private.state import actors
+
+    from k3rl.config import JobConfig
+    from k3rl.job import run_job
+    from k3rl.learner.model import build_model
+    from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.rollout.teacher import TeacherError
+
+    save_hf(build_model("k3-tiny", seed=7), tmp_path / "teacher")
+    cfg = JobConfig.load(None, settings(tmp_path, "dies", str(tmp_path / "teacher"), "learner.steps=3"))
+    ray.shutdown()
+    try:
+        with pytest.raises(TeacherError, match=re.escape(f"learner.distill.teachers.0 ({tmp_path / 'teacher'}) "
+                                                         "engine 0 died")):
+            run_job(cfg, kill_teacher_at_step=1, quiet=True)
+        t = time.monotonic()
+        while (live := [a["ActorClassName"] for a in actors().values() if a["State"] != "DEAD"]) and \
+                time.monotonic() - t < 60:
+            time.sleep(1.0)
+        assert live == []
+    finally:
+        ray.shutdown()
 
 
 def test_a_teacher_of_another_architecture_is_refused_at_start(tmp_path):
