@@ -209,7 +209,7 @@ def rank_loads(topk_idx_per_rank: list[torch.Tensor], plan: MoonEPPlan) -> torch
     return rows
 
 
-def _slot_positions(dest: torch.Tensor, ep: int) -> torch.Tensor:
+def _position_per_dest(dest: torch.Tensor, ep: int) -> torch.Tensor:
     """Position of each route among the routes to its destination rank (route order kept)."""
     by_dest = torch.argsort(dest, stable=True)
     counts = torch.bincount(dest, minlength=ep)
@@ -273,20 +273,20 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
 
         fetch       the slots' weights from their home ranks      (splits from the plan)
         dispatch    [ep * capacity, l] rows + their local expert   (splits: capacity per rank)
-        experts     h = w2_j SiTU-GLU(w1_j x, w3_j x); padding rows weigh 0 (zero out, zero grad)
-        return      [ep * capacity, l] back, in the same slots     (splits: capacity per rank)
+        experts     h = w2_j SiTU-GLU(w1_j x, w3_j x) on the real rows; padding rows of h are zero
+        return      [ep * capacity, l] back, in the same rows      (splits: capacity per rank)
         combine     u_t = sum_e p_e h_e in fp32, a dropped route's h_e = 0
     """
     N, ep, rank = z.shape[0], plan.ep, dist.get_rank(group)
     n, C, lat = w1.shape[0], capacity, z.shape[1]
     order, token_of_route, dest, local = route_destinations(topk_idx, plan)
-    pos = _slot_positions(dest, ep)
+    pos = _position_per_dest(dest, ep)
     kept = pos < C
-    slot = torch.where(kept, dest * C + pos, ep * C)  # ep * C: the bin of dropped routes
+    row = torch.where(kept, dest * C + pos, ep * C)  # a route's row in the dispatch buffer; ep * C: dropped
     dropped = (~kept).sum()
 
     # the local expert of every row sent, -1 for padding; one extra column per pair: my drops
-    meta = torch.full((ep * C + 1,), -1, dtype=torch.int64, device=z.device).index_copy(0, slot, local)
+    meta = torch.full((ep * C + 1,), -1, dtype=torch.int64, device=z.device).index_copy(0, row, local)
     meta = torch.cat([meta[: ep * C].view(ep, C), dropped.expand(ep, 1)], 1)
     meta_in = torch.empty_like(meta)
     dist.all_to_all_single(meta_in, meta, group=group)
@@ -300,7 +300,7 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
     fetch = _Fetch.of(plan, rank)
     flat = [w.reshape(n, -1) for w in (w1, w3, w2)]
     send, recv_slot = (torch.tensor(i, dtype=torch.int64, device=z.device) for i in (fetch.send, fetch.recv_slot))
-    rows = z.new_zeros(ep * C + 1, lat).index_copy(0, slot, z[token_of_route])[: ep * C]
+    rows = z.new_zeros(ep * C + 1, lat).index_copy(0, row, z[token_of_route])[: ep * C]
     x, fetched = _Exchange.apply(
         group, [([C] * ep, [C] * ep), (fetch.send_splits, fetch.recv_splits)], rows, torch.cat(flat, 1)[send]
     )
@@ -308,11 +308,16 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
     w1s, w3s, w2s = held.split([f.shape[1] for f in flat], 1)
     w1, w3, w2 = (torch.cat([w, s.view(-1, *w.shape[1:])]) for w, s in zip((w1, w3, w2), (w1s, w3s, w2s)))
 
-    valid = expert_in >= 0  # a padding row goes to local expert 0 with weight 0
-    h = latent_experts(x, expert_in.clamp(min=0).unsqueeze(1), valid.float().unsqueeze(1), w1, w3, w2,
-                       beta_gate, beta_up, backend=backend)  # fmt: skip
+    # only the real rows are computed (padding rows of h stay zero and pass no gradient); every
+    # received row is a "token" with one route of weight 1, as in plain EP
+    real = (expert_in >= 0).nonzero().squeeze(1)
+    ones = torch.ones(real.numel(), 1, dtype=torch.float32, device=x.device)
+    h_real = latent_experts(x[real], expert_in[real].unsqueeze(1), ones, w1, w3, w2, beta_gate, beta_up, backend=backend)
+    h = x.new_zeros(x.shape).index_copy(0, real, h_real)
+    if real.numel() == 0 and torch.is_grad_enabled() and x.requires_grad:
+        h = x * 0  # nothing arrived: keep this rank in the graph so its backward all-to-alls still run
     (y,) = _Exchange.apply(group, [([C] * ep, [C] * ep)], h)
-    y = torch.cat([y, y.new_zeros(1, lat)])[slot]  # [N k] in `order`; dropped routes read zeros
+    y = torch.cat([y, y.new_zeros(1, lat)])[row]  # [N k] in `order`; dropped routes read zeros
     return combine_routes(y, order, token_of_route, topk_weight, N, z.dtype), dropped
 
 

@@ -51,6 +51,9 @@ def _skewed_routes(rank: int, tokens: int = N) -> torch.Tensor:
     return idx
 
 
+ONLY_RANK0 = torch.tensor([[0, 1]]).repeat(N, 1)  # experts 0 and 1 live on rank 0 for ep = 2 and 4
+
+
 def _layer_inputs(rank: int):
     g = torch.Generator().manual_seed(7 + rank)
     z = torch.randn(N, LAT, generator=g)
@@ -70,15 +73,17 @@ def _experts() -> RoutedExperts:
     return m
 
 
-def _run(layer, rank: int, keep=None):
+def _run(layer, rank: int, keep=None, idx=None):
     """Forward + backward of this rank's tokens: (u, dz, {w: grad of this layer's weights})."""
-    z, idx, p, proj = _layer_inputs(rank)
+    z, routes, p, proj = _layer_inputs(rank)
+    idx = routes if idx is None else idx
     if keep is not None:  # leave some routes out: weight 0 (one process) = dropped (MoonEP)
         p = p * keep
     z = z.requires_grad_(True)
     u = layer(z, idx, p)
     (u * proj).sum().backward()
-    grads = {w: getattr(layer, w).grad.clone() for w in ("w1", "w3", "w2")}
+    grads = {w: getattr(layer, w).grad for w in ("w1", "w3", "w2")}
+    grads = {w: None if g is None else g.clone() for w, g in grads.items()}
     layer.zero_grad(set_to_none=True)
     return u.detach(), z.grad, grads
 
@@ -126,6 +131,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res["tight"] = _run(tight, rank)
         res["tight_dropped"] = int(tight.dropped_routes)
 
+        # before any plan (no copies, worst-case capacity), every route to rank 0's experts:
+        # the other ranks receive no row but still join every exchange, forward and backward
+        fresh = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N)
+        res["to_rank0"] = _run(fresh, rank, idx=ONLY_RANK0)
+
         if world == 2:
             plain = apply_expert_parallel(_model(), group)
             res["model_plain"] = _model_run(plain, rank)
@@ -152,12 +162,12 @@ def ranks(request, tmp_path_factory):
     return _spawn(request.param, tmp_path_factory)
 
 
-def _one_process(world: int, keep=None):
+def _one_process(world: int, keep=None, idx=None):
     """All ranks' tokens through one RoutedExperts: per-rank (u, dz) and the summed weight grads."""
     layer = _experts()
     outs, grads = [], {}
     for r in range(world):
-        u, dz, g = _run(layer, r, None if keep is None else keep[r])
+        u, dz, g = _run(layer, r, None if keep is None else keep[r], idx)
         outs.append((u, dz))
         grads = {w: grads.get(w, 0) + g[w] for w in g}
     return outs, grads
@@ -262,6 +272,20 @@ def test_moon_ep_equals_plain_ep_and_one_process(ranks):
             for w, g in grads.items():  # home experts: the sum over every copy and every rank's tokens
                 assert g.shape[0] == n and _rel(g, full[w][r * n : (r + 1) * n]) < 1e-5, (r, key, w)
         assert all(_rel(a, b) < 1e-5 for a, b in zip(res["moon"][:2], res["plain"][:2], strict=True))
+
+
+def test_ranks_that_receive_nothing_still_run(ranks):
+    world = len(ranks)
+    outs, full = _one_process(world, idx=ONLY_RANK0)
+    n = E // world
+    for r, res in enumerate(ranks):
+        u, dz, grads = res["to_rank0"]
+        assert _rel(u, outs[r][0]) < 1e-5 and _rel(dz, outs[r][1]) < 1e-5
+        for w, g in grads.items():
+            if r == 0:
+                assert _rel(g, full[w][:n]) < 1e-5
+            else:  # no token reached this rank's experts: no gradient (reduce_expert_grads zero-fills it)
+                assert g is None or not g.any()
 
 
 def test_routes_beyond_the_capacity(ranks):
