@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import threading
 import time
@@ -225,13 +226,21 @@ class EmbeddedEngine(InferenceEngine):
                      `agenerate` drive `step()` themselves (single-threaded, deterministic),
                      and `abort` / `update_weights` run the steps they need to take effect.
     enforce_eager    never capture CUDA graphs (they are used on CUDA only, by default)
+    autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
+                     as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
+                     mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
+                     it reads fp32 weights, so it costs bandwidth. Weight casts are not cached (a CUDA graph
+                     captures them, so a weight update copied in place is still seen)
     """
 
     def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
                  max_prefill_tokens: int = 2048, prefix_cache_size: int = 32, max_model_len: int | None = None,
-                 background: bool = True, name: str = "embedded", enforce_eager: bool = False):
+                 background: bool = True, name: str = "embedded", enforce_eager: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
         if tokenizer is None:
             from k3rl.tokenizer import ByteTokenizer
 
@@ -240,6 +249,7 @@ class EmbeddedEngine(InferenceEngine):
         self.config = model.config
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
+        self.autocast_dtype = autocast_dtype
         self.vocab_size = self.config.vocab_size
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
@@ -259,7 +269,7 @@ class EmbeddedEngine(InferenceEngine):
         self._waiting: deque[_Seq] = deque()
         self._prefilling: list[_Seq] = []
         self._decoding: list[_Seq] = []  # in the state pool, seq i in slot i; each has a token to feed
-        self._pool = StatePool(model, max_num_seqs, self.max_model_len)
+        self._pool = StatePool(model, max_num_seqs, self.max_model_len, dtype=autocast_dtype)
         self._runner = DecodeRunner(model, self._pool, banned=self.config.media_placeholder_token_id,
                                     use_graphs=not enforce_eager)
         self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
@@ -421,7 +431,9 @@ class EmbeddedEngine(InferenceEngine):
     @torch.no_grad()
     def step(self) -> None:
         """One scheduler iteration (see the module docstring)."""
-        with self._step_lock:
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+                    if self.autocast_dtype is not None else contextlib.nullcontext())
+        with self._step_lock, autocast:
             with self._cv:
                 updates, self._updates = self._updates, []
                 aborts, self._aborts = self._aborts, set()
@@ -543,7 +555,7 @@ class EmbeddedEngine(InferenceEngine):
                     self._pending_ready.append(seq)
                     continue
             else:
-                seq.cache = self.model.new_cache(1)
+                seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
             self._prefilling.append(seq)
 
     def _lookup_prefix(self, seq: _Seq) -> _PrefixEntry | None:

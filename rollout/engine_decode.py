@@ -77,6 +77,9 @@ def _gathered_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -
 def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """RoutedExperts.forward without latent_experts' input checks (and without its syncs on CUDA)."""
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
+    if torch.is_autocast_enabled(z.device.type):  # not an autocast op: cast like one (as RoutedExperts does)
+        dt = torch.get_autocast_dtype(z.device.type)
+        w1, w3, w2 = w1.to(dt), w3.to(dt), w2.to(dt)
     z = z.to(w1.dtype)
     grouped_ok = hasattr(torch, "_grouped_mm") and z.dtype == torch.bfloat16
     path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=grouped_ok)

@@ -29,8 +29,9 @@ def cache_over(kda: dict, mla: dict, lengths: torch.Tensor, host_lengths: list[i
 
 
 class StatePool:
-    def __init__(self, model, num_slots: int, max_len: int, initial_capacity: int = 256):
-        template = model.new_cache(1)
+    def __init__(self, model, num_slots: int, max_len: int, initial_capacity: int = 256,
+                 dtype: torch.dtype | None = None):
+        template = model.new_cache(1, dtype)  # conv windows and latents in `dtype` (default: the model's)
         self.num_slots = num_slots
         self.max_len = max_len
         self.capacity = min(max_len, initial_capacity)
