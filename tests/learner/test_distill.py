@@ -13,6 +13,7 @@ import pytest
 import torch
 from learner_helpers import make_trajectories
 from test_advantages import segmented_episode
+from test_learner_actor import ray_cluster  # noqa: F401  (the fixture: a local Ray for the module)
 
 from k3rl.config import LearnerSection
 from k3rl.learner.distill import Teacher, distill_advantages, load_teacher, load_teachers, score
@@ -138,22 +139,6 @@ def test_clip_bounds_each_tokens_log_ratio():
 
 
 # ----- teachers served by engines of their own (rollout/teacher.py) ----------------------------------
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import os
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}})
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _job(*teachers: dict):
     from k3rl.config import JobConfig
 
@@ -174,7 +159,8 @@ def _live_teacher_engines(deadline_s: float = 30.0) -> int:
         time.sleep(0.5)
 
 
-def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(ray_cluster, tmp_path):
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(tmp_path):
     """Teacher a on 2 engines of its own (e/A), teacher b in the learner (the rest): the engines attach
     the learner's own log-probs of a (a segmented episode too), and the advantages equal the
     in-learner path's on the same batch."""
@@ -220,7 +206,8 @@ def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(ray_cluster,
     assert _live_teacher_engines() == 0
 
 
-def test_a_teacher_engine_dying_or_not_starting_is_named_by_its_checkpoint(ray_cluster, tmp_path):
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_teacher_engine_dying_or_not_starting_is_named_by_its_checkpoint(tmp_path):
     import asyncio
 
     import ray
