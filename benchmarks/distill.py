@@ -99,7 +99,7 @@ def evaluate(engine: EmbeddedEngine, cfg: JobConfig, tasks: int) -> float:
 
 def rl(student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, eval_every: int,
        eval_tasks: int, seed: int) -> list[dict]:
-    teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef}] if teacher_dir else []
+    teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "engines": 0}] if teacher_dir else []
     learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
                                                 "distill": {"teachers": teachers}})
     trainer = Trainer(copy.deepcopy(student), learner)
