@@ -1,0 +1,212 @@
+"""Context parallelism on CPU: gloo process groups of 2 and 4 ranks equal one process.
+
+KCP (``kcp_chunk_kda``) and context-parallel Gated MLA (``cp_gated_mla``) on one packed sequence
+of ragged documents: documents cross rank boundaries, one spans three ranks, one starts exactly
+at a rank boundary. Forward outputs, final states and the gradients of every input (q, k, v, the
+raw gate, beta, the initial states, A_log, dt_bias; the MLA weights and input) must equal
+``chunk_kda`` / ``GatedMLA`` on the whole sequence in one process, to fp32 rounding, with the
+contiguous and the zigzag layouts. One spawn per world size runs every case.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from k3rl.kernels.kda import chunk_kda
+from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
+from k3rl.learner.context_parallel_mla import cp_gated_mla
+from k3rl.learner.distributed import free_port
+from k3rl.learner.model import K3Config
+from k3rl.learner.model.mla import GatedMLA
+
+T, H, K, V, CHUNK = 200, 2, 16, 16, 16
+# ranks of 4 hold [0,50) [50,100) [100,150) [150,200): document [30,140) spans three ranks,
+# [150,181) starts on a boundary, [140,150) sits inside rank 2, [181,200) ends the sequence
+CU = torch.tensor([0, 30, 140, 150, 181, 200])
+LAYOUTS = [False, True]  # contiguous, zigzag
+KDA_OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, chunk_size=CHUNK,
+                backend="torch")  # fmt: skip
+
+
+def _kda_inputs() -> dict[str, torch.Tensor]:
+    """Slow decay (g about -5 sigmoid(-6) = -0.012 per token) and small beta: a state carries
+    over a whole rank's 50 tokens, so a missing transition M would show."""
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    n = CU.numel() - 1
+    return dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K),
+                beta=0.5 * torch.rand(1, T, H, generator=gen), h0=0.1 * r(n, H, K, V), A_log=0.3 * r(H),
+                dt_bias=0.3 * r(H * K) - 6, w_o=r(1, T, H, V), w_s=r(n, H, K, V))  # fmt: skip
+
+
+def _kda_leaves(inp, segments=None):
+    """The differentiable inputs (this rank's shards of the per-token ones) as fresh leaves."""
+    per_token = ("q", "k", "v", "g", "beta")
+    out = {}
+    for name in (*per_token, "h0", "A_log", "dt_bias"):
+        x = inp[name]
+        if segments is not None and name in per_token:
+            x = shard(x, segments)
+        out[name] = x.clone().requires_grad_(True)
+    return out
+
+
+def _kda_call(fn, x, **kw):
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"], output_final_state=True,
+              A_log=x["A_log"], dt_bias=x["dt_bias"], **KDA_OPTS, **kw)  # fmt: skip
+
+
+def _mla_layer() -> GatedMLA:
+    torch.manual_seed(1)
+    cfg = K3Config.preset("k3-tiny")
+    cfg.kernel_backend = "torch"
+    return GatedMLA(cfg, layer_idx=0)
+
+
+def _mla_inputs():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(1, T, 128, generator=gen), torch.randn(1, T, 128, generator=gen)
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        res = {}
+        inp = _kda_inputs()
+        for zigzag in LAYOUTS:
+            segments = context_layout(T, world, zigzag)[rank]
+            x = _kda_leaves(inp, segments)
+            o, final = _kda_call(kcp_chunk_kda, x, cu_seqlens=CU, zigzag=zigzag)
+            docs = local_documents(CU, segments)
+            ends = [i for i, d in enumerate(docs.doc) if any(s < int(CU[d + 1]) <= e for s, e in segments)]
+            ended = {docs.doc[i]: final[i] for i in ends}  # documents whose last token is on this rank
+            loss = (o * shard(inp["w_o"], segments)).sum() + sum(
+                (s * inp["w_s"][d]).sum() for d, s in ended.items()
+            )
+            loss.backward()
+            res[("kda", zigzag)] = dict(o=o.detach(), final={d: s.detach() for d, s in ended.items()},
+                                        grads={n: t.grad for n, t in x.items()})  # fmt: skip
+
+            layer = _mla_layer()
+            x_mla, w_mla = _mla_inputs()
+            x_local = shard(x_mla, segments).requires_grad_(True)
+            y = cp_gated_mla(layer, x_local, CU, zigzag=zigzag)
+            (y * shard(w_mla, segments)).sum().backward()
+            res[("mla", zigzag)] = dict(y=y.detach(), x_grad=x_local.grad,
+                                        grads={n: p.grad for n, p in layer.named_parameters()})  # fmt: skip
+        try:
+            kcp_chunk_kda(
+                inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], CU
+            )  # the whole sequence, not a shard
+            res["bad_shard"] = None
+        except ValueError as e:
+            res["bad_shard"] = str(e)
+        torch.save(res, os.path.join(out_dir, f"cp{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def ranks(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"cp{world}")
+    mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    return world, [torch.load(out / f"cp{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def one_process_kda():
+    torch.set_num_threads(1)
+    inp = _kda_inputs()
+    x = _kda_leaves(inp)
+    o, final = _kda_call(chunk_kda, x, cu_seqlens=CU)
+    ((o * inp["w_o"]).sum() + (final * inp["w_s"]).sum()).backward()
+    return o.detach(), final.detach(), {n: t.grad for n, t in x.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process_mla():
+    layer = _mla_layer()
+    x, w = _mla_inputs()
+    x.requires_grad_(True)
+    y = layer(x, cu_seqlens=CU)
+    (y * w).sum().backward()
+    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 2e-5) -> None:
+    err = (got - want).abs().max().item()
+    assert err <= rel * max(1.0, want.abs().max().item()), (name, err)
+
+
+@pytest.mark.parametrize("zigzag", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_kcp_forward_and_backward_equal_one_process(ranks, one_process_kda, zigzag):
+    world, res = ranks
+    o_ref, final_ref, grads_ref = one_process_kda
+    layout = context_layout(T, world, zigzag)
+    ended = {}
+    for rank in range(world):
+        got = res[rank][("kda", zigzag)]
+        _close(got["o"], shard(o_ref, layout[rank]), f"o rank {rank}")
+        ended.update(got["final"])
+        for name in ("q", "k", "v", "g", "beta"):
+            _close(got["grads"][name], shard(grads_ref[name], layout[rank]), f"d{name} rank {rank}")
+    assert sorted(ended) == list(range(CU.numel() - 1))  # every document ends on exactly one rank
+    for d, state in ended.items():
+        _close(state, final_ref[d], f"final state of document {d}")
+    for name in ("h0", "A_log", "dt_bias"):  # read by several ranks: their gradients add up
+        per_rank = [res[r][("kda", zigzag)]["grads"][name] for r in range(world)]
+        total = sum(g for g in per_rank if g is not None)  # None: no document starts on that rank
+        _close(total, grads_ref[name], f"d{name}")
+
+
+def test_kcp_chain_matters(ranks, one_process_kda):
+    """Without the states of earlier ranks the outputs after a rank boundary would be wrong."""
+    world, res = ranks
+    o_ref = one_process_kda[0]
+    inp = _kda_inputs()
+    s, e = context_layout(T, world)[1][0]  # rank 1 continues document [30, 140)
+    alone, _ = chunk_kda(inp["q"][:, s:e], inp["k"][:, s:e], inp["v"][:, s:e], inp["g"][:, s:e],
+                         inp["beta"][:, s:e], A_log=inp["A_log"], dt_bias=inp["dt_bias"], **KDA_OPTS)  # fmt: skip
+    assert (alone - o_ref[:, s:e]).abs().max() > 1e-2
+    _close(res[1][("kda", False)]["o"], o_ref[:, s:e], "o rank 1")
+
+
+@pytest.mark.parametrize("zigzag", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_cp_gated_mla_forward_and_backward_equal_one_process(ranks, one_process_mla, zigzag):
+    world, res = ranks
+    y_ref, x_grad_ref, grads_ref = one_process_mla
+    layout = context_layout(T, world, zigzag)
+    for rank in range(world):
+        got = res[rank][("mla", zigzag)]
+        _close(got["y"], shard(y_ref, layout[rank]), f"y rank {rank}")
+        _close(got["x_grad"], shard(x_grad_ref, layout[rank]), f"dx rank {rank}")
+    for name, want in grads_ref.items():  # replicated weights: the ranks' gradients add up
+        _close(sum(res[r][("mla", zigzag)]["grads"][name] for r in range(world)), want, f"d{name}")
+
+
+def test_wrong_shard_is_refused(ranks):
+    world, res = ranks
+    assert "rank 0 holds 200 tokens" in res[0]["bad_shard"] and "shard(x" in res[0]["bad_shard"]
+
+
+def test_layouts():
+    assert context_layout(10, 3) == [[(0, 3)], [(3, 6)], [(6, 10)]]
+    assert context_layout(8, 2, zigzag=True) == [[(0, 2), (6, 8)], [(2, 4), (4, 6)]]
+    with pytest.raises(ValueError, match="3 tokens cannot be split into 4"):
+        context_layout(3, 2, zigzag=True)
+    docs = local_documents(CU, [(50, 100), (100, 150)])
+    assert docs.cu_seqlens.tolist() == [0, 50, 90, 100]
+    assert (
+        docs.doc == [1, 1, 2]
+        and docs.carries_in == [True, True, False]
+        and docs.starts_doc == [False, False, True]
+    )
