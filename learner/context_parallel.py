@@ -34,7 +34,7 @@ __all__ = [
     "shard",
     "all_gather_autograd",
     "local_documents",
-    "check_context_shard",
+    "context_shard_layout",
     "kcp_chunk_kda",
 ]
 
@@ -124,20 +124,30 @@ def local_documents(cu_seqlens: torch.Tensor, segments: list[tuple[int, int]]) -
     return LocalDocuments(cu, doc, seg, starts, carries)
 
 
-def check_context_shard(name: str, x: torch.Tensor, cu_seqlens, layout, rank: int) -> None:
-    """Refuse a shard ``x`` [1, T_r, ...] that is not this rank's part of the ``cu_seqlens`` sequence."""
-    if cu_seqlens is None or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+def context_shard_layout(name: str, x: torch.Tensor, cu_seqlens, world: int, zigzag: bool, rank: int):
+    """The layout of the ``cu_seqlens`` sequence over ``world`` ranks, after checking that ``x``
+    [1, T_r, ...] is this rank's part of it (a clear error otherwise)."""
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype.is_floating_point
+    ):
         raise ValueError(
-            f"{name}: cu_seqlens must be the 1-D integer document boundaries of the whole sequence"
+            f"{name}: cu_seqlens must be the 1-D integer document boundaries [N+1] of the whole sequence"
         )
+    cs = cu_seqlens.tolist()
+    if len(cs) < 2 or cs[0] != 0 or any(b < a for a, b in zip(cs, cs[1:], strict=False)):
+        raise ValueError(f"{name}: cu_seqlens must start at 0 and be non-decreasing; got {cs}")
     if x.shape[0] != 1:
         raise ValueError(f"{name}: the sequence must be packed to batch 1, got batch {x.shape[0]}")
+    layout = context_layout(cs[-1], world, zigzag)
     want = sum(e - s for s, e in layout[rank])
     if x.shape[1] != want:
         raise ValueError(
             f"{name}: rank {rank} holds {x.shape[1]} tokens, but its segments {layout[rank]} of the "
-            f"{int(cu_seqlens[-1])}-token sequence have {want}; pass shard(x, context_layout(...)[rank])"
+            f"{cs[-1]}-token sequence have {want}; pass shard(x, context_layout(...)[rank])"
         )
+    return layout
 
 
 def _scan_entering_states(M: torch.Tensor, S: torch.Tensor, layout) -> dict[tuple[int, int], torch.Tensor]:
@@ -186,10 +196,15 @@ def kcp_chunk_kda(
     """
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layout = context_layout(int(cu_seqlens[-1]), world, zigzag)
-    check_context_shard("kcp_chunk_kda", q, cu_seqlens, layout, rank)
+    layout = context_shard_layout("kcp_chunk_kda", q, cu_seqlens, world, zigzag, rank)
+    H, K, V = q.shape[-2], q.shape[-1], v.shape[-1]
+    n_docs = cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (n_docs, H, K, V):
+        raise ValueError(
+            f"kcp_chunk_kda: initial_state must be [N={n_docs} documents, H={H}, K={K}, V={V}] for the "
+            f"whole sequence (every rank passes the same); got {tuple(initial_state.shape)}"
+        )
     docs = local_documents(cu_seqlens, layout[rank])
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     zeros_v = torch.zeros(H, K, V, dtype=state_dtype, device=q.device)
     zeros_k = torch.zeros(H, K, K, dtype=state_dtype, device=q.device)
@@ -208,14 +223,13 @@ def kcp_chunk_kda(
     ends = S_wide[last]  # [n_seg, H, K, V + K]
     gathered = all_gather_autograd(ends, group)  # [world, n_seg, H, K, V + K]
     entering = _scan_entering_states(gathered[..., V:], gathered[..., :V], layout)
-    S_in = [entering[(rank, docs.segment[i])] for i in range(len(docs.doc))]
-    lengths = (docs.cu_seqlens[1:] - docs.cu_seqlens[:-1]).tolist()
+    S_in = [entering[(rank, j)] for j in range(len(layout[rank]))]  # one per segment of this rank
     o_parts = []
-    for frag, s_in in zip(o_wide[0].split(lengths), S_in, strict=True):  # [t, H, V + K] per fragment
-        o_t, P = frag.split([V, K], dim=-1)
+    for seg, s_in in zip(o_wide[0].split([e - s for s, e in layout[rank]]), S_in, strict=True):
+        o_t, P = seg.split([V, K], dim=-1)  # [t, H, V], [t, H, K]
         o_parts.append(o_t + torch.einsum("thk,hkv->thv", P.to(state_dtype), s_in).to(o_t.dtype))
     o = torch.cat(o_parts).unsqueeze(0)
     if not output_final_state:
         return o, None
-    final = S_wide[..., :V] + S_wide[..., V:] @ torch.stack(S_in)  # S_end = S~ + M S_in
-    return o, final
+    S_in_of_fragment = torch.stack([S_in[j] for j in docs.segment])
+    return o, S_wide[..., :V] + S_wide[..., V:] @ S_in_of_fragment  # S_end = S~ + M S_in

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .context_parallel import all_gather_autograd, check_context_shard, context_layout
+from .context_parallel import all_gather_autograd, context_shard_layout
 from .model.common import fp32_island
 from .model.mla import GatedMLA
 
@@ -51,9 +51,7 @@ def cp_gated_mla(
     """
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    total = int(cu_seqlens[-1])
-    layout = context_layout(total, world, zigzag)
-    check_context_shard("cp_gated_mla", x, cu_seqlens, layout, rank)
+    layout = context_shard_layout("cp_gated_mla", x, cu_seqlens, world, zigzag, rank)
     q = layer.queries(x)
     latent = _gather_sequence(layer.latent(x), layout, group)  # [1, T, r + dr]
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)

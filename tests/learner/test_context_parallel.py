@@ -102,13 +102,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             (y * shard(w_mla, segments)).sum().backward()
             res[("mla", zigzag)] = dict(y=y.detach(), x_grad=x_local.grad,
                                         grads={n: p.grad for n, p in layer.named_parameters()})  # fmt: skip
-        try:
-            kcp_chunk_kda(
-                inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], CU
-            )  # the whole sequence, not a shard
-            res["bad_shard"] = None
-        except ValueError as e:
-            res["bad_shard"] = str(e)
+        segments = context_layout(T, world)[rank]
+        x = {n: shard(inp[n], segments) for n in ("q", "k", "v", "g", "beta")}
+        bad_calls = {
+            "bad_shard": lambda: kcp_chunk_kda(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], CU),
+            "bad_h0": lambda: kcp_chunk_kda(*x.values(), CU, initial_state=inp["h0"][:2]),
+            "bad_cu": lambda: kcp_chunk_kda(*x.values(), CU.flip(0)),
+        }
+        for name, call in bad_calls.items():  # refused before any collective, on every rank
+            try:
+                call()
+                res[name] = None
+            except ValueError as e:
+                res[name] = str(e)
         torch.save(res, os.path.join(out_dir, f"cp{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -193,9 +199,11 @@ def test_cp_gated_mla_forward_and_backward_equal_one_process(ranks, one_process_
         _close(sum(res[r][("mla", zigzag)]["grads"][name] for r in range(world)), want, f"d{name}")
 
 
-def test_wrong_shard_is_refused(ranks):
+def test_bad_input_is_refused(ranks):
     world, res = ranks
     assert "rank 0 holds 200 tokens" in res[0]["bad_shard"] and "shard(x" in res[0]["bad_shard"]
+    assert "initial_state must be [N=5 documents" in res[0]["bad_h0"]
+    assert "cu_seqlens must start at 0" in res[0]["bad_cu"]
 
 
 def test_layouts():
