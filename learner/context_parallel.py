@@ -3,7 +3,7 @@
 - ``context_layout`` / ``shard``      which positions each rank holds (contiguous, or zigzag)
 - ``kcp_chunk_kda``                   KDA context parallel, KCP (K3 report, arXiv 2607.24653, §5.1.2)
 - ``cp_gated_mla``                    a Gated MLA layer whose queries attend to the latent of every
-                                      earlier rank (``context_parallel_mla.py``)
+                                      earlier rank (``context_parallel_layers.py``)
 
 Everything is a collective: every rank of the group calls it together, with its own shard, and
 runs its backward too (the gathers' backward all-reduces the gradients). The model does not know

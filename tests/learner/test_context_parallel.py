@@ -20,15 +20,19 @@ import torch.multiprocessing as mp
 
 from k3rl.kernels.kda import chunk_kda
 from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
-from k3rl.learner.context_parallel_mla import cp_gated_mla
+from k3rl.learner.context_parallel_layers import cp_gated_mla, cp_short_conv
 from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config
+from k3rl.learner.model.kda import short_conv
 from k3rl.learner.model.mla import GatedMLA
 
 T, H, K, V, CHUNK = 200, 2, 16, 16, 16
 # ranks of 4 hold [0,50) [50,100) [100,150) [150,200): document [30,140) spans three ranks,
 # [150,181) starts on a boundary, [140,150) sits inside rank 2, [181,200) ends the sequence
 CU = torch.tensor([0, 30, 140, 150, 181, 200])
+# for the short conv (4 taps): [49, 51) is shorter than the 3 rows of left context and crosses the
+# boundary at 50, [51, 102) crosses the one at 100
+CU_CONV = torch.tensor([0, 49, 51, 102, 200])
 LAYOUTS = [False, True]  # contiguous, zigzag
 KDA_OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, chunk_size=CHUNK,
                 backend="torch")  # fmt: skip
@@ -74,6 +78,15 @@ def _mla_inputs():
     return torch.randn(1, T, 128, generator=gen), torch.randn(1, T, 128, generator=gen)
 
 
+def _conv_inputs():
+    gen = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(1, T, 8, generator=gen),
+        torch.randn(8, 1, 4, generator=gen),
+        torch.randn(1, T, 8, generator=gen),
+    )
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -102,6 +115,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             (y * shard(w_mla, segments)).sum().backward()
             res[("mla", zigzag)] = dict(y=y.detach(), x_grad=x_local.grad,
                                         grads={n: p.grad for n, p in layer.named_parameters()})  # fmt: skip
+
+            x_conv, w_conv, w_y = _conv_inputs()
+            x_local, w_conv = shard(x_conv, segments).requires_grad_(True), w_conv.requires_grad_(True)
+            y = cp_short_conv(x_local, w_conv, CU_CONV, zigzag=zigzag)
+            (y * shard(w_y, segments)).sum().backward()
+            res[("conv", zigzag)] = dict(y=y.detach(), x_grad=x_local.grad, w_grad=w_conv.grad)
         segments = context_layout(T, world)[rank]
         x = {n: shard(inp[n], segments) for n in ("q", "k", "v", "g", "beta")}
         bad_calls = {
@@ -197,6 +216,21 @@ def test_cp_gated_mla_forward_and_backward_equal_one_process(ranks, one_process_
         _close(got["x_grad"], shard(x_grad_ref, layout[rank]), f"dx rank {rank}")
     for name, want in grads_ref.items():  # replicated weights: the ranks' gradients add up
         _close(sum(res[r][("mla", zigzag)]["grads"][name] for r in range(world)), want, f"d{name}")
+
+
+@pytest.mark.parametrize("zigzag", LAYOUTS, ids=["contiguous", "zigzag"])
+def test_cp_short_conv_equals_one_process(ranks, zigzag):
+    world, res = ranks
+    x, w, w_y = _conv_inputs()
+    x.requires_grad_(True), w.requires_grad_(True)
+    y, _ = short_conv(x, w, None, CU_CONV)
+    (y * w_y).sum().backward()
+    layout = context_layout(T, world, zigzag)
+    for rank in range(world):
+        got = res[rank][("conv", zigzag)]
+        _close(got["y"], shard(y.detach(), layout[rank]), f"y rank {rank}")
+        _close(got["x_grad"], shard(x.grad, layout[rank]), f"dx rank {rank}")
+    _close(sum(res[r][("conv", zigzag)]["w_grad"] for r in range(world)), w.grad, "dweight")
 
 
 def test_bad_input_is_refused(ranks):
