@@ -2,15 +2,15 @@
 
 - ``context_layout`` / ``shard``      which positions each rank holds (contiguous, or zigzag)
 - ``kcp_chunk_kda``                   KDA context parallel, KCP (K3 report, arXiv 2607.24653, §5.1.2)
-- ``cp_gated_mla``                    a Gated MLA layer whose queries attend to the latent of every
-                                      earlier rank (``context_parallel_layers.py``)
+- ``cp_gated_mla``, ``cp_short_conv`` Gated MLA over the whole sequence's latent, and KDA's short
+                                      conv with the previous rank's rows (``context_parallel_layers.py``)
 
 Everything is a collective: every rank of the group calls it together, with its own shard, and
 runs its backward too (the gathers' backward all-reduces the gradients). The model does not know
 about it; these functions are called *on* its layers' inputs (torchtitan style).
 
 KCP in one paragraph. KDA's state update is ``S_t = M_t S_{t-1} + beta_t k_t v_t^T`` with
-``M_t = (I - beta_t k_t k_t^T) Diag(alpha_t)`` (report Eq. 1-2): the transition depends on the
+``M_t = (I - beta_t k_t k_t^T) Diag(alpha_t)`` (report §2.1.1 Eq. 1; docs/model.md §2.4): the transition depends on the
 tokens, so per-rank zero-start states cannot just be summed. A segment of tokens run from an
 entering state S_in ends in ``M S_in + S~`` (M = product of its transitions, d_k x d_k per head;
 S~ its zero-start final state), and each output is ``o_t = o~_t + P_t^T S_in`` with
