@@ -192,7 +192,8 @@ def kcp_chunk_kda(
         o_t     = o~_t + P_t^T S_in                 (o~, P: the two column blocks of the output)
         S_end   = S~ + M S_in                       (S~, M: the two column blocks of the state)
     A fragment that starts its document gets [S0_doc | 0] instead, so its P and M are zero.
-    The extra cost is K more value columns in the one kernel call; no second pass.
+    The extra cost is K more value columns in the one kernel call; no second pass. (P comes out
+    in v's dtype, like o~: with bf16 inputs it is rounded as the outputs are.)
     """
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -252,3 +252,15 @@ def test_layouts():
         and docs.carries_in == [True, True, False]
         and docs.starts_doc == [False, False, True]
     )
+
+
+def test_zigzag_balances_causal_attention():
+    """(query, key) pairs each rank's causal attention scores, for one 1,024-token document."""
+
+    def pairs(segments):
+        return sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in segments)  # sum of (p + 1) over p in [s, e)
+
+    contiguous = [pairs(segs) for segs in context_layout(1024, 4)]
+    zigzag = [pairs(segs) for segs in context_layout(1024, 4, zigzag=True)]
+    assert max(contiguous) / min(contiguous) > 6.9  # about 1 : 3 : 5 : 7
+    assert max(zigzag) == min(zigzag) == sum(contiguous) // 4
