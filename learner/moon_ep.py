@@ -1,29 +1,33 @@
-"""MoonEP: expert parallelism with balanced load and static shapes (the K3 report, arXiv
-2607.24653, "MoonEP"), on top of plain EP (`expert_parallel.py`: rank r of the EP group is the
-home of experts [r n, (r+1) n), n = E / ep, and holds their weights, the ones the optimizer steps).
+"""MoonEP: expert parallelism with balanced load and static shapes (K3 report, arXiv 2607.24653,
+§5.2.1), on top of plain EP (`expert_parallel.py`: rank r of the EP group is the home of experts
+[r n, (r+1) n), n = E / ep, and holds their weights, the ones the optimizer steps).
 
 Two things plain EP lacks:
 
 1. Redundant experts. Every rank has `slots` extra expert slots. From a routing histogram
-   (routes per expert over recent steps, summed over the EP group) the hottest experts get
-   copies in those slots, placed so that every rank's expected load is about the same.
+   (routes per expert, counted over every rank) the hottest experts get copies in those
+   slots, each copy serving a share of its expert's routes, so that every rank computes about
+   the same number of rows (`plan_redundant_experts`; `route_destinations` splits the routes).
    A copy's weights are fetched from the home rank at each forward; in the backward the
    copies' gradients travel back and are summed onto the home weights, so the optimizer sees
    one weight per expert.
 2. Static-shape dispatch. Each (source rank, destination rank) pair exchanges exactly
    `capacity` rows, padded with zero rows (which carry no gradient), so the split sizes of the
-   all-to-alls are constants known before the step: no counts are exchanged and read on the
-   host to size buffers (plain EP does one such exchange per layer). With a balanced plan a
-   rank's receive buffer is ep * capacity ~ margin * S k rows (S tokens a rank, k routes a
-   token), where a dispatch sized for the worst case needs ep * S k.
+   all-to-alls are constants known before the step: no counts are read on the host to size
+   buffers (plain EP does that once per layer). With a balanced plan a rank's receive buffer
+   is ep * capacity ~ margin * S k rows (S tokens a rank, k routes a token), where a dispatch
+   sized for the worst case needs ep * S k.
 
-Our choices where the report gives no detail (it plans per micro-batch and per layer on the
-GPU, splitting experts unevenly so that every rank gets exactly S k routes):
-- the plan comes from a histogram over recent steps (`MoonEPExperts.replan`), not from the
-  current micro-batch; it splits an expert's routes among its copies by fixed shares;
-- capacity = ceil(margin * max_r load_r * S k), load_r the plan's expected share of rank r;
-  a route beyond a pair's capacity is dropped (its expert output counts as zero). Drops are
-  an error unless `allow_drops`; either way they are counted (`dropped_routes`).
+The histogram is either the routes of recent steps (`MoonEPExperts.replan`, e.g. once a step)
+or, as in the report, the current micro-batch's own routes (`plan_per_batch=True`): then every
+rank computes exactly S k rows with at most E / ep copies a rank, whatever the routing (the
+report's bound). Every rank learns every rank's per-expert counts through one fixed-size
+all-gather ([ep, E] integers) per layer; the plan and the split follow from them identically
+on every rank. The report's GPU planner, fused permutes and remote-write buffers are not here:
+torch's all-to-all needs its split sizes on the host, so ours are fixed per rank pair:
+capacity = ceil(margin * max_r load_r * S k), load_r the plan's share of rank r. A route beyond
+its pair's capacity is dropped (its expert output counts as zero): an error unless
+`allow_drops`, and counted either way (`dropped_routes`).
 """
 
 from __future__ import annotations
@@ -129,17 +133,19 @@ def _check_slots(slots: int, num_experts: int, ep: int) -> None:
 def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
     """Choose and place the redundant copies from a routing histogram [E] (routes per expert).
 
-    L_e = expert e's share of all routes, load_r = rank r's share (home copies first:
-    load_r = sum_{home(e) = r} L_e), target T = 1 / ep, h_e = the share e's home copy still
-    serves (L_e at first). Greedy filling, one receiving rank at a time:
+    L_e = routes to expert e, load_r = routes rank r computes (home copies first:
+    load_r = sum_{home(e) = r} L_e), target T = sum_e L_e / ep, h_e = the routes e's home copy
+    still serves (L_e at first). Greedy filling, one receiving rank at a time:
         donor    d = argmax_r load_r, while load_d > T
         receiver r = argmin_{r != d, load_r < T, r has a free slot} load_r
         fill r up to T from d's home experts, heaviest first: a = min(T - load_r, h_e) moves
         from the home copy of e to a copy of e on r (one slot): h_e -= a, load_d -= a, load_r += a.
     A receiver is filled from a single donor (it needs at most E / ep slots, the K3 report's
     bound), possibly taking more than the donor's excess: the donor then drops below T and is
-    filled by a later donor. It stops when every load is within 1e-9 of T, or when no receiver
+    filled by a later donor. It stops when every load is within 1e-9 T of T, or when no receiver
     has a free slot left. Ties go to the lower rank / expert id: every rank computes the same plan.
+    With integer counts and T an integer (every rank routes S k), every move is a whole number
+    of routes and a plan with enough slots gives every rank exactly T = S k.
     """
     if ep < 1:
         raise ValueError(f"MoonEP: the EP size must be >= 1, got {ep}")
@@ -147,8 +153,9 @@ def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
     E = len(counts)
     _check_divides(E, ep)
     _check_slots(slots, E, ep)
-    n, total, T, tol = E // ep, sum(counts), 1.0 / ep, 1e-9
-    share = [c / total for c in counts] if total > 0 else [1.0 / E] * E  # no data yet: uniform
+    share = counts if sum(counts) > 0 else [1.0] * E  # no data yet: uniform
+    n, total = E // ep, sum(share)
+    T, tol = total / ep, 1e-9 * total / ep
     home = list(share)  # what each home copy serves
     copies: dict[tuple[int, int], float] = {}  # (rank, expert) -> what that redundant copy serves
     used = [0] * ep
@@ -177,35 +184,53 @@ def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
         parts = [home[e]] + [copies[(r, e)] for r in range(ep) if (r, e) in copies]
         s = sum(parts)
         shares.append(tuple(x / s for x in parts) if s > 0 else (1.0,) + (0.0,) * (len(parts) - 1))
-    return MoonEPPlan(E, ep, slots, rows, tuple(shares), tuple(load), home_load)
+    return MoonEPPlan(E, ep, slots, rows, tuple(shares), tuple(x / total for x in load),
+                      tuple(x / total for x in home_load))  # fmt: skip
 
 
-def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan):
+def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan, counts: torch.Tensor | None = None, source: int = 0):
     """Where each of a source rank's N k routes goes, in expert-sorted order.
 
     Returns (order [N k] flat route ids sorted by expert (token order inside), token_of_route,
-    dest rank, local index on it). The n_e routes a source sends to expert e are split among
-    the copies by their shares, deterministically: the p-th of them (token order) goes to copy j
-    when round(F_j n_e) <= p < round(F_{j+1} n_e), F_j = the shares of copies 0..j-1 summed.
-    Nothing depends on timing or on other ranks' routes.
+    dest rank, local index on it). Expert e's routes are split among its copies by their shares,
+    deterministically. With `counts` [ep, E] (the routes every rank sends to every expert this
+    step), all ranks' L_e routes to e are put in one order: the p-th of source s's n_se routes
+    has the key ((p + 1/2) / n_se, s), which interleaves the sources evenly; the route of rank g
+    in that order goes to copy j when round(F_j L_e) <= g < round(F_{j+1} L_e), F_j = the shares
+    of copies 0..j-1 summed. So copy j gets exactly round(F_{j+1} L_e) - round(F_j L_e) routes,
+    and each source sends it about its share of that source's routes. g needs no exchange: the
+    routes of source s' with a smaller key number #{p' : (2 p' + 1) n_se < (2 p + 1) n_s'e}
+    (<= for s' < s). Without `counts`, this rank's routes alone are ordered (g = p).
     """
     copy_rank, copy_local, bounds = (t.to(topk_idx.device) for t in plan.tables)
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of_route = order // topk_idx.shape[1]
     expert = flat[order]
-    counts = torch.bincount(flat, minlength=plan.num_experts)
-    p = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
-    starts = torch.round(bounds[expert] * counts[expert, None])  # [N k, ep]: where copies 1.. begin
-    j = (starts <= p[:, None]).sum(1)
+    local = torch.bincount(flat, minlength=plan.num_experts)
+    if counts is None:
+        counts, source = local[None], 0
+    p = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(local, 0) - local)[expert]
+    n = counts.to(flat.device).t()[expert]  # [N k, ep]: n_s'e of every source for the route's expert
+    n_me = n[:, source : source + 1]
+    q = (2 * p + 1)[:, None] * n - n_me  # (2p' + 1) n_se < (2p + 1) n_s'e  <=>  2 n_se p' < q
+    up_to = torch.div(q, 2 * n_me, rounding_mode="floor") + 1  # p' with 2 n_se p' <= q
+    below = -torch.div(-q, 2 * n_me, rounding_mode="floor")  # p' with 2 n_se p' < q
+    ranks = torch.arange(n.shape[1], device=flat.device)
+    before = torch.where(ranks < source, up_to, below).clamp(min=0).minimum(n)
+    g = before.sum(1) - before[:, source] + p
+    starts = torch.round(bounds[expert] * n.sum(1, keepdim=True))  # [N k, ep]: where copies 1.. begin
+    j = (starts <= g[:, None]).sum(1)
     return order, token_of_route, copy_rank[expert, j], copy_local[expert, j]
 
 
 def rank_loads(topk_idx_per_rank: list[torch.Tensor], plan: MoonEPPlan) -> torch.Tensor:
-    """Routed rows each rank computes [ep] when rank s routes `topk_idx_per_rank[s]`."""
+    """Routed rows each rank computes [ep] when rank s routes `topk_idx_per_rank[s]` (the split
+    the layer makes, from every rank's counts)."""
+    counts = torch.stack([torch.bincount(i.reshape(-1).cpu(), minlength=plan.num_experts) for i in topk_idx_per_rank])
     rows = torch.zeros(plan.ep, dtype=torch.int64)
-    for idx in topk_idx_per_rank:
-        rows += torch.bincount(route_destinations(idx, plan)[2].cpu(), minlength=plan.ep)
+    for s, idx in enumerate(topk_idx_per_rank):
+        rows += torch.bincount(route_destinations(idx.cpu(), plan, counts, s)[2], minlength=plan.ep)
     return rows
 
 
@@ -266,10 +291,11 @@ class _Fetch:
 
 
 def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta_up, group, plan: MoonEPPlan,
-                           capacity: int, allow_drops: bool = False, backend: str = "auto"):  # fmt: skip
-    """`latent_experts` under MoonEP: w1/w3/w2 hold this rank's home experts only. Collective.
+                           capacity: int, counts: torch.Tensor, allow_drops: bool = False, backend: str = "auto"):  # fmt: skip
+    """`latent_experts` under MoonEP: w1/w3/w2 hold this rank's home experts only; `counts`
+    [ep, E] the routes every rank sends to every expert this step. Collective.
 
-    Returns (u [N, l], routes this rank dropped (a 0-d int64 tensor)).
+    Returns (u [N, l], routes this rank dropped, real rows it computed (0-d int64 tensors)).
 
         fetch       the slots' weights from their home ranks      (splits from the plan)
         dispatch    [ep * capacity, l] rows + their local expert   (splits: capacity per rank)
@@ -279,7 +305,7 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
     """
     N, ep, rank = z.shape[0], plan.ep, dist.get_rank(group)
     n, C, lat = w1.shape[0], capacity, z.shape[1]
-    order, token_of_route, dest, local = route_destinations(topk_idx, plan)
+    order, token_of_route, dest, local = route_destinations(topk_idx, plan, counts, rank)
     pos = _position_per_dest(dest, ep)
     kept = pos < C
     row = torch.where(kept, dest * C + pos, ep * C)  # a route's row in the dispatch buffer; ep * C: dropped
@@ -318,26 +344,32 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
         h = x * 0  # nothing arrived: keep this rank in the graph so its backward all-to-alls still run
     (y,) = _Exchange.apply(group, [([C] * ep, [C] * ep)], h)
     y = torch.cat([y, y.new_zeros(1, lat)])[row]  # [N k] in `order`; dropped routes read zeros
-    return combine_routes(y, order, token_of_route, topk_weight, N, z.dtype), dropped
+    return combine_routes(y, order, token_of_route, topk_weight, N, z.dtype), dropped, real.new_tensor(real.numel())
 
 
 class MoonEPExperts(ExpertParallelExperts):
     """Drop-in for `RoutedExperts` under MoonEP: the parameters are plain EP's (w1/w3/w2 with this
     rank's E / ep home experts: same names, same gradient reduction and clipping), plus a plan,
-    the routes counted since the last `replan`, and a capacity for `tokens_per_rank` tokens.
+    the routes of every rank counted since the last `replan`, and a capacity for
+    `tokens_per_rank` tokens.
 
+    The plan comes from `replan` (the routes of recent steps), or with `plan_per_batch` from each
+    forward's own routes, as the K3 report does: then every rank computes exactly the mean load
+    (S k rows when every rank routes S tokens) whenever the slots suffice (E / ep always do).
     Every rank of `group` must call forward and `replan` together.
     """
 
     def __init__(self, experts: RoutedExperts, group, slots: int, tokens_per_rank: int, margin: float = 1.25,
-                 allow_drops: bool = False, replicate_group=None):  # fmt: skip
+                 allow_drops: bool = False, plan_per_batch: bool = False, replicate_group=None):  # fmt: skip
         super().__init__(experts, group, replicate_group)
         _check_slots(slots, self.num_experts, self.ep_size)
         if tokens_per_rank < 1 or not margin > 0:
             raise ValueError(f"MoonEP: tokens_per_rank must be >= 1 and margin > 0, got {tokens_per_rank} and {margin}")
         self.slots, self.tokens_per_rank, self.margin, self.allow_drops = slots, tokens_per_rank, margin, allow_drops
+        self.plan_per_batch = plan_per_batch
         self.register_buffer("routes_seen", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("received_rows", torch.zeros((), dtype=torch.int64), persistent=False)  # last forward
         # no routes seen yet: plain EP's layout, and a capacity for the worst case (S k a pair)
         self.plan, self.planned = plan_redundant_experts(torch.zeros(self.num_experts), self.ep_size, slots), False
 
@@ -349,9 +381,8 @@ class MoonEPExperts(ExpertParallelExperts):
 
     @torch.no_grad()
     def replan(self) -> MoonEPPlan:
-        """A new plan from the routes counted since the last replan, summed over the EP group
-        (collective); the counts start again from zero."""
-        dist.all_reduce(self.routes_seen, group=self.group)
+        """A new plan from every rank's routes counted since the last replan (the same counts on
+        every rank, so the same plan); the counts start again from zero."""
         self.set_plan(plan_redundant_experts(self.routes_seen, self.ep_size, self.slots))
         self.routes_seen.zero_()
         return self.plan
@@ -366,19 +397,26 @@ class MoonEPExperts(ExpertParallelExperts):
         if z.shape[0] > self.tokens_per_rank:
             raise ValueError(f"MoonEP: {z.shape[0]} tokens on this rank, more than tokens_per_rank="
                              f"{self.tokens_per_rank} that the capacity is sized for")  # fmt: skip
-        with torch.no_grad():
-            self.routes_seen += torch.bincount(idx.reshape(-1), minlength=self.num_experts).to(self.routes_seen.device)
+        with torch.no_grad():  # the routes every rank sends to every expert [ep, E]: a fixed-size exchange
+            mine = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            every = [torch.empty_like(mine) for _ in range(self.ep_size)]
+            dist.all_gather(every, mine, group=self.group)
+            counts = torch.stack(every)
+            self.routes_seen += counts.sum(0).to(self.routes_seen.device)
+            if self.plan_per_batch:
+                self.set_plan(plan_redundant_experts(counts.sum(0), self.ep_size, self.slots))
         w1, w3, w2 = self.w1, self.w3, self.w2
         if torch.is_autocast_enabled(z.device.type):  # as RoutedExperts: the op is not an autocast op
             dt = torch.get_autocast_dtype(z.device.type)
             z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
         elif z.dtype != w1.dtype:
             z = z.to(w1.dtype)
-        u, dropped = moon_ep_latent_experts(
+        u, dropped, received = moon_ep_latent_experts(
             z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, self.group, self.plan,
-            self.capacity(idx.shape[1]), self.allow_drops, self.backend,
+            self.capacity(idx.shape[1]), counts, self.allow_drops, self.backend,
         )  # fmt: skip
         self.dropped_routes += dropped.detach()
+        self.received_rows.copy_(received)
         return u
 
     def extra_repr(self) -> str:
@@ -386,7 +424,7 @@ class MoonEPExperts(ExpertParallelExperts):
 
 
 def apply_moon_ep(model: nn.Module, group, slots: int, tokens_per_rank: int, margin: float = 1.25,
-                  allow_drops: bool = False, replicate_group=None) -> nn.Module:  # fmt: skip
+                  allow_drops: bool = False, plan_per_batch: bool = False, replicate_group=None) -> nn.Module:  # fmt: skip
     """Shard the routed experts of every MoE layer over `group` with MoonEP (in place); as
     `apply_expert_parallel`, on every rank with the same full weights, before FSDP."""
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
@@ -396,7 +434,8 @@ def apply_moon_ep(model: nn.Module, group, slots: int, tokens_per_rank: int, mar
     for name, m in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MoonEPExperts(m, group, slots, tokens_per_rank, margin, allow_drops, replicate_group))
+        setattr(parent, child, MoonEPExperts(m, group, slots, tokens_per_rank, margin, allow_drops,
+                                                 plan_per_batch, replicate_group))  # fmt: skip
     return model
 
 
@@ -405,5 +444,5 @@ def moon_ep_modules(model: nn.Module) -> dict[str, MoonEPExperts]:
 
 
 def replan_all(model: nn.Module) -> list[MoonEPPlan]:
-    """`replan` every MoonEP layer (collective: call it on every rank, e.g. after each step)."""
+    """`replan` every MoonEP layer (on every rank, e.g. after each step)."""
     return [m.replan() for m in moon_ep_modules(model).values()]

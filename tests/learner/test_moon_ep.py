@@ -136,6 +136,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         fresh = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N)
         res["to_rank0"] = _run(fresh, rank, idx=ONLY_RANK0)
 
+        # the report's way: a plan from each forward's own routes, E / ep slots
+        per_batch = MoonEPExperts(_experts(), group, slots=E // world, tokens_per_rank=N, margin=1.5,
+                                  plan_per_batch=True)  # fmt: skip
+        for name, idx in (("skewed", None), ("to_rank0", ONLY_RANK0)):
+            res[f"per_batch_{name}"] = _run(per_batch, rank, idx=idx)
+            res[f"per_batch_{name}_rows"] = int(per_batch.received_rows)
+            res[f"per_batch_{name}_plan"] = per_batch.plan
+        res["per_batch_dropped"] = int(per_batch.dropped_routes)
+
         if world == 2:
             plain = apply_expert_parallel(_model(), group)
             res["model_plain"] = _model_run(plain, rank)
@@ -288,6 +297,39 @@ def test_ranks_that_receive_nothing_still_run(ranks):
                 assert g is None or not g.any()
 
 
+def test_plan_per_batch_gives_every_rank_exactly_s_k_rows(ranks):
+    """K3 report, MoonEP: every rank computes exactly S k routed rows, with at most E / ep
+    redundant experts a rank, whatever the routing (here: skewed, and all to rank 0's experts)."""
+    world = len(ranks)
+    for name, idx in (("skewed", None), ("to_rank0", ONLY_RANK0)):
+        outs, full = _one_process(world, idx=idx)
+        n = E // world
+        for r, res in enumerate(ranks):
+            assert res[f"per_batch_{name}_rows"] == N * K, (name, r)
+            plan = res[f"per_batch_{name}_plan"]
+            assert max(plan.load) == pytest.approx(1 / world) and len(plan.slot_experts[r]) == E // world
+            u, dz, grads = res[f"per_batch_{name}"]
+            assert _rel(u, outs[r][0]) < 1e-5 and _rel(dz, outs[r][1]) < 1e-5, (name, r)
+            assert all(_rel(g, full[w][r * n : (r + 1) * n]) < 1e-5 for w, g in grads.items()), (name, r)
+    assert all(res["per_batch_dropped"] == 0 for res in ranks)
+
+
+def test_per_batch_plans_are_exact_for_adversarial_routings():
+    """Every rank computes exactly S k rows under a plan made from the step's own routes with
+    E / ep slots: random skewed and adversarial routings, uneven token counts per expert."""
+    g = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        E_, ep = [(8, 2), (16, 4), (32, 8)][trial % 3]
+        S = int(torch.randint(1, 30, (1,), generator=g))
+        w = torch.rand(E_, generator=g) ** 6 + 1e-3  # a few experts take nearly everything
+        routed = [torch.multinomial(w.expand(S, -1), K, generator=g) for _ in range(ep)]
+        if trial % 5 == 0:  # every route to the first rank's experts
+            routed = [torch.stack([torch.randperm(E_ // ep, generator=g)[:K] for _ in range(S)]) for _ in range(ep)]
+        seen = sum(torch.bincount(i.reshape(-1), minlength=E_) for i in routed)
+        plan = plan_redundant_experts(seen, ep, E_ // ep)
+        assert rank_loads(routed, plan).tolist() == [S * K] * ep, (trial, plan)
+
+
 def test_routes_beyond_the_capacity(ranks):
     """margin 0.6: some pairs overflow. Strict: every rank raises (none hangs in a collective);
     allowed: the drops are counted, and the output is one process's without those routes."""
@@ -297,9 +339,10 @@ def test_routes_beyond_the_capacity(ranks):
     for res in ranks:
         assert res["tight_error"] is not None and "exceeded the capacity" in res["tight_error"]
     keep, dropped = [], []
-    for r in range(world):
-        idx = _layer_inputs(r)[1]
-        order, _, dest, _ = route_destinations(idx, plan)
+    routes = [_layer_inputs(r)[1] for r in range(world)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in routes])
+    for r, idx in enumerate(routes):
+        order, _, dest, _ = route_destinations(idx, plan, counts, r)
         pos = torch.zeros_like(dest)
         for d in range(world):  # position among the routes to each destination, route order
             pos[dest == d] = torch.arange(int((dest == d).sum()))
