@@ -18,6 +18,10 @@ log pi. With d = log pi - log mu per generated token,
 split by position: all generated tokens, those of the first assistant message (`turn 1`), and
 those of later messages, which follow a tool output (`later`).
 
+With bf16 two more rows put the numbers in scale: the engine against the exact (fp32) learner,
+and the bf16 floor, the bf16 learner against the fp32 learner on the same tokens (no engine
+involved): how far bf16 rounding alone moves the learner's own log-probs.
+
 Engine modes (the learner side never changes):
     fp32       an fp32 engine (the CPU job's setting)
     bf16       bf16 weights (model.dtype: bfloat16, the GPU job's setting), prefix cache on
@@ -110,17 +114,34 @@ def split_positions(t: Trajectory) -> dict[str, list[int]]:
             "later": [j for j in generated if j > first_env]}
 
 
-def report(trajectories: list[Trajectory], learner_lp: list[torch.Tensor]) -> dict[str, dict[str, float]]:
-    """mismatch_stats per split over all trajectories."""
+def report(trajectories: list[Trajectory], learner_lp: list[torch.Tensor],
+           reference: list[torch.Tensor] | None = None) -> dict[str, dict[str, float]]:
+    """mismatch_stats per split over all trajectories: `learner_lp` against the engine's log-probs
+    (or against `reference`, another scoring of the same completions)."""
     out = {}
     for split in SPLITS:
         pi, mu = [], []
-        for t, lp in zip(trajectories, learner_lp, strict=True):
+        for i, (t, lp) in enumerate(zip(trajectories, learner_lp, strict=True)):
             idx = split_positions(t)[split]
             pi += lp[idx].tolist()
-            mu += [t.logprobs[j] for j in idx]
+            mu += reference[i][idx].tolist() if reference is not None else [t.logprobs[j] for j in idx]
         out[split] = mismatch_stats(torch.tensor(pi), torch.tensor(mu))
     return out
+
+
+def comparisons(model, trajectories: list[Trajectory], bf16: bool) -> list[tuple[str, dict]]:
+    """(what, report) rows for one engine's trajectories. The learner in the engine's dtype, with and
+    without routing replay; with bf16 also the exact (fp32) learner against the engine, and the bf16
+    floor: the bf16 learner against the fp32 learner on the same tokens (no engine involved)."""
+    if not bf16:
+        return [(f"fp32, {r}", report(trajectories, learner_logprobs(model, trajectories, False, r == "replay")))
+                for r in ("replay", "no replay")]
+    lp16 = learner_logprobs(model, trajectories, True)
+    lp32 = learner_logprobs(model, trajectories, False)
+    return [("bf16 autocast, replay", report(trajectories, lp16)),
+            ("bf16 autocast, no replay", report(trajectories, learner_logprobs(model, trajectories, True, False))),
+            ("fp32, replay", report(trajectories, lp32)),
+            ("floor: bf16 learner vs fp32 learner", report(trajectories, lp16, lp32))]
 
 
 # ----- the learner's side -------------------------------------------------------------------------
@@ -160,7 +181,7 @@ def make_engine(learner_model, mode: str, max_num_seqs: int) -> EmbeddedEngine:
         kw["autocast_dtype"] = torch.bfloat16
     elif mode != "fp32":
         raise ValueError(f"unknown mode {mode!r}; use fp32, bf16, reprefill or autocast")
-    return EmbeddedEngine(model, max_num_seqs=max_num_seqs, prefill_chunk=4096, max_prefill_tokens=16384,
+    return EmbeddedEngine(model, max_num_seqs=max_num_seqs, prefill_chunk=2048, max_prefill_tokens=16384,
                           prefix_cache_size=0 if mode == "reprefill" else 4 * max_num_seqs, **kw)
 
 
@@ -287,15 +308,15 @@ def main() -> None:
             continue
         generated = sum(sum(t.loss_mask) for t in timed)
         turns = sum(1 for t in trajs for tu in t.turns if tu.role == "assistant") / len(trajs)
-        for replay in (True, False):
-            lp = learner_logprobs(model, trajs, bf16, replay)
-            learner = ("bf16 autocast" if bf16 else "fp32") + (", replay" if replay else ", no replay")
-            for split, r in report(trajs, lp).items():
+        for learner, rep in comparisons(model, trajs, bf16):
+            for split, r in rep.items():
                 print(f"| {mode} | {learner} | {split} | {fmt(r)} | {generated / wall:,.0f} / {speed:,.0f} |", flush=True)
         for L in filter(None, args.long.split(",")):
             these = [t for t in long if t.id.startswith(f"long-{L}-")]
-            for split, r in report(these, learner_logprobs(model, these, bf16)).items():
-                print(f"| {mode} | long {L} ctx, replay | {split} | {fmt(r)} | - |", flush=True)
+            for learner, rep in comparisons(model, these, bf16):
+                if "no replay" not in learner:
+                    for split, r in rep.items():
+                        print(f"| {mode} | long {L}: {learner} | {split} | {fmt(r)} | - |", flush=True)
         print(f"# {mode}: {len(trajs)} episodes, {turns:.2f} assistant turns each, reward "
               f"{sum(t.reward for t in trajs) / len(trajs):.3f}; timed: {generated} generated tokens of {len(timed)} "
               f"episodes in {wall:.2f}s; decode alone: {speed:,.0f} tok/s at batch {args.episodes}",
