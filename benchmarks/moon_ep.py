@@ -3,20 +3,22 @@
     .venv/bin/python benchmarks/moon_ep.py [--checkpoint DIR] [--out benchmarks/results/moon_ep.md]
 
 1. Load. Routed rows each rank computes, max / mean over ranks (1.00 = perfect balance), plain EP
-   against MoonEP with `slots` redundant experts a rank. The plan is made from one step's
-   routing histogram and measured on the next step's routes (a fresh sample of the same
-   distribution: the histogram is one step stale, as in training). Also: the smallest capacity
-   margin with no dropped route this step, max over rank pairs of rows / (max_r load_r S k).
+   against MoonEP with `slots` redundant experts a rank, planned two ways: from the previous
+   step's routes (a fresh sample of the same distribution: the histogram is one step stale, as
+   with `replan` once a step), and from the measured step's own routes (`plan_per_batch`, the
+   report's way). For each, the smallest capacity margin with no dropped route this step:
+   max over rank pairs of rows / (max_r load_r S k).
    - Zipf: expert popularity p_e ~ 1 / rank(e)^s (experts shuffled over ranks), k distinct experts
      a token (Gumbel top-k), S tokens a rank; at K3's shape (896 experts, k = 16) and a small one.
    - k3-tiny: the routes of a real forward (8 experts, k = 2, every MoE layer) on this repository's
      README, split over ranks by contiguous tokens; the demo's trained checkpoint when one is found
      under runs/ (or --checkpoint), else random weights.
 2. Time. One forward + backward of the routed experts alone with ep = 2 gloo processes of one
-   thread each, plain EP against MoonEP, on Zipf-skewed routes; median of 5 after 2 warm-ups.
-   CPU gloo timing is not GPU NCCL timing: it shows the straggler effect of the busiest rank
-   and what MoonEP's extra work costs here (the weight fetch, padding rows), nothing about
-   NVLink or grouped GEMMs.
+   thread each, plain EP against MoonEP (both plans), on uniform and Zipf-skewed routes; median
+   of 5 after 2 warm-ups, wall time and each rank's CPU time. CPU gloo timing is not GPU NCCL
+   timing: it shows the straggler effect of the busiest rank and what MoonEP's extra work
+   costs here (counts all-gather, planning in Python, the weight fetch), nothing about NVLink
+   or grouped GEMMs; on a shared machine the wall time also carries other processes' load.
 """
 
 from __future__ import annotations
@@ -54,28 +56,35 @@ def zipf_routes(E: int, k: int, tokens: int, s: float, seed: int, perm_seed: int
     return torch.topk(logp + gumbel, k, dim=1).indices
 
 
+def _counts(routes: list[torch.Tensor], E: int) -> torch.Tensor:
+    return torch.stack([torch.bincount(r.reshape(-1), minlength=E) for r in routes])
+
+
 def balance(plan_routes: list[torch.Tensor], step_routes: list[torch.Tensor], E: int, ep: int, slots: int):
-    """(max/mean plain EP, max/mean MoonEP, smallest drop-free margin) for one step's routes."""
-    hist = sum(torch.bincount(r.reshape(-1), minlength=E) for r in plan_routes)
-    plain = rank_loads(step_routes, plan_redundant_experts(hist, ep, 0)).double()
-    plan = plan_redundant_experts(hist, ep, slots)
-    moon = rank_loads(step_routes, plan).double()
-    rows_per_rank = step_routes[0].numel()
-    worst_pair = max(int(torch.bincount(route_destinations(r, plan)[2], minlength=ep).max()) for r in step_routes)
-    margin = worst_pair / (max(plan.load) * rows_per_rank)
-    return (plain.max() / plain.mean()).item(), (moon.max() / moon.mean()).item(), margin
+    """max/mean rows for one step's routes: plain EP, MoonEP planned on the previous step, MoonEP
+    planned on this step; and for each plan the smallest drop-free margin."""
+    counts = _counts(step_routes, E)
+    plain = rank_loads(step_routes, plan_redundant_experts(counts.sum(0), ep, 0)).double()
+    out = [(plain.max() / plain.mean()).item()]
+    for hist in (_counts(plan_routes, E).sum(0), counts.sum(0)):
+        plan = plan_redundant_experts(hist, ep, slots)
+        moon = rank_loads(step_routes, plan).double()
+        pairs = [torch.bincount(route_destinations(r, plan, counts, s)[2], minlength=ep) for s, r in enumerate(step_routes)]
+        margin = int(torch.stack(pairs).max()) / (max(plan.load) * step_routes[0].numel())
+        out += [(moon.max() / moon.mean()).item(), margin]
+    return out
 
 
 def zipf_table(lines: list[str]) -> None:
-    lines += ["| E, k | ep | S | Zipf s | slots | max/mean plain EP | max/mean MoonEP | drop-free margin |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["| E, k | ep | S | Zipf s | slots | plain EP | MoonEP, last step's plan | margin | MoonEP, "
+              "plan per batch | margin |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for E, k, ep, S in [(64, 8, 8, 1024), (896, 16, 8, 1024), (896, 16, 64, 256)]:
         for s in (0.8, 1.2):
             prev = [zipf_routes(E, k, S, s, seed=1000 + r) for r in range(ep)]
             step = [zipf_routes(E, k, S, s, seed=2000 + r) for r in range(ep)]
             for slots in sorted({1, 2, E // ep}):
-                plain, moon, margin = balance(prev, step, E, ep, slots)
-                lines.append(f"| {E}, {k} | {ep} | {S} | {s} | {slots} | {plain:.3f} | {moon:.3f} | {margin:.2f} |")
+                cells = " | ".join(f"{v:.2f}" if i in (2, 4) else f"{v:.3f}" for i, v in enumerate(balance(prev, step, E, ep, slots)))
+                lines.append(f"| {E}, {k} | {ep} | {S} | {s} | {slots} | {cells} |")
             print(lines[-1], flush=True)
 
 
@@ -102,14 +111,14 @@ def k3_tiny_table(lines: list[str], checkpoint: str | None) -> None:
     T, n_layers, _ = routes.shape
     half = T // 2  # the first half makes the plan, the second half is the measured step
     lines += [f"{source}, {T} tokens ({half} make the plan, {T - half} measured)", "",
-              "| ep | slots | layer | max/mean plain EP | max/mean MoonEP | drop-free margin |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| ep | slots | layer | plain EP | MoonEP, last step's plan | margin | MoonEP, plan per batch | margin |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ep, slots in [(2, 1), (4, 1), (4, 2)]:
         for layer in range(n_layers):
             prev = list(routes[:half, layer].chunk(ep))
             step = list(routes[half : half + (T - half) // ep * ep, layer].chunk(ep))
-            plain, moon, margin = balance(prev, step, 8, ep, slots)
-            lines.append(f"| {ep} | {slots} | {layer} | {plain:.3f} | {moon:.3f} | {margin:.2f} |")
+            cells = " | ".join(f"{v:.2f}" if i in (2, 4) else f"{v:.3f}" for i, v in enumerate(balance(prev, step, 8, ep, slots)))
+            lines.append(f"| {ep} | {slots} | {layer} | {cells} |")
         print(lines[-1], flush=True)
 
 
@@ -135,13 +144,15 @@ def _time_worker(rank: int, world: int, port: int, zipf_s: float, queue) -> None
         z, p = torch.randn(TIME_S, TIME_LAT, generator=g), torch.rand(TIME_S, TIME_K, generator=g)
         plain = ExpertParallelExperts(experts, dist.group.WORLD)
         moon = MoonEPExperts(experts, dist.group.WORLD, TIME_SLOTS, TIME_S, margin=1.25, allow_drops=True)
+        batch = MoonEPExperts(experts, dist.group.WORLD, TIME_E // world, TIME_S, margin=1.25, allow_drops=True,
+                              plan_per_batch=True)  # fmt: skip
         with torch.no_grad():  # the previous step's routes make the plan
             moon(z, zipf_routes(TIME_E, TIME_K, TIME_S, zipf_s, seed=4000 + rank), p)
         moon.replan()
         moon.dropped_routes.zero_()
-        runs = {"plain": [], "moon": []}
-        for _ in range(7):  # alternating, so that load from other processes hits both alike
-            for name, layer in (("plain", plain), ("moon", moon)):
+        runs = {"plain": [], "moon": [], "batch": []}
+        for _ in range(7):  # alternating, so that load from other processes hits all alike
+            for name, layer in (("plain", plain), ("moon", moon), ("batch", batch)):
                 x = z.clone().requires_grad_(True)
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -153,16 +164,16 @@ def _time_worker(rank: int, world: int, port: int, zipf_s: float, queue) -> None
         times = {name: tuple(statistics.median(v[i] for v in r[2:]) for i in (0, 1)) for name, r in runs.items()}
         every = [zipf_routes(TIME_E, TIME_K, TIME_S, zipf_s, seed=3000 + r) for r in range(world)]
         rows = {"plain": rank_loads(every, plan_redundant_experts(torch.ones(TIME_E), world, 0)).tolist(),
-                "moon": rank_loads(every, moon.plan).tolist()}
-        queue.put((rank, times, rows, int(moon.dropped_routes), moon.capacity(TIME_K)))
+                "moon": rank_loads(every, moon.plan).tolist(), "batch": rank_loads(every, batch.plan).tolist()}
+        dropped = {"moon": int(moon.dropped_routes), "batch": int(batch.dropped_routes)}
+        queue.put((rank, times, rows, dropped, {"moon": moon.capacity(TIME_K), "batch": batch.capacity(TIME_K)}))
     finally:
         dist.destroy_process_group()
 
 
 def time_table(lines: list[str]) -> None:
-    lines += ["| Zipf s | wall s / step: plain EP | MoonEP | CPU s / step of each rank: plain EP | MoonEP | rows each "
-              "rank computes: plain EP | MoonEP | capacity a pair | routes dropped |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["| Zipf s | layer | wall s / step | CPU s / step, each rank | rows each rank computes | capacity a pair "
+              "| routes dropped |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     world = 2
     for s in (0.0, 1.2):
         ctx = mp.get_context("spawn")
@@ -174,12 +185,16 @@ def time_table(lines: list[str]) -> None:
         out = sorted(queue.get(timeout=600) for _ in range(world))
         for proc in procs:
             proc.join()
-        wall = {k: max(o[1][k][0] for o in out) for k in ("plain", "moon")}
-        cpu = {k: " / ".join(f"{o[1][k][1]:.3f}" for o in out) for k in ("plain", "moon")}
-        rows = {k: " / ".join(map(str, out[0][2][k])) for k in ("plain", "moon")}
-        lines.append(f"| {s} | {wall['plain']:.3f} | {wall['moon']:.3f} | {cpu['plain']} | {cpu['moon']} | "
-                     f"{rows['plain']} | {rows['moon']} | {out[0][4]} | {sum(o[3] for o in out)} |")  # fmt: skip
-        print(lines[-1], flush=True)
+        names = {"plain": "plain EP", "moon": f"MoonEP, last step's plan, {TIME_SLOTS} slots",
+                 "batch": f"MoonEP, plan per batch, {TIME_E // world} slots"}  # fmt: skip
+        for k, name in names.items():
+            wall = max(o[1][k][0] for o in out)
+            cpu = " / ".join(f"{o[1][k][1]:.3f}" for o in out)
+            rows = " / ".join(map(str, out[0][2][k]))
+            cap = out[0][4].get(k, TIME_S * TIME_K)  # plain EP: up to S k rows a pair
+            drops = sum(o[3].get(k, 0) for o in out)
+            lines.append(f"| {s} | {name} | {wall:.3f} | {cpu} | {rows} | {cap} | {drops} |")
+            print(lines[-1], flush=True)
 
 
 def main() -> None:
@@ -195,7 +210,7 @@ def main() -> None:
     lines += ["", "## Load: k3-tiny", ""]
     k3_tiny_table(lines, args.checkpoint)
     lines += ["", f"## Time: ep = 2 gloo processes, E = {TIME_E}, k = {TIME_K}, S = {TIME_S}, latent {TIME_LAT}, "
-              f"expert width {TIME_F}, {TIME_SLOTS} slots, margin 1.25 (CPU: not GPU NCCL timing)", ""]  # fmt: skip
+              f"expert width {TIME_F}, margin 1.25 (CPU: not GPU NCCL timing)", ""]  # fmt: skip
     time_table(lines)
     text = "\n".join(lines) + "\n"
     print("\n" + text)
