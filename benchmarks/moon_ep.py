@@ -69,10 +69,16 @@ def balance(plan_routes: list[torch.Tensor], step_routes: list[torch.Tensor], E:
     for hist in (_counts(plan_routes, E).sum(0), counts.sum(0)):
         plan = plan_redundant_experts(hist, ep, slots)
         moon = rank_loads(step_routes, plan).double()
-        pairs = [torch.bincount(route_destinations(r, plan, counts, s)[2], minlength=ep) for s, r in enumerate(step_routes)]
+        pairs = [torch.bincount(route_destinations(r, plan, counts, s)[2], minlength=ep)
+                 for s, r in enumerate(step_routes)]  # fmt: skip
         margin = int(torch.stack(pairs).max()) / (max(plan.load) * step_routes[0].numel())
         out += [(moon.max() / moon.mean()).item(), margin]
     return out
+
+
+def _cells(balanced: list[float]) -> str:
+    """max/mean loads with 3 decimals, margins (the 3rd and 5th values) with 2."""
+    return " | ".join(f"{v:.2f}" if i in (2, 4) else f"{v:.3f}" for i, v in enumerate(balanced))
 
 
 def zipf_table(lines: list[str]) -> None:
@@ -83,8 +89,7 @@ def zipf_table(lines: list[str]) -> None:
             prev = [zipf_routes(E, k, S, s, seed=1000 + r) for r in range(ep)]
             step = [zipf_routes(E, k, S, s, seed=2000 + r) for r in range(ep)]
             for slots in sorted({1, 2, E // ep}):
-                cells = " | ".join(f"{v:.2f}" if i in (2, 4) else f"{v:.3f}" for i, v in enumerate(balance(prev, step, E, ep, slots)))
-                lines.append(f"| {E}, {k} | {ep} | {S} | {s} | {slots} | {cells} |")
+                lines.append(f"| {E}, {k} | {ep} | {S} | {s} | {slots} | {_cells(balance(prev, step, E, ep, slots))} |")
             print(lines[-1], flush=True)
 
 
@@ -117,8 +122,7 @@ def k3_tiny_table(lines: list[str], checkpoint: str | None) -> None:
         for layer in range(n_layers):
             prev = list(routes[:half, layer].chunk(ep))
             step = list(routes[half : half + (T - half) // ep * ep, layer].chunk(ep))
-            cells = " | ".join(f"{v:.2f}" if i in (2, 4) else f"{v:.3f}" for i, v in enumerate(balance(prev, step, 8, ep, slots)))
-            lines.append(f"| {ep} | {slots} | {layer} | {cells} |")
+            lines.append(f"| {ep} | {slots} | {layer} | {_cells(balance(prev, step, 8, ep, slots))} |")
         print(lines[-1], flush=True)
 
 

@@ -3,9 +3,12 @@ expert parallel layer on gloo process groups of 2 and 4 ranks.
 
 One spawn per group size runs every distributed check (process start dominates the cost):
 on skewed routing (60% of the routes to experts 0 and 1), MoonEP's output, input gradient and
-home-expert gradients equal plain EP's and one process's; routes beyond the capacity are an
-error on every rank at once, or, when allowed, counted and left out of the output exactly;
-with 2 ranks, k3-tiny with MoonEP in every MoE layer equals k3-tiny with plain EP.
+home-expert gradients equal plain EP's and one process's, with a plan from the previous step
+and with a plan per batch (then every rank computes exactly S k rows, also when every route
+goes to one rank's experts); a rank that receives nothing still joins the exchanges; routes
+beyond the capacity are an error on every rank at once, or, when allowed, counted and left
+out of the output exactly; bad settings are refused; with 2 ranks, k3-tiny with MoonEP in
+every MoE layer equals k3-tiny with plain EP.
 """
 
 from __future__ import annotations
@@ -145,6 +148,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res[f"per_batch_{name}_plan"] = per_batch.plan
         res["per_batch_dropped"] = int(per_batch.dropped_routes)
 
+        res["refused"] = []  # bad settings fail on every rank before any exchange
+        for make in (lambda: per_batch(*(t.repeat(2, 1) for t in _layer_inputs(rank)[:3])),
+                     lambda: apply_moon_ep(_model(), group, slots=E, tokens_per_rank=N),
+                     lambda: MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=0)):  # fmt: skip
+            try:
+                make()
+                res["refused"].append(None)
+            except ValueError as e:
+                res["refused"].append(str(e))
+
         if world == 2:
             plain = apply_expert_parallel(_model(), group)
             res["model_plain"] = _model_run(plain, rank)
@@ -208,7 +221,7 @@ def test_plan_balances_a_zipf_histogram_within_the_slots():
         for e in range(64):
             for (r, _), s in zip(plan.holders(e), plan.shares[e], strict=True):
                 load[r] += share[e] * s
-        assert max(abs(a - b) for a, b in zip(load, plan.load)) < 1e-9
+        assert max(abs(a - b) for a, b in zip(load, plan.load, strict=True)) < 1e-9
 
 
 def test_plan_without_slots_or_data():
@@ -328,6 +341,16 @@ def test_per_batch_plans_are_exact_for_adversarial_routings():
         seen = sum(torch.bincount(i.reshape(-1), minlength=E_) for i in routed)
         plan = plan_redundant_experts(seen, ep, E_ // ep)
         assert rank_loads(routed, plan).tolist() == [S * K] * ep, (trial, plan)
+
+
+def test_bad_settings_are_refused_with_their_names(ranks):
+    world = len(ranks)
+    for res in ranks:
+        too_many, slots, tokens = res["refused"]
+        assert too_many is not None and f"{2 * N} tokens on this rank, more than tokens_per_rank={N}" in too_many
+        most = E - E // world
+        assert slots is not None and f"redundant slots per rank must lie in [0, {most}]" in slots and "got 8" in slots
+        assert tokens is not None and "tokens_per_rank must be >= 1" in tokens
 
 
 def test_routes_beyond_the_capacity(ranks):
