@@ -83,9 +83,16 @@ class MoonEPPlan:
 
     def holders(self, expert: int) -> list[tuple[int, int]]:
         """(rank, local index) of every copy of `expert`: the home copy first, then by rank."""
-        out = [(expert // self.num_home, expert % self.num_home)]
+        return self._holders[expert]
+
+    @cached_property
+    def _holders(self) -> list[list[tuple[int, int]]]:
+        n = self.num_home
+        out = [[(e // n, e % n)] for e in range(self.num_experts)]
         for r, row in enumerate(self.slot_experts):
-            out += [(r, self.num_home + s) for s, e in enumerate(row) if e == expert]
+            for s, e in enumerate(row):
+                if e >= 0:
+                    out[e].append((r, n + s))
         return out
 
     @cached_property
@@ -93,15 +100,18 @@ class MoonEPPlan:
         """(copy_rank [E, ep], copy_local [E, ep], bounds [E, ep]): copy j of expert e lives on
         rank copy_rank[e, j] at local index copy_local[e, j] and serves the fraction
         [bounds[e, j-1], bounds[e, j]) of its routes (bounds[e, -1] = 0; 2 past the last copy)."""
-        E = self.num_experts
-        rank = torch.zeros((E, self.ep), dtype=torch.int64)
-        local = torch.zeros((E, self.ep), dtype=torch.int64)
-        bounds = torch.full((E, self.ep), 2.0, dtype=torch.float64)
-        for e in range(E):
-            where = self.holders(e)
-            rank[e, : len(where)] = torch.tensor([r for r, _ in where])
-            local[e, : len(where)] = torch.tensor([j for _, j in where])
-            bounds[e, : len(where) - 1] = torch.tensor(self.shares[e][:-1], dtype=torch.float64).cumsum(0)
+        E, ep = self.num_experts, self.ep
+        rows = []  # (expert, copy, rank, local index, where its share ends)
+        for e, where in enumerate(self._holders):
+            end = 0.0
+            for j, ((r, local), share) in enumerate(zip(where, self.shares[e], strict=True)):
+                end += share
+                rows.append((e, j, r, local, end if j < len(where) - 1 else 2.0))
+        expert, copy, on_rank, at, ends = zip(*rows, strict=True)
+        rank, local = torch.zeros((E, ep), dtype=torch.int64), torch.zeros((E, ep), dtype=torch.int64)
+        bounds = torch.full((E, ep), 2.0, dtype=torch.float64)
+        rank[expert, copy], local[expert, copy] = torch.tensor(on_rank), torch.tensor(at)
+        bounds[expert, copy] = torch.tensor(ends, dtype=torch.float64)
         return rank, local, bounds
 
     def capacity(self, tokens_per_rank: int, top_k: int, margin: float) -> int:
