@@ -76,15 +76,16 @@ def _experts() -> RoutedExperts:
     return m
 
 
-def _run(layer, rank: int, keep=None, idx=None):
+def _run(layer, rank: int, keep=None, idx=None, autocast=False):
     """Forward + backward of this rank's tokens: (u, dz, {w: grad of this layer's weights})."""
     z, routes, p, proj = _layer_inputs(rank)
     idx = routes if idx is None else idx
     if keep is not None:  # leave some routes out: weight 0 (one process) = dropped (MoonEP)
         p = p * keep
     z = z.requires_grad_(True)
-    u = layer(z, idx, p)
-    (u * proj).sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        u = layer(z, idx, p)
+    (u.float() * proj).sum().backward()
     grads = {w: getattr(layer, w).grad for w in ("w1", "w3", "w2")}
     grads = {w: None if g is None else g.clone() for w, g in grads.items()}
     layer.zero_grad(set_to_none=True)
@@ -121,6 +122,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         res["plan"] = moon.replan()
         res["moon"] = _run(moon, rank)
         res["dropped"] = int(moon.dropped_routes)
+        res["moon_bf16"] = _run(moon, rank, autocast=True)  # the copies travel in bf16 too
 
         tight = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N, margin=0.6)
         tight.set_plan(res["plan"])
@@ -184,12 +186,12 @@ def ranks(request, tmp_path_factory):
     return _spawn(request.param, tmp_path_factory)
 
 
-def _one_process(world: int, keep=None, idx=None):
+def _one_process(world: int, keep=None, idx=None, autocast=False):
     """All ranks' tokens through one RoutedExperts: per-rank (u, dz) and the summed weight grads."""
     layer = _experts()
     outs, grads = [], {}
     for r in range(world):
-        u, dz, g = _run(layer, r, None if keep is None else keep[r], idx)
+        u, dz, g = _run(layer, r, None if keep is None else keep[r], idx, autocast)
         outs.append((u, dz))
         grads = {w: grads.get(w, 0) + g[w] for w in g}
     return outs, grads
@@ -294,6 +296,11 @@ def test_moon_ep_equals_plain_ep_and_one_process(ranks):
             for w, g in grads.items():  # home experts: the sum over every copy and every rank's tokens
                 assert g.shape[0] == n and _rel(g, full[w][r * n : (r + 1) * n]) < 1e-5, (r, key, w)
         assert all(_rel(a, b) < 1e-5 for a, b in zip(res["moon"][:2], res["plain"][:2], strict=True))
+    outs16, full16 = _one_process(world, autocast=True)  # bf16 autocast: the same ops, other sum orders
+    for r, res in enumerate(ranks):
+        u, dz, grads = res["moon_bf16"]
+        assert _rel(u.float(), outs16[r][0].float()) < 2e-2 and _rel(dz, outs16[r][1]) < 2e-2, r
+        assert all(_rel(g, full16[w][r * n : (r + 1) * n]) < 2e-2 for w, g in grads.items()), r
 
 
 def test_ranks_that_receive_nothing_still_run(ranks):
