@@ -1,8 +1,10 @@
 """Context-parallel pieces of K3's layers, on top of ``context_parallel.py``.
 
-- ``cp_gated_mla``    a Gated MLA layer whose queries attend to the latent of the whole sequence
-- ``cp_short_conv``   KDA's causal short convolution, with the last W - 1 pre-conv rows of the
-                      previous rank as the left context of a document that crosses into this one
+- ``ContextParallel``      what a K3 model runs under context parallelism: pass it as
+                           ``model(ids_shard, cu_seqlens=whole, context_parallel=cp)``
+- ``cp_latent_attention``  Gated MLA's attention: this rank's queries over the whole sequence's latent
+- ``cp_short_conv``        KDA's causal short convolution, with the last W - 1 pre-conv rows of the
+                           previous rank as the left context of a document that crosses into this one
 
 MLA keeps one latent per token, [c | kx] (kv_lora_rank + qk_rope_head_dim values, shared by all
 heads; K3 report arXiv 2607.24653 §2.1.2), so the cheap thing to move between ranks is the
@@ -20,16 +22,24 @@ MLA layers of one model can share it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .context_parallel import all_gather_autograd, context_shard_layout, local_documents
-from .model.common import fp32_island
+from .context_parallel import (
+    all_gather_autograd,
+    context_layout,
+    context_shard_layout,
+    kcp_chunk_kda,
+    local_documents,
+    shard,
+)
 from .model.kda import short_conv
 from .model.mla import GatedMLA
 
-__all__ = ["cp_gated_mla", "cp_short_conv"]
+__all__ = ["ContextParallel", "cp_latent_attention", "cp_short_conv"]
 
 
 def _gather_sequence(x: torch.Tensor, layout, group) -> torch.Tensor:
@@ -44,34 +54,29 @@ def _gather_sequence(x: torch.Tensor, layout, group) -> torch.Tensor:
     return torch.cat([gathered[r, j, : sizes[r][j]] for _, r, j in order]).unsqueeze(0)
 
 
-def cp_gated_mla(
-    layer: GatedMLA, x: torch.Tensor, cu_seqlens: torch.Tensor, group=None, zigzag: bool = False
+def cp_latent_attention(
+    layer: GatedMLA, q: torch.Tensor, latent: torch.Tensor, cu_seqlens: torch.Tensor, group=None, zigzag: bool = False
 ) -> torch.Tensor:
-    """``layer(x_whole, cu_seqlens)`` for a sequence split over the ranks of ``group`` (a collective).
+    """Gated MLA's attention for a sequence split over the ranks of ``group`` (a collective).
 
-    x [1, T_r, d]: this rank's tokens, ``shard(x_whole, context_layout(T, world, zigzag)[rank])``;
-    cu_seqlens [N+1]: the whole sequence's document boundaries (the same on every rank). Returns
-    this rank's part of the layer's output [1, T_r, d]. The layer's weights are replicated: their
-    gradients on each rank cover its own tokens only (sum them over ranks, as data parallelism
-    does).
+    q [1, T_r, H, dn + dr] and latent [1, T_r, r + dr]: this rank's queries and latent
+    (``layer.queries``, ``layer.latent`` of its shard); cu_seqlens [N+1]: the whole sequence's
+    document boundaries. One all-gather gives every rank the whole latent; the layer's absorbed
+    attention then runs this rank's queries over the keys from the start of its first query's
+    document to its last position, causal and per document. Returns o [1, T_r, H, dv] fp32, the
+    rank's part of ``layer.naive_attention`` on the whole sequence.
     """
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    layout = context_shard_layout("cp_gated_mla", x, cu_seqlens, world, zigzag, rank)
-    q = layer.queries(x)
-    latent = _gather_sequence(layer.latent(x), layout, group)  # [1, T, r + dr]
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
-    pos = torch.cat([torch.arange(s, e, device=x.device) for s, e in layout[rank]])  # query positions
+    layout = context_shard_layout("cp_latent_attention", q, cu_seqlens, world, zigzag, rank)
+    latent = _gather_sequence(latent, layout, group)  # [1, T, r + dr]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    pos = torch.cat([torch.arange(s, e, device=q.device) for s, e in layout[rank]])  # query positions
     doc_of = lambda p: torch.searchsorted(cu[1:], p, right=True)  # noqa: E731
     first_key = int(cu[doc_of(pos[:1])])  # keys before the first query's document are never seen
-    keys = torch.arange(first_key, int(pos[-1]) + 1, device=x.device)
+    keys = torch.arange(first_key, int(pos[-1]) + 1, device=q.device)
     key_valid = (keys[None, :] <= pos[:, None]) & (doc_of(keys)[None, :] == doc_of(pos)[:, None])
-    o = layer.absorbed_attention(q, latent[:, first_key : int(pos[-1]) + 1], key_valid.unsqueeze(0))
-    # the rest is GatedMLA.forward's output gate and projection
-    gate_logit = layer.g_proj(x)
-    with fp32_island(x):
-        y = torch.sigmoid(gate_logit.float()) * o.reshape(*x.shape[:2], -1).float()
-    return layer.o_proj(y.to(layer.o_proj.weight.dtype))
+    return layer.absorbed_attention(q, latent[:, first_key : int(pos[-1]) + 1], key_valid.unsqueeze(0))
 
 
 def cp_short_conv(
@@ -118,3 +123,42 @@ def cp_short_conv(
         bounds.append(bounds[-1] + frag.shape[0])
     y, _ = short_conv(torch.cat(rows).unsqueeze(0), weight, None, torch.tensor(bounds))
     return y[:, torch.cat(keep)] + zero.sum().to(y.dtype)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """One packed sequence split over the ranks of ``group`` (None: the default group), in the
+    contiguous or the zigzag layout (``context_layout``). K3's layers take it as their
+    ``context_parallel`` argument and then call its three collectives instead of their local ops,
+    with ``cu_seqlens`` the whole sequence's document boundaries (the same on every rank):
+
+        short_conv        -> cp_short_conv        (KDA: q | k | v short convolutions in one call)
+        chunk_kda         -> kcp_chunk_kda        (KDA: KCP, K3 report arXiv 2607.24653 §5.1.2)
+        latent_attention  -> cp_latent_attention  (Gated MLA over the gathered latent)
+
+    Everything else of the model works per position (projections, AttnRes, norms, MoE, the LM
+    head), so a rank that feeds ``cp.shard(input_ids)`` gets ``cp.shard`` of the logits. The
+    replicated weights' gradients cover each rank's own tokens: sum them over the ranks, as data
+    parallelism does.
+    """
+
+    group: object = None
+    zigzag: bool = False
+
+    def segments(self, total: int) -> list[tuple[int, int]]:
+        """This rank's [start, end) slices of a ``total``-token sequence."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        return context_layout(total, dist.get_world_size(group), self.zigzag)[dist.get_rank(group)]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a whole-sequence tensor (positions along ``dim``)."""
+        return shard(x, self.segments(x.shape[dim]), dim)
+
+    def short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return cp_short_conv(x, weight, cu_seqlens, self.group, self.zigzag)
+
+    def chunk_kda(self, q, k, v, g, beta, cu_seqlens, **kwargs):
+        return kcp_chunk_kda(q, k, v, g, beta, cu_seqlens, self.group, self.zigzag, **kwargs)
+
+    def latent_attention(self, layer: GatedMLA, q, latent, cu_seqlens) -> torch.Tensor:
+        return cp_latent_attention(layer, q, latent, cu_seqlens, self.group, self.zigzag)

@@ -115,20 +115,29 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACacheEntry | None = None
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACacheEntry | None = None,
+        context_parallel=None,
     ) -> torch.Tensor:
+        """`context_parallel`: a `learner.context_parallel_layers.ContextParallel`; x is then this
+        rank's shard of one packed sequence and `cu_seqlens` the whole sequence's documents: the
+        short convolutions and the recurrence run through its collectives (KCP)."""
         B, T, _ = x.shape
         H, D, P = self.num_heads, self.head_dim, self.proj_dim
         if cache is not None and cu_seqlens is not None:
             raise ValueError("KDA: packed cu_seqlens and a decode cache cannot be combined; decode unpacked batches")
 
         # 1-2. projections and short convolutions (fp32 weights, SiLU)
-        left_q = left_k = left_v = None
-        if cache is not None:
-            left_q, left_k, left_v = cache.conv.split(P, dim=-1)
-        q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens)
-        k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens)
-        v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens)
+        if context_parallel is not None:  # one exchange for the three (the conv is per channel)
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+            q, k, v = context_parallel.short_conv(qkv, w, cu_seqlens).split(P, dim=-1)
+        else:
+            left_q = left_k = left_v = None
+            if cache is not None:
+                left_q, left_k, left_v = cache.conv.split(P, dim=-1)
+            q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens)
+            k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens)
+            v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens)
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))  # channel c = h*D + d
 
         with fp32_island(x):
@@ -153,7 +162,8 @@ class KimiDeltaAttention(nn.Module):
                 inplace_final_state=not torch.is_grad_enabled(), **kda_args,
             )  # fmt: skip
         else:
-            o, final = chunk_kda(
+            run = context_parallel.chunk_kda if context_parallel is not None else chunk_kda
+            o, final = run(
                 q, k, v, z, beta, initial_state=initial, output_final_state=cache is not None,
                 cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, **kda_args,
             )

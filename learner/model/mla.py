@@ -115,11 +115,17 @@ class GatedMLA(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: MLACacheEntry | None = None,
         step: DecodeStep | None = None,
+        context_parallel=None,
     ) -> torch.Tensor:
+        """`context_parallel`: a `learner.context_parallel_layers.ContextParallel`; x is then this
+        rank's shard of one packed sequence and `cu_seqlens` the whole sequence's documents: its
+        queries attend over the whole sequence's latent (gathered from every rank)."""
         B, T, _ = x.shape
         q = self.queries(x)
         lat = self.latent(x)
-        if cache is None:
+        if context_parallel is not None:
+            o = context_parallel.latent_attention(self, q, lat, cu_seqlens)
+        elif cache is None:
             o = self.naive_attention(q, lat, cu_seqlens)
         else:
             if cu_seqlens is not None:

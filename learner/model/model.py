@@ -54,7 +54,7 @@ class K3DecoderLayer(nn.Module):
         self.source_counts = (0, 0)  # (attention, mlp) sources at the last forward (§4.4 check)
 
     def forward(self, bank: list[torch.Tensor], partial: torch.Tensor, cu_seqlens=None, cache_entry=None,
-                step=None, replay_idx=None):
+                step=None, replay_idx=None, context_parallel=None):
         # 1. attention input: aggregate completed blocks and the partial sum (identity at layer 0)
         attn_sources = bank + [partial]
         a = aggregate(attn_sources, query_vector(self.self_attention_res_proj, self.self_attention_res_norm), self.eps)
@@ -65,9 +65,10 @@ class K3DecoderLayer(nn.Module):
         # 3-4. token mixer, accumulated into the partial sum
         x = self.input_layernorm(a)
         if self.is_mla:
-            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry, step=step)
+            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry, step=step,
+                               context_parallel=context_parallel)
         else:
-            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry)
+            t = self.self_attn(x, cu_seqlens=cu_seqlens, cache=cache_entry, context_parallel=context_parallel)
         partial = t if partial is None else partial + t
         # 5-7. channel mixer on the aggregate of completed blocks and the updated partial
         mlp_sources = bank + [partial]
@@ -213,6 +214,7 @@ class K3ForCausalLM(nn.Module):
         token_mask: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         logprob_chunk_tokens: int | None = None,
+        context_parallel=None,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
 
@@ -228,12 +230,23 @@ class K3ForCausalLM(nn.Module):
         - `routed_experts` [B, T, n_moe_layers, k]: routing replay (recorded expert ids).
         - `token_mask` [B, T] bool: False marks padding, left out of Quantile Balancing's
           statistics (attention is causal, so right padding never reaches real tokens).
+        - `context_parallel`: a `learner.context_parallel_layers.ContextParallel` (a collective):
+          `input_ids` (and `routed_experts`, `token_mask`, `targets`) are this rank's shard of one
+          packed sequence, `cu_seqlens` the whole sequence's documents; the outputs are this rank's
+          shard of the whole sequence's. KDA and MLA exchange what they need; the rest works per
+          position. No images or cache.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed cu_seqlens needs batch 1 (one flat token stream), got batch {B}")
+        if context_parallel is not None and (cu_seqlens is None or cache is not None or images is not None):
+            raise ValueError(
+                "context_parallel splits one packed sequence for training: pass cu_seqlens (the whole sequence's "
+                "document boundaries), and no cache or images (the vision tower does not run context-parallel; "
+                "train image episodes without it)"
+            )
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the cache holds {cache.batch_size} sequences but input_ids has batch {B}")
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token
@@ -267,9 +280,9 @@ class K3ForCausalLM(nn.Module):
                 replay = routed_experts[:, :, len(routes)].reshape(B * T, k)
             if use_ckpt:
                 bank, partial, routing = checkpoint(layer, bank, partial, cu_seqlens, None, None, replay,
-                                                    use_reentrant=False)
+                                                    context_parallel, use_reentrant=False)
             else:
-                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, step, replay)
+                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, step, replay, context_parallel)
             if routing is not None:
                 routes.append(routing.topk_idx)
                 if accumulate_qb:  # outside checkpointing: a recompute never counts twice

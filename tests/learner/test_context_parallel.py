@@ -1,6 +1,6 @@
 """Context parallelism on CPU: gloo process groups of 2 and 4 ranks equal one process.
 
-KCP (``kcp_chunk_kda``) and context-parallel Gated MLA (``cp_gated_mla``) on one packed sequence
+KCP (``kcp_chunk_kda``) and context-parallel Gated MLA (``GatedMLA`` under ``ContextParallel``) on one packed sequence
 of ragged documents: documents cross rank boundaries, one spans three ranks, one starts exactly
 at a rank boundary. Forward outputs, final states and the gradients of every input (q, k, v, the
 raw gate, beta, the initial states, A_log, dt_bias; the MLA weights and input) must equal
@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from k3rl.kernels.kda import chunk_kda
 from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
-from k3rl.learner.context_parallel_layers import cp_gated_mla, cp_short_conv
+from k3rl.learner.context_parallel_layers import ContextParallel, cp_short_conv
 from k3rl.learner.distributed import free_port
 from k3rl.learner.model import K3Config
 from k3rl.learner.model.kda import short_conv
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             layer = _mla_layer()
             x_mla, w_mla = _mla_inputs()
             x_local = shard(x_mla, segments).requires_grad_(True)
-            y = cp_gated_mla(layer, x_local, CU, zigzag=zigzag)
+            y = layer(x_local, CU, context_parallel=ContextParallel(zigzag=zigzag))
             (y * shard(w_mla, segments)).sum().backward()
             res[("mla", zigzag)] = dict(y=y.detach(), x_grad=x_local.grad,
                                         grads={n: p.grad for n, p in layer.named_parameters()})  # fmt: skip
@@ -206,7 +206,7 @@ def test_kcp_chain_matters(ranks, one_process_kda):
 
 
 @pytest.mark.parametrize("zigzag", LAYOUTS, ids=["contiguous", "zigzag"])
-def test_cp_gated_mla_forward_and_backward_equal_one_process(ranks, one_process_mla, zigzag):
+def test_cp_mla_layer_forward_and_backward_equal_one_process(ranks, one_process_mla, zigzag):
     world, res = ranks
     y_ref, x_grad_ref, grads_ref = one_process_mla
     layout = context_layout(T, world, zigzag)
