@@ -116,13 +116,17 @@ class ExpertParallelExperts(nn.Module):
             setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
         self.beta_gate, self.beta_up, self.backend = experts.beta_gate, experts.beta_up, experts.backend
 
-    def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    def cast_inputs(self, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(z, w1, w3, w2) in the dtype the experts compute in: the autocast dtype under autocast
+        (as RoutedExperts: the op is not an autocast op), else the weights' dtype."""
         w1, w3, w2 = self.w1, self.w3, self.w2
-        if torch.is_autocast_enabled(z.device.type):  # as RoutedExperts: the op is not an autocast op
+        if torch.is_autocast_enabled(z.device.type):
             dt = torch.get_autocast_dtype(z.device.type)
-            z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
-        elif z.dtype != w1.dtype:
-            z = z.to(w1.dtype)
+            return z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
+        return z.to(w1.dtype), w1, w3, w2
+
+    def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        z, w1, w3, w2 = self.cast_inputs(z)
         return expert_parallel_latent_experts(z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, self.group,
                                               backend=self.backend)  # fmt: skip
 
@@ -168,14 +172,22 @@ def apply_expert_parallel(model: nn.Module, group, replicate_group=None) -> nn.M
     Call it on every rank of `group` with the same full weights, before FSDP (FSDP must then
     ignore the expert weights: `sharded_expert_params(model)`)."""
     ep = dist.get_world_size(group)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
-    for _, m in targets:
+    targets = routed_experts(model)
+    for _, _, m in targets:
         _check_divides(m.w1.shape[0], ep)  # every layer first: fail before changing anything
-    for name, m in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+    for parent, child, m in targets:
         setattr(parent, child, ExpertParallelExperts(m, group, replicate_group))
     return model
+
+
+def routed_experts(model: nn.Module) -> list[tuple[nn.Module, str, RoutedExperts]]:
+    """(parent module, attribute name, module) of every `RoutedExperts` of the model."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, RoutedExperts):
+            parent_name, _, child = name.rpartition(".")
+            out.append((model.get_submodule(parent_name) if parent_name else model, child, m))
+    return out
 
 
 def expert_parallel_modules(model: nn.Module) -> dict[str, ExpertParallelExperts]:

@@ -43,7 +43,7 @@ from torch import nn
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.moe import latent_experts
 
-from .expert_parallel import ExpertParallelExperts, _check_divides
+from .expert_parallel import ExpertParallelExperts, _check_divides, routed_experts
 from .model.moe import RoutedExperts
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "rank_loads",
     "replan_all",
     "route_destinations",
+    "rows_per_rank",
 ]
 
 
@@ -242,6 +243,17 @@ def rank_loads(topk_idx_per_rank: list[torch.Tensor], plan: MoonEPPlan) -> torch
     return rows
 
 
+def rows_per_rank(plan: MoonEPPlan, histogram: torch.Tensor) -> torch.Tensor:
+    """Routed rows each rank computes [ep] when the routes of all ranks to each expert are
+    `histogram` [E]: copy j of expert e serves round(F_{j+1} L_e) - round(F_j L_e) of its L_e
+    routes (the split `route_destinations` makes), on its rank. Dropped routes are not subtracted."""
+    copy_rank, _, bounds = plan.tables
+    L = torch.as_tensor(histogram).detach().cpu().double()
+    ends = torch.round(bounds.clamp(max=1.0) * L[:, None])  # [E, ep]; copies past the last serve 0
+    served = ends - torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
+    return torch.zeros(plan.ep, dtype=torch.float64).index_add_(0, copy_rank.reshape(-1), served.reshape(-1))
+
+
 def _position_per_dest(dest: torch.Tensor, ep: int) -> torch.Tensor:
     """Position of each route among the routes to its destination rank (route order kept)."""
     by_dest = torch.argsort(dest, stable=True)
@@ -379,6 +391,8 @@ class MoonEPExperts(ExpertParallelExperts):
         self.register_buffer("routes_seen", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("received_rows", torch.zeros((), dtype=torch.int64), persistent=False)  # last forward
+        # per forward since `pop_load_stats`: max / mean rows per rank, under this plan and under plain EP
+        self.imbalance_sums, self.forwards = [0.0, 0.0], 0
         # no routes seen yet: plain EP's layout, and a capacity for the worst case (S k a pair)
         self.plan, self.planned = plan_redundant_experts(torch.zeros(self.num_experts), self.ep_size, slots), False
 
@@ -414,12 +428,8 @@ class MoonEPExperts(ExpertParallelExperts):
             self.routes_seen += counts.sum(0).to(self.routes_seen.device)
             if self.plan_per_batch:
                 self.set_plan(plan_redundant_experts(counts.sum(0), self.ep_size, self.slots))
-        w1, w3, w2 = self.w1, self.w3, self.w2
-        if torch.is_autocast_enabled(z.device.type):  # as RoutedExperts: the op is not an autocast op
-            dt = torch.get_autocast_dtype(z.device.type)
-            z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
-        elif z.dtype != w1.dtype:
-            z = z.to(w1.dtype)
+            self._count_load(counts.sum(0))
+        z, w1, w3, w2 = self.cast_inputs(z)
         u, dropped, received = moon_ep_latent_experts(
             z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, self.group, self.plan,
             self.capacity(idx.shape[1]), counts, self.allow_drops, self.backend,
@@ -427,6 +437,25 @@ class MoonEPExperts(ExpertParallelExperts):
         self.dropped_routes += dropped.detach()
         self.received_rows.copy_(received)
         return u
+
+    def _count_load(self, histogram: torch.Tensor) -> None:
+        """Add this forward's max / mean rows per rank, MoonEP's and plain EP's (home copies only)."""
+        moon = rows_per_rank(self.plan, histogram)
+        plain = histogram.detach().cpu().double().view(self.ep_size, -1).sum(1)
+        if float(plain.sum()) > 0:
+            for i, rows in enumerate((moon, plain)):
+                self.imbalance_sums[i] += float(rows.max() / rows.mean())
+            self.forwards += 1
+
+    def pop_load_stats(self) -> tuple[float, float, int]:
+        """(mean max / mean rows per rank under MoonEP, the same under plain EP, routes this rank
+        dropped) over the forwards since the last call; the counters start again from zero. The
+        imbalances are the same on every rank of the EP group (they come from the shared counts)."""
+        n = max(1, self.forwards)
+        out = (self.imbalance_sums[0] / n, self.imbalance_sums[1] / n, int(self.dropped_routes))
+        self.imbalance_sums, self.forwards = [0.0, 0.0], 0
+        self.dropped_routes.zero_()
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, slots={self.slots}, tokens_per_rank={self.tokens_per_rank}"
@@ -436,13 +465,11 @@ def apply_moon_ep(model: nn.Module, group, slots: int, tokens_per_rank: int, mar
                   allow_drops: bool = False, plan_per_batch: bool = False, replicate_group=None) -> nn.Module:  # fmt: skip
     """Shard the routed experts of every MoE layer over `group` with MoonEP (in place); as
     `apply_expert_parallel`, on every rank with the same full weights, before FSDP."""
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
-    for _, m in targets:  # every layer first: fail before changing anything
+    targets = routed_experts(model)
+    for _, _, m in targets:  # every layer first: fail before changing anything
         _check_divides(m.w1.shape[0], dist.get_world_size(group))
         _check_slots(slots, m.w1.shape[0], dist.get_world_size(group))
-    for name, m in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+    for parent, child, m in targets:
         setattr(parent, child, MoonEPExperts(m, group, slots, tokens_per_rank, margin, allow_drops,
                                                  plan_per_batch, replicate_group))  # fmt: skip
     return model

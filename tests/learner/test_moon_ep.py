@@ -31,6 +31,7 @@ from k3rl.learner.moon_ep import (
     moon_ep_modules,
     plan_redundant_experts,
     rank_loads,
+    rows_per_rank,
     replan_all,
     route_destinations,
 )
@@ -348,6 +349,10 @@ def test_per_batch_plans_are_exact_for_adversarial_routings():
         seen = sum(torch.bincount(i.reshape(-1), minlength=E_) for i in routed)
         plan = plan_redundant_experts(seen, ep, E_ // ep)
         assert rank_loads(routed, plan).tolist() == [S * K] * ep, (trial, plan)
+        # the rows each rank computes follow from the histogram alone (what the layer logs)
+        stale = plan_redundant_experts(torch.rand(E_, generator=g) ** 4, ep, 1)
+        assert rows_per_rank(plan, seen).tolist() == [S * K] * ep, (trial, plan)
+        assert rows_per_rank(stale, seen).tolist() == rank_loads(routed, stale).tolist(), (trial, stale)
 
 
 def test_bad_settings_are_refused_with_their_names(ranks):
