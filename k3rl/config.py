@@ -200,6 +200,22 @@ class LoraSection(_Section):
         return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=patterns)
 
 
+class MoonEPSection(_Section):
+    """MoonEP (learner/moon_ep.py; K3 report §5.2.1): expert parallel with redundant copies of the
+    hot experts and a fixed number of rows per rank pair; needs learner.expert_parallel > 1."""
+
+    enabled: bool = False
+    slots: int = Field(1, ge=0, description="redundant expert slots per rank (at most num_experts - "
+                                            "num_experts / expert_parallel); num_experts / expert_parallel "
+                                            "make a per-batch plan exact for any routing")
+    margin: float = Field(1.25, gt=0, description="rows per rank pair = ceil(margin x the plan's largest load x "
+                                                  "micro_batch_tokens x k); a route beyond them is dropped")
+    plan_per_batch: bool = Field(False, description="plan the copies from each forward's own routes (the report's "
+                                                    "way); false: from the routes of the previous step")
+    allow_drops: bool = Field(False, description="a route beyond its pair's capacity counts as zero "
+                                                 "(moe/dropped_routes); false: it stops the step with an error")
+
+
 class LearnerSection(_Section):
     algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
     advantage: Literal["grpo", "grpo_no_std", "rloo", "turn_grpo", "turn_grpo_no_std"] = Field(
@@ -259,6 +275,7 @@ class LearnerSection(_Section):
     expert_parallel: int = Field(
         1, ge=1, description="ranks sharing the routed experts (EP, with FSDP); divides world_size and num_experts"
     )
+    moon_ep: MoonEPSection = Field(default_factory=MoonEPSection)
     gpus: float = Field(0.0, ge=0.0)
     seed: int = 0
     distill: DistillSection = Field(default_factory=DistillSection)
@@ -276,6 +293,9 @@ class LearnerSection(_Section):
                                                 f"but the experts); set learner.data_parallel: fsdp"))
         if self.world_size % ep:
             problems.append(("expert_parallel", f"expert_parallel={ep} must divide world_size={self.world_size}"))
+        if self.moon_ep.enabled and ep == 1:
+            problems.append(("moon_ep.enabled", "MoonEP balances expert parallel, which is off (expert_parallel=1); "
+                                                "set learner.expert_parallel > 1, or learner.moon_ep.enabled: false"))
         if self.world_size > 1 and self.data_parallel != "fsdp":
             problems.append(("world_size", f"world_size={self.world_size} needs data_parallel='fsdp' (the learner's "
                                            f"ranks share one model); set learner.data_parallel: fsdp"))
@@ -477,12 +497,31 @@ class JobConfig(_Section):
         if ep > 1 and k3.num_experts % ep:
             problems.append(("learner.expert_parallel", f"learner.expert_parallel={ep} must divide the model's "
                                                         f"num_experts={k3.num_experts}"))
+        problems += self._moon_ep_problems(k3.num_experts)
         from k3rl.tokenizer import ByteTokenizer
 
         if self.model.tokenizer == "byte" and k3.vocab_size < ByteTokenizer.vocab_size:
             problems.append(("model.overrides.vocab_size", f"{k3.vocab_size} is smaller than the byte tokenizer's "
                                                            f"{ByteTokenizer.vocab_size} ids; raise it, or set "
                                                            f"model.tokenizer to the directory of a real tokenizer (the checkpoint's tiktoken.model + tokenizer_config.json)"))
+        return problems
+
+    def _moon_ep_problems(self, num_experts: int) -> list[tuple[str, str]]:
+        moon, learner = self.learner.moon_ep, self.learner
+        if not moon.enabled or learner.expert_parallel < 2:
+            return []
+        problems = []
+        most = num_experts - num_experts // learner.expert_parallel
+        if moon.slots > most:
+            problems.append(("learner.moon_ep.slots", f"{moon.slots} is more than the {most} experts a rank is not "
+                                                      f"home to (num_experts={num_experts}, expert_parallel="
+                                                      f"{learner.expert_parallel}); lower it"))
+        if self.rollout.max_context_tokens > learner.micro_batch_tokens:
+            problems.append(("learner.moon_ep", f"MoonEP sizes its dispatch for micro_batch_tokens="
+                                                f"{learner.micro_batch_tokens} tokens a rank, but an episode of "
+                                                f"rollout.max_context_tokens={self.rollout.max_context_tokens} makes a "
+                                                f"longer micro-batch; raise learner.micro_batch_tokens to at least "
+                                                f"{self.rollout.max_context_tokens}"))
         return problems
 
     def _engine_problems(self) -> list[tuple[str, str]]:

@@ -19,7 +19,10 @@ With `data_parallel="fsdp"` every rank calls the same methods with the *same* fu
 each rank trains on its share of micro-batches and FSDP2 reduces the gradients. With
 `expert_parallel=ep > 1` the routed experts are also sharded over groups of ep ranks
 (expert_parallel.py): FSDP ignores the expert slices, whose gradients are summed by the
-all-to-all backward and scaled here to the full-batch gradient.
+all-to-all backward and scaled here to the full-batch gradient. With `moon_ep.enabled` they are
+sharded with MoonEP instead (moon_ep.py: redundant copies of hot experts, a fixed number of rows
+per rank pair), replanned after each step unless planned per batch; every step then logs the load
+imbalance (max / mean rows per rank) and the dropped routes.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from .expert_parallel import (
     reduce_expert_grads,
 )
 from .losses import LossConfig, policy_loss, sft_loss
+from .moon_ep import apply_moon_ep, moon_ep_modules, replan_all
 from .optim import PerHeadMuon, param_groups
 from .qk_clip import MaxLogitTracker, QKClip
 
@@ -119,7 +123,12 @@ class Trainer:
         self.expert_parallel = getattr(config, "expert_parallel", 1)
         if self.expert_parallel > 1:
             ep_group, replicate_group = expert_parallel_groups(self.expert_parallel, self.device.type)
-            apply_expert_parallel(model, ep_group, replicate_group)
+            moon = getattr(config, "moon_ep", None)
+            if moon is not None and moon.enabled:  # tokens a rank: a micro-batch's
+                apply_moon_ep(model, ep_group, moon.slots, config.micro_batch_tokens, moon.margin, moon.allow_drops,
+                              moon.plan_per_batch, replicate_group)  # fmt: skip
+            else:
+                apply_expert_parallel(model, ep_group, replicate_group)
         if config.data_parallel == "fsdp":
             # FSDP shards everything but the expert slices (EP shards those)
             apply_fsdp(model, self.device, ignored_params=set(local_expert_params(model)))
@@ -302,6 +311,23 @@ class Trainer:
             updated += 1
         return updated
 
+    def _moon_ep_step(self) -> dict[str, float]:
+        """After a step under MoonEP: the load metrics of its forwards (mean over layers and forwards
+        of max / mean rows per rank, MoonEP's and plain EP's; routes dropped on all ranks), then a
+        new plan from the step's routes unless every forward plans its own. Collective."""
+        layers = list(moon_ep_modules(self.model).values())
+        if not layers:
+            return {}
+        stats = [m.pop_load_stats() for m in layers]
+        dropped = all_reduce_sum({"dropped": torch.tensor(float(sum(s[2] for s in stats)))})["dropped"]
+        if not self.cfg.moon_ep.plan_per_batch:
+            replan_all(self.model)
+        return {
+            "moe/ep_imbalance": sum(s[0] for s in stats) / len(stats),
+            "moe/ep_imbalance_plain_ep": sum(s[1] for s in stats) / len(stats),
+            "moe/dropped_routes": float(dropped),
+        }
+
     def _micro_batches(self, trajectories, advantages) -> tuple[list[MicroBatch], int]:
         n_moe, k = self._moe_shape()
         mbs = build_micro_batches(
@@ -413,6 +439,7 @@ class Trainer:
         sums = all_reduce_sum(sums)
         ratio_max = all_reduce_max(ratio_max)
         qb_layers = self._qb_update()
+        moon = self._moon_ep_step()
         self.step += 1
         self.data_position["trajectories"] += len(trajectories)
         self.data_position["tokens"] += total_positions
@@ -448,6 +475,7 @@ class Trainer:
             "micro_batches": float(sum(len(m) for m, _ in parts)),
             "qb_layers_updated": float(qb_layers),
             **qk,
+            **moon,
             "step": float(self.step),
             "step_time_s": dt,
             "tokens_per_s": total_positions * epochs / dt if dt > 0 else 0.0,
@@ -480,6 +508,7 @@ class Trainer:
         grad_norm = self._clip_and_step(lr)
         qk = self._apply_qk_clip()
         qb_layers = self._qb_update()
+        moon = self._moon_ep_step()
         self.sft_step_count += 1
         self.data_position["sft_trajectories"] += len(trajectories)
         self.data_position["tokens"] += total_positions
@@ -495,6 +524,7 @@ class Trainer:
             "micro_batches": float(len(mbs)),
             "qb_layers_updated": float(qb_layers),
             **qk,
+            **moon,
             "sft_step": float(self.sft_step_count),
             "step_time_s": dt,
             "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
