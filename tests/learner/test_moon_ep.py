@@ -31,9 +31,9 @@ from k3rl.learner.moon_ep import (
     moon_ep_modules,
     plan_redundant_experts,
     rank_loads,
-    rows_per_rank,
     replan_all,
     route_destinations,
+    rows_per_rank,
 )
 
 E, K, N, LAT, F = 8, 2, 32, 16, 24  # experts, routes a token, tokens a rank, latent width, expert width
