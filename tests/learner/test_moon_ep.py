@@ -8,7 +8,11 @@ and with a plan per batch (then every rank computes exactly S k rows, also when 
 goes to one rank's experts); a rank that receives nothing still joins the exchanges; routes
 beyond the capacity are an error on every rank at once, or, when allowed, counted and left
 out of the output exactly; bad settings are refused; with 2 ranks, k3-tiny with MoonEP in
-every MoE layer equals k3-tiny with plain EP.
+every MoE layer equals k3-tiny with plain EP, and the Trainer (FSDP + EP) with `learner.moon_ep`,
+replanned after each step or planned per batch, takes the same steps as with plain EP (losses,
+gradient norms, updated weights), logging the load imbalance and no dropped routes. The config
+refuses MoonEP without EP, more slots than a rank can fill, and micro-batches shorter than an
+episode.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from learner_helpers import make_trajectories
 
+from k3rl.config import ConfigError, JobConfig, LearnerSection
 from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from k3rl.learner.model import K3Config, K3ForCausalLM
@@ -35,6 +41,7 @@ from k3rl.learner.moon_ep import (
     route_destinations,
     rows_per_rank,
 )
+from k3rl.learner.trainer import Trainer
 
 E, K, N, LAT, F = 8, 2, 32, 16, 24  # experts, routes a token, tokens a rank, latent width, expert width
 
@@ -108,6 +115,27 @@ def _model_run(model, rank: int):
     return logits.detach(), grads
 
 
+TRAINER_STEPS = 3
+TRAINER_VARIANTS = {
+    "plain": {},
+    "moon_ep": {"enabled": True, "slots": 1, "margin": 1.5},
+    "per_batch": {"enabled": True, "slots": 4, "plan_per_batch": True, "margin": 1.2},
+}
+
+
+def _trainer_run(moon: dict) -> dict:
+    """3 RL steps and an SFT step of the Trainer with FSDP + EP over the 2 ranks."""
+    cfg = LearnerSection(micro_batch_tokens=48, steps=10, data_parallel="fsdp", world_size=2, expert_parallel=2,
+                         moon_ep=moon)  # fmt: skip
+    t = Trainer(_model(), cfg)
+    layers = list(moon_ep_modules(t.model).values())
+    metrics = [t.train_step(make_trajectories(s, n=8)) for s in range(TRAINER_STEPS)]
+    metrics.append(t.sft_step(make_trajectories(5, n=4)))
+    kinds = {type(m).__name__ for m in t.model.modules() if isinstance(m, ExpertParallelExperts)}
+    return {"metrics": metrics, "state": t.full_state_dict(), "layers": len(layers),
+            "planned": [m.planned for m in layers], "kinds": kinds}  # fmt: skip
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     torch.set_num_threads(1)
@@ -170,6 +198,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["model_plans"] = replan_all(moon_model)
             res["model_moon"] = _model_run(moon_model, rank)
             res["model_names"] = sorted(moon_ep_modules(moon_model))
+            res["trainer"] = {name: _trainer_run(moon) for name, moon in TRAINER_VARIANTS.items()}
         torch.save(res, os.path.join(out_dir, f"moon{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -405,3 +434,45 @@ def test_k3_tiny_with_moon_ep_equals_plain_ep(ranks):
         assert _rel(lm, lp) < 1e-5
         worst = max(_rel(gm[k], gp[k]) for k in gp)
         assert worst < 5e-5, worst
+
+
+@pytest.mark.parametrize("variant", ["moon_ep", "per_batch"])
+def test_moon_ep_trainer_steps_equal_plain_ep(ranks, variant):
+    if len(ranks) != 2:
+        pytest.skip("the Trainer check runs with 2 ranks")
+    n_moe = len(_model().moe_layers())
+    for res in ranks:
+        plain, moon = res["trainer"]["plain"], res["trainer"][variant]
+        assert plain["kinds"] == {"ExpertParallelExperts"} and moon["kinds"] == {"MoonEPExperts"}
+        assert moon["layers"] == n_moe and all(moon["planned"])  # replanned after the steps (or per batch)
+        for m1, m2 in zip(plain["metrics"], moon["metrics"], strict=True):
+            for key in ("loss", "grad_norm", "loss_tokens"):
+                assert abs(m1[key] - m2[key]) <= 1e-4 * max(1.0, abs(m1[key])), (variant, key, m1[key], m2[key])
+            assert "moe/ep_imbalance" not in m1
+            assert m2["moe/dropped_routes"] == 0
+            # a plan from the previous step's routes can miss this step's (48-token micro-batches
+            # here): only a per-batch plan is sure to beat plain EP on every forward
+            assert m2["moe/ep_imbalance"] >= 1.0 and m2["moe/ep_imbalance_plain_ep"] >= 1.0, m2
+        # the copies are in use: the loads differ from plain EP's after the first plan
+        assert any(abs(m["moe/ep_imbalance"] - m["moe/ep_imbalance_plain_ep"]) > 1e-3 for m in moon["metrics"][1:])
+        # as test_learner_ep: Muon/AdamW turn fp32 rounding of near-zero gradients into ~lr * 1e-2
+        worst = max((plain["state"][k] - moon["state"][k]).abs().max().item() for k in plain["state"])
+        assert worst < 5e-4, (variant, worst)
+    if variant == "per_batch":  # E / ep slots: every rank computes exactly the mean, whatever the routing
+        metrics = ranks[0]["trainer"][variant]["metrics"]
+        assert all(m["moe/ep_imbalance"] == pytest.approx(1.0) for m in metrics)
+        assert max(m["moe/ep_imbalance_plain_ep"] for m in metrics) > 1.01
+
+
+def test_moon_ep_config_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match=r"learner.moon_ep.enabled: MoonEP balances expert parallel, which is off"):
+        JobConfig.from_dict({"learner": {"moon_ep": {"enabled": True}}})
+    ep = {"expert_parallel": 2, "world_size": 2, "data_parallel": "fsdp"}
+    with pytest.raises(ConfigError, match=r"learner.moon_ep.slots: 5 is more than the 4 experts"):
+        JobConfig.from_dict({"learner": {**ep, "moon_ep": {"enabled": True, "slots": 5}}})
+    with pytest.raises(ConfigError, match=r"learner.moon_ep: .* raise learner.micro_batch_tokens to at least 2048"):
+        JobConfig.from_dict({"learner": {**ep, "micro_batch_tokens": 1024, "moon_ep": {"enabled": True}}})
+    with pytest.raises(ConfigError, match=r"learner.moon_ep.margin"):
+        JobConfig.from_dict({"learner": {**ep, "moon_ep": {"enabled": True, "margin": 0}}})
+    job = JobConfig.from_dict({"learner": {**ep, "moon_ep": {"enabled": True, "slots": 4}}})
+    assert job.learner.moon_ep.slots == 4 and not job.learner.moon_ep.plan_per_batch
