@@ -20,7 +20,8 @@ those of later messages, which follow a tool output (`later`).
 
 With bf16 two more rows put the numbers in scale: the engine against the exact (fp32) learner,
 and the bf16 floor, the bf16 learner against the fp32 learner on the same tokens (no engine
-involved): how far bf16 rounding alone moves the learner's own log-probs.
+involved): how far bf16 rounding alone moves the learner's own log-probs. (On CUDA the fp32
+learner's KDA runs the PyTorch chunk reference: see `kda_backend`.)
 
 Engine modes (the learner side never changes):
     fp32       an fp32 engine (the CPU job's setting)
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import functools
 import importlib.util
@@ -129,6 +131,24 @@ def report(trajectories: list[Trajectory], learner_lp: list[torch.Tensor],
     return out
 
 
+@contextlib.contextmanager
+def kda_backend(model, backend: str | None):
+    """The KDA layers on `backend` for a while (None: as they are). The fp32 learner on CUDA takes the
+    PyTorch chunk reference: the Triton chunk kernel asks for more shared memory in fp32 at head dim 128
+    than an H200 has (294,912 bytes of 232,448)."""
+    from k3rl.learner.model.kda import KimiDeltaAttention
+
+    layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)] if backend else []
+    before = [m.backend for m in layers]
+    for m in layers:
+        m.backend = backend
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before, strict=True):
+            m.backend = b
+
+
 def comparisons(model, trajectories: list[Trajectory], bf16: bool) -> list[tuple[str, dict]]:
     """(what, report) rows for one engine's trajectories. The learner in the engine's dtype, with and
     without routing replay; with bf16 also the exact (fp32) learner against the engine, and the bf16
@@ -137,7 +157,8 @@ def comparisons(model, trajectories: list[Trajectory], bf16: bool) -> list[tuple
         return [(f"fp32, {r}", report(trajectories, learner_logprobs(model, trajectories, False, r == "replay")))
                 for r in ("replay", "no replay")]
     lp16 = learner_logprobs(model, trajectories, True)
-    lp32 = learner_logprobs(model, trajectories, False)
+    with kda_backend(model, "torch" if model.lm_head.weight.is_cuda else None):
+        lp32 = learner_logprobs(model, trajectories, False)
     return [("bf16 autocast, replay", report(trajectories, lp16)),
             ("bf16 autocast, no replay", report(trajectories, learner_logprobs(model, trajectories, True, False))),
             ("fp32, replay", report(trajectories, lp32)),

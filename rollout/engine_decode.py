@@ -182,6 +182,9 @@ class DecodeRunner:
             return self._run(B, S, filtered, lengths + zeros)
         if self.graph_generation != self.pool.generation:  # the latent buffers moved: recapture
             self.graphs.clear()
+            # a memory pool whose graphs are all gone cannot be shared by a new capture (PyTorch asserts
+            # its use count > 0): the new graphs share a new one
+            self.mempool = None
             self.graph_generation = self.pool.generation
         key = (B, S, filtered)
         if key not in self.graphs:
