@@ -8,7 +8,7 @@ The engine (`EmbeddedEngine`: chunked prefill, graph decode over the state pool,
 across turns) plays real multi-turn KeyLookup episodes (examples/demo.yaml's env); every
 sampled token comes back with its fp32 log-prob log mu. The learner then scores the same
 tokens with its own forward (packed sequences through the chunk kernels, fp32 master weights,
-under bf16 autocast when --bf16, routing replay of the engine's experts as in the job):
+under bf16 autocast for the bf16 modes, routing replay of the engine's experts as in the job):
 log pi. With d = log pi - log mu per generated token,
 
     mean |d|, max |d|
@@ -31,12 +31,12 @@ Engine modes (the learner side never changes):
     autocast   the learner's own precision: fp32 weights under bf16 autocast
                (`EmbeddedEngine(..., autocast_dtype=torch.bfloat16)`)
 Each mode also reports its engine speed: generated tokens/s over the timed episodes (the second
-of two equal sets: the first compiles kernels and captures graphs; both are compared), and of
+of two equal sets: the first compiles kernels and captures graphs; both sets are scored), and of
 decode alone (`decode_speed`: a batch of requests of 128 tokens after 128-token prompts).
 
 `--long` adds synthetic two-turn requests at long contexts (random prompt of L tokens, a reply,
-a random 'tool output' of 256 tokens, a second reply), for a random-init model where a warm
-start cannot reach long multi-turn episodes.
+a random 'tool output' of 256 tokens, a second reply): contexts that KeyLookup episodes never
+reach, for a warm-started or a random-init model alike.
 
 On the GPU image (torch + triton only) carry .whl and .whl_rl (benchmarks/device_wheels.sh):
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl_rl/*.whl
