@@ -51,7 +51,7 @@ class KeyLookupEnv(ToolEnv):
     default_max_turns = 4
 
     def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
-                 partial_credit: bool = False, key_letters: str = string.ascii_lowercase, key_digit: bool = True,
+                 partial_credit: bool = False, turn_rewards: bool = False, key_letters: str = string.ascii_lowercase, key_digit: bool = True,
                  step_delay_s: float = 0.0, step_delay_sigma: float = 0.0, **kwargs: Any) -> None:
         if len(set(key_letters)) != len(key_letters) or not key_letters.isalpha():
             raise ValueError(f"key_letters must be distinct letters, got {key_letters!r}")
@@ -63,6 +63,9 @@ class KeyLookupEnv(ToolEnv):
         self.value_digits = value_digits
         self.declare_tools = declare_tools
         self.partial_credit = partial_credit
+        if turn_rewards and not partial_credit:
+            raise ValueError("turn_rewards splits the partial credit over the turns; set partial_credit=True too")
+        self.turn_rewards = turn_rewards
         self.key_letters = key_letters
         self.key_digit = key_digit
         if step_delay_s < 0 or step_delay_sigma < 0:
@@ -96,6 +99,7 @@ class KeyLookupEnv(ToolEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._looked_up = []
+        self._key_credit = 0.0  # what the lookup turns have earned so far (turn_rewards)
         return super().reset(seed=seed, options=options)
 
     def step(self, action: Any):
@@ -106,18 +110,32 @@ class KeyLookupEnv(ToolEnv):
             import time
 
             time.sleep(self.step_delay_s * float(self.np_random.lognormal(0.0, self.step_delay_sigma)))
-        return super().step(action)
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.turn_rewards:  # the key credit is paid in the turn that earned it, once
+            earned = self._key_score() - self._key_credit
+            self._key_credit += earned
+            reward += earned
+        return obs, reward, terminated, truncated, info
+
+    def _key_score(self) -> float:
+        valid = 0.25 if any(k in self.task.keys for k in self._looked_up) else 0.0
+        right = 0.25 if self.task.key in self._looked_up else 0.0
+        return valid + right
 
     def score(self, final_text: str) -> float:
         """1 for the exact value. With `partial_credit` (a shaped reward for tiny models):
         0.25 for having looked up a key that exists + 0.25 for the requested key + 0.5 for
-        the exact value, so the reward also rises while copying is still being learned."""
+        the exact value, so the reward also rises while copying is still being learned. With
+        `turn_rewards` the same credit is paid per turn: the key's 0.5 in the turn that looked it up,
+        the value's 0.5 in the answer's turn (the episode's total is unchanged), so per-turn
+        advantages (learner.advantage: turn_grpo) credit each turn with what it earned: a right
+        key followed by a wrong value no longer reinforces the wrong value."""
         correct = 1.0 if final_text.strip() == self.task.value else 0.0
         if not self.partial_credit:
             return correct
-        valid = 0.25 if any(k in self.task.keys for k in self._looked_up) else 0.0
-        right = 0.25 if self.task.key in self._looked_up else 0.0
-        return valid + right + 0.5 * correct
+        if self.turn_rewards:  # the key credit was paid in the lookup turns (step)
+            return 0.5 * correct
+        return self._key_score() + 0.5 * correct
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """Call lookup on the requested key; once the value came back, answer with it."""

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.live import Live
 
 from k3rl.config import JobConfig
+from k3rl.guard import FormatGuard
 from k3rl.metrics import eval_metrics, rollout_metrics, step_metrics, step_table, trainable
 
 console = Console()
@@ -79,8 +80,20 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                 t1 = time.monotonic()
                 # teachers served by engines of their own attach log T to the episodes (rollout/teacher.py)
                 ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
-                m = {**step_metrics(stats, step), "policy_version": float(step), **scored,
-                     **await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}")}
+                m = {**step_metrics(stats, step), "policy_version": float(step), **scored}
+                verdict = job.guard.observe(m.get("episodes/format_error_rate", 0.0)) if job.guard else "ok"
+                if verdict == "ok" and job.guard:  # the policy that sampled this batch is the last good one
+                    await within(job.learner.call("snapshot"), TRAIN_STEP_S, f"the guard's snapshot at step {step}")
+                if verdict == "rollback":  # back to the last good policy, at a lower rate; this batch is not trained
+                    console.log(f"[yellow]step {step}: format error rate {m['episodes/format_error_rate']:.2f} over "
+                                f"the guard's bound; rolling back to the last good policy at "
+                                f"{job.guard.lr_scale:g}x the learning rate")
+                    m.update(await within(job.learner.call("restore", job.guard.lr_scale), TRAIN_STEP_S,
+                                          f"the guard's rollback at step {step}"))
+                else:
+                    m.update(await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}"))
+                if job.guard:
+                    m.update(job.guard.metrics())
                 t2 = time.monotonic()
                 _inject_faults(faults, step, job)
                 if step < steps or job.eval_due(step):  # nothing samples from the last step's weights but its eval
@@ -126,6 +139,7 @@ class Job:
     sched: Any
     step: int  # training steps done (the checkpoint's, on resume)
     resumed: bool
+    guard: FormatGuard | None = None  # the collapse guard (k3rl/guard.py); its state starts afresh on resume
 
     @classmethod
     async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack) -> Job:
@@ -191,7 +205,8 @@ class Job:
         sched = Scheduler(cfg, run_name, make_worker, buffer, first_step=step + 1,
                           next_index=int(state.get("next_group", 0)), reopen=state.get("open_groups", []))
         stack.push_async_callback(sched.stop)
-        return cls(cfg, run_dir, tracker, pool, learner, teachers, buffer, sched, step, ckpt is not None)
+        guard = FormatGuard.from_config(cfg.learner.guard) if cfg.learner.guard.enabled else None
+        return cls(cfg, run_dir, tracker, pool, learner, teachers, buffer, sched, step, ckpt is not None, guard)
 
     async def warm_start(self) -> None:
         """A fresh run: the untrained policy's reward (the curve's step 0), then SFT on oracle demonstrations,

@@ -100,6 +100,12 @@ class LearnerActor:
     def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self.trainer.logprobs(trajectories)
 
+    def snapshot(self) -> None:
+        self.trainer.snapshot()
+
+    def restore(self, lr_scale: float) -> dict[str, float]:
+        return self.trainer.restore(lr_scale)
+
     # ----- weights to the engines -----------------------------------------------------------------
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank exports the whole model (collective under FSDP), in the engines' dtype (the

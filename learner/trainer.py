@@ -57,6 +57,17 @@ from .qk_clip import MaxLogitTracker, QKClip
 __all__ = ["Trainer", "lr_at"]
 
 
+def _to_host(tree):
+    """A copy of a (nested) state dict with every tensor cloned to host memory."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_host(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_ratio: float) -> float:
     """Cosine decay with linear warmup (docs/model.md §8.4), for 0-based `step`.
 
@@ -156,6 +167,8 @@ class Trainer:
         self.teachers = load_teachers(distill.teachers if distill else [], device=str(self.device))
 
         self.step = 0  # RL optimizer steps done
+        self.lr_scale = 1.0  # cut by the collapse guard's rollbacks (k3rl/guard.py)
+        self._good: tuple | None = None  # the last good policy's weights and optimizer state (snapshot)
         self.sft_step_count = 0  # SFT optimizer steps done
         self.data_position = {"trajectories": 0, "sft_trajectories": 0, "tokens": 0}
         self.data_state: dict = {}  # free-form cursor of the caller's data source, saved with checkpoints
@@ -424,7 +437,7 @@ class Trainer:
             mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])
             total_positions += n
             parts.append((mbs, [self._prepare(mb, old_policy) for mb in mbs]))
-        lr = lr_at(self.step, cfg.steps, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio)
+        lr = lr_at(self.step, cfg.steps, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio) * self.lr_scale
 
         sums: dict[str, torch.Tensor] = {}
         ratio_max = torch.zeros((), dtype=torch.float64)
@@ -597,6 +610,22 @@ class Trainer:
         state = {**adapter_state_dict(self.model), SCALING_NAME: torch.tensor(self.lora.settings().scaling)}
         state = {k: (v.detach().cpu() if to_cpu else v.detach().to(self.device)).contiguous() for k, v in state.items()}
         return WeightUpdate.from_state_dict(version, state, bucket_bytes=bucket_bytes)
+
+    def snapshot(self) -> None:
+        """Keep the current weights and optimizer state, in host memory, as the last good policy (the
+        collapse guard's, k3rl/guard.py). Under FSDP each rank keeps its own shards."""
+        self._good = (_to_host(self.model.state_dict()), _to_host(self.optimizer.state_dict()))
+
+    def restore(self, lr_scale: float) -> dict[str, float]:
+        """Return to the last snapshot and train on with the learning rate scaled by `lr_scale`. The step
+        counter goes on (the schedule does not rewind); the KL reference is untouched."""
+        if self._good is None:
+            raise RuntimeError("restore: no snapshot was taken; call snapshot() on a good policy first")
+        weights, optim = self._good
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(optim)
+        self.lr_scale = lr_scale
+        return {"guard/restored": 1.0, "lr_scale": lr_scale}
 
     def save_checkpoint(self, directory) -> None:
         """Model (official HF layout), optimizer, QB state, RNG, counters and data position.

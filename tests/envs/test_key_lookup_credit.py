@@ -37,3 +37,77 @@ def test_small_key_alphabet():
         gymnasium.make("k3rl/KeyLookup-v0", num_keys=5, key_letters="abcd")
     with pytest.raises(ValueError, match="distinct letters"):
         gymnasium.make("k3rl/KeyLookup-v0", key_letters="aab")
+
+
+def _play(env, seed, actions):
+    """Step rewards of an episode played from `actions` (callables of the env -> assistant message)."""
+    env.reset(seed=seed)
+    rewards = []
+    for act in actions:
+        _, r, terminated, truncated, _ = env.step(act(env))
+        rewards.append(r)
+        if terminated or truncated:
+            break
+    return rewards
+
+
+def _lookup(which):
+    def act(env):
+        t = env.task
+        key = {"right": t.key, "other": next(k for k in t.keys if k != t.key), "missing": "zz"}[which]
+        return env.say(tool_calls=[{"name": "lookup", "arguments": {"key": key}}])
+    act.which = which
+    return act
+
+
+def _answer(right):
+    def act(env):
+        return env.say(env.task.value if right else str((int(env.task.value) + 1) % 10))
+    act.which = "answer"
+    return act
+
+
+@pytest.mark.parametrize("actions", [
+    [_lookup("right"), _answer(True)], [_lookup("right"), _answer(False)], [_lookup("other"), _answer(False)],
+    [_lookup("missing"), _answer(False)], [_lookup("other"), _lookup("right"), _answer(True)],
+    [_lookup("right"), _lookup("right"), _lookup("right")], [_answer(True)],
+])
+def test_turn_rewards_pay_the_same_credit_in_the_turn_that_earned_it(actions):
+    kw = dict(num_keys=2, value_digits=1, key_letters="abcd", key_digit=False, partial_credit=True, max_turns=3)
+    terminal = gymnasium.make("k3rl/KeyLookup-v0", **kw).unwrapped
+    per_turn = gymnasium.make("k3rl/KeyLookup-v0", turn_rewards=True, **kw).unwrapped
+    for seed in range(4):
+        a, b = _play(terminal, seed, actions), _play(per_turn, seed, actions)
+        if actions[-1].which == "answer":
+            assert sum(b) == pytest.approx(sum(a)), (a, b)  # the episode's total is unchanged
+        else:  # cut by max_turns before an answer: terminal credit is 0, the lookup turn keeps what it earned
+            assert sum(a) == 0.0 and sum(b) == 0.5, (a, b)
+        assert all(r == 0.0 for r in a[:-1])  # terminal: everything at the end ...
+        if actions[0].which != "answer":
+            # ... per turn: the key's credit in the first lookup that earned it, never paid twice
+            assert b[0] == {"right": 0.5, "other": 0.25, "missing": 0.0}[actions[0].which]
+            assert b[-1] in (0.0, 0.5, 0.25)
+
+
+def test_turn_rewards_need_partial_credit():
+    with pytest.raises(ValueError, match="partial_credit=True"):
+        gymnasium.make("k3rl/KeyLookup-v0", turn_rewards=True)
+
+
+def test_per_turn_credit_stops_reinforcing_a_wrong_value():
+    """Why the demo trains per turn: in a group where the key was mostly found and the value mostly
+    missed, an episode-level advantage is positive for 'right key, wrong value' (0.5 is above the
+    group's mean), so its wrong value token is pushed up; per turn, its answer turn is compared with
+    the other answer turns and gets a negative advantage, while its lookup turn keeps a positive one."""
+    from k3rl.learner.advantages import turn_advantages
+    from k3rl.learner.losses import group_advantages
+
+    # step rewards: (lookup turn, answer turn) of a group of four
+    group = [[0.5, 0.5], [0.5, 0.0], [0.25, 0.0], [0.0, 0.0]]
+    episode = group_advantages([sum(r) for r in group], ["g"] * 4, method="grpo_no_std").tolist()
+    per_turn = turn_advantages(group, ["g"] * 4, normalise=False)
+    right_key_wrong_value = 1
+    assert episode[right_key_wrong_value] > 0  # the whole episode, wrong value included, pushed up
+    assert per_turn[right_key_wrong_value][1] < 0  # per turn: the wrong answer pushed down
+    assert per_turn[right_key_wrong_value][0] > 0  # and the right lookup still pushed up
+    assert per_turn[0][1] > 0  # the right answer pushed up

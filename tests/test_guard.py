@@ -1,0 +1,111 @@
+"""The collapse guard (k3rl/guard.py): its verdicts, the learner's snapshot and restore, and a real job
+whose learning rate destroys the format being rolled back to a policy that samples well-formed messages."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3rl.config import JobConfig, LearnerSection
+from k3rl.guard import CollapseError, FormatGuard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "learner"))
+from learner_helpers import make_trajectories  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+
+
+def test_verdicts_baseline_patience_and_lr_scale():
+    g = FormatGuard(baseline_steps=2, max_rise=0.25, patience=2, lr_factor=0.5, max_rollbacks=2)
+    assert [g.observe(r) for r in (0.1, 0.3)] == ["ok", "ok"]  # the baseline's batches are never judged
+    assert g.baseline == pytest.approx(0.2)
+    assert g.observe(0.45) == "ok"  # exactly at the bound is healthy: 0.2 + 0.25
+    assert g.observe(0.5) == "hold"  # unhealthy once: patience 2
+    assert g.observe(0.4) == "ok"  # a healthy batch resets the run
+    assert [g.observe(0.9), g.observe(0.9)] == ["hold", "rollback"]
+    assert g.rollbacks == 1 and g.lr_scale == 0.5
+    assert g.metrics() == {"guard/rollbacks": 1.0, "guard/lr_scale": 0.5, "guard/baseline": pytest.approx(0.2)}
+    assert [g.observe(1.0), g.observe(1.0)] == ["hold", "rollback"]
+    assert g.lr_scale == 0.25
+    g.observe(1.0)
+    with pytest.raises(CollapseError, match=r"collapsed 3 times .*lower learner\.lr"):
+        g.observe(1.0)
+
+
+def test_restore_returns_weights_and_optimizer_state_and_scales_the_rate():
+    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), LearnerSection(micro_batch_tokens=64, steps=10, lr=1e-3))
+    batch = make_trajectories(0)
+    t.train_step(batch)
+    t.snapshot()
+    good = {k: v.clone() for k, v in t.model.state_dict().items()}
+    good_opt = copy.deepcopy(t.optimizer.state_dict())  # state_dict() holds the live tensors
+    nxt_lr = t.train_step(batch)["lr"]
+    assert any(not torch.equal(good[k], v) for k, v in t.model.state_dict().items())
+    assert t.restore(0.5) == {"guard/restored": 1.0, "lr_scale": 0.5}
+    assert all(torch.equal(good[k], v) for k, v in t.model.state_dict().items())
+    for p, state in t.optimizer.state_dict()["state"].items():
+        for k, v in state.items():
+            if torch.is_tensor(v):
+                assert torch.equal(v.cpu(), good_opt["state"][p][k].cpu()), (p, k)
+    # the schedule goes on from the step count, at half the rate
+    from k3rl.learner.trainer import lr_at
+
+    m = t.train_step(batch)
+    assert m["lr"] == pytest.approx(0.5 * lr_at(t.step - 1, 10, 1e-3, t.cfg.warmup_ratio, t.cfg.min_lr_ratio))
+    assert m["lr"] < nxt_lr
+
+
+def test_restore_without_a_snapshot_says_so():
+    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.learner.trainer import Trainer
+
+    t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), LearnerSection(micro_batch_tokens=64))
+    with pytest.raises(RuntimeError, match="no snapshot"):
+        t.restore(0.5)
+
+
+@pytest.mark.slow
+def test_a_destructive_rate_is_rolled_back_to_a_well_formed_policy(tmp_path):
+    """lr 0.05 wrecks k3-tiny's message format in one update. The guard sees the next batch's format
+    error rate jump, returns the learner to the policy that sampled the first batch, and the batch sampled
+    after the rollback is well-formed again; the second collapse (at half the rate) ends the job with
+    the guard's error."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from k3rl.job import run_job
+
+    cfg = JobConfig.load(DEMO, [
+        "learner.sft_steps=20", "learner.sft_episodes=128", "learner.sft_lr=0.01", "learner.lr=0.05", "learner.kl_coef=0",
+        "learner.steps=5",
+        "learner.checkpoint_every=0", "learner.eval_before_training=false",
+        "learner.guard.enabled=true", "learner.guard.baseline_steps=1", "learner.guard.patience=1",
+        "learner.guard.max_rise=0.3", "learner.guard.max_rollbacks=1",
+        "rollout.max_policy_lag=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.episodes_per_worker=16",
+        "rollout.sampling.temperature=0.5", "tracking.sample_episodes=0", "envs.eval=[]",
+        f"tracking.runs_dir={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", "name=guard",
+        "tracking.run_name=null",
+    ])
+    with pytest.raises(CollapseError, match="collapsed 2 times"):
+        run_job(cfg, quiet=True)
+    ray.shutdown()
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    run = client.search_runs(client.get_experiment_by_name(cfg.tracking.experiment).experiment_id)[0]
+
+    def curve(name):
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
+
+    fmt, rollbacks, restored = curve("episodes/format_error_rate"), curve("guard/rollbacks"), curve("guard/restored")
+    base = fmt[1]
+    assert base <= 0.5, fmt  # the warm start samples mostly well-formed messages
+    assert fmt[2] > base + 0.3, fmt  # one update at lr 0.05 broke them
+    assert rollbacks[2] == 1 and restored == {2: 1.0}, (rollbacks, restored)
+    assert fmt[3] <= base + 0.3, fmt  # sampled by the restored policy: well-formed again
