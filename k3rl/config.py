@@ -288,6 +288,12 @@ class LearnerSection(_Section):
     expert_parallel: int = Field(
         1, ge=1, description="ranks sharing the routed experts (EP, with FSDP); divides world_size and num_experts"
     )
+    context_parallel: int = Field(
+        1, ge=1, description="ranks that split each packed micro-batch's sequence (context parallelism: KCP for "
+                             "KDA, the gathered latent for MLA; docs/parallel.md); with FSDP, equal to world_size "
+                             "for now")
+    context_parallel_zigzag: bool = Field(
+        False, description="zigzag layout of the context-parallel split: every rank gets the same attention work")
     moon_ep: MoonEPSection = Field(default_factory=MoonEPSection)
     gpus: float = Field(0.0, ge=0.0)
     seed: int = 0
@@ -318,11 +324,30 @@ class LearnerSection(_Section):
             problems.append(("gpus", f"gpus={self.gpus} over world_size={self.world_size} ranks is {per_rank:g} GPU "
                                      f"per rank; the ranks' NCCL group needs whole GPUs, one or more per rank "
                                      f"(e.g. gpus={self.world_size})"))
+        problems += self._context_parallel_problems()
         if self.sft_steps > 0 and self.sft_episodes == 0:
             problems.append(("sft_episodes", f"is 0, but sft_steps={self.sft_steps} needs oracle demonstrations to "
                                              f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
         _refuse(problems)
         return self
+
+    def _context_parallel_problems(self) -> list[tuple[str, str]]:
+        cp = self.context_parallel
+        if cp == 1:
+            return []
+        problems = []
+        if cp != self.world_size or self.data_parallel != "fsdp":
+            problems.append(("context_parallel", f"context_parallel={cp} needs data_parallel: fsdp with world_size "
+                                                 f"equal to it (every rank splits every micro-batch; data parallelism "
+                                                 f"beyond it is not supported yet); set learner.world_size: {cp} and "
+                                                 f"learner.data_parallel: fsdp"))
+        if self.expert_parallel > 1:
+            problems.append(("context_parallel", "context parallelism with expert_parallel > 1 is not supported; "
+                                                 "set learner.expert_parallel: 1, or learner.context_parallel: 1"))
+        if self.lora is not None:
+            problems.append(("context_parallel", "context parallelism with LoRA is not supported; remove "
+                                                 "learner.lora, or set learner.context_parallel: 1"))
+        return problems
 
     def _lora_problems(self) -> list[tuple[str, str]]:
         if self.lora is None:
@@ -501,8 +526,16 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _refuse_what_cannot_work(self):
         _refuse(self._model_problems() + self._engine_problems() + self._weight_transport_problems()
-                + self._sandbox_problems())
+                + self._sandbox_problems() + self._context_parallel_problems())
         return self
+
+    def _context_parallel_problems(self) -> list[tuple[str, str]]:
+        if self.learner.context_parallel == 1:
+            return []
+        return [(f"envs.{section}.{i}.id", f"{spec.id} puts images in the prompts, and the vision tower does not "
+                                           f"run context-parallel; set learner.context_parallel: 1")
+                for section in ("train", "eval") for i, spec in enumerate(getattr(self.envs, section))
+                if spec.id in IMAGE_ENVS]
 
     def _model_problems(self) -> list[tuple[str, str]]:
         k3, problems = self.model._k3_config_or_problems()
