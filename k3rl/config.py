@@ -344,6 +344,10 @@ class LearnerSection(_Section):
         if self.expert_parallel > 1:
             problems.append(("context_parallel", "context parallelism with expert_parallel > 1 is not supported; "
                                                  "set learner.expert_parallel: 1, or learner.context_parallel: 1"))
+        if self.tis_level == "sequence":
+            problems.append(("tis_level", "'sequence' multiplies a sequence's token ratios, which context "
+                                          "parallelism splits over ranks; set learner.tis_level: token (or none), "
+                                          "or learner.context_parallel: 1"))
         if self.lora is not None:
             problems.append(("context_parallel", "context parallelism with LoRA is not supported; remove "
                                                  "learner.lora, or set learner.context_parallel: 1"))
