@@ -140,6 +140,15 @@ class Trainer:
                               moon.plan_per_batch, replicate_group)  # fmt: skip
             else:
                 apply_expert_parallel(model, ep_group, replicate_group)
+        # context parallelism: every rank gets the same micro-batches and trains on its part of their positions
+        self.context_parallel = None
+        if getattr(config, "context_parallel", 1) > 1:
+            from .context_parallel_layers import ContextParallel
+
+            if config.context_parallel != self.world_size:
+                raise ValueError(f"learner.context_parallel={config.context_parallel} must equal the world size "
+                                 f"{self.world_size} (data parallelism beyond it is not supported yet)")
+            self.context_parallel = ContextParallel(zigzag=config.context_parallel_zigzag)
         if config.data_parallel == "fsdp":
             # FSDP shards everything but the expert slices (EP shards those)
             apply_fsdp(model, self.device, ignored_params=set(local_expert_params(model)))
@@ -240,7 +249,8 @@ class Trainer:
             probe = float(all_reduce_max(torch.tensor(float(probe)))) > 0
         if probe:
             with torch.no_grad(), self._autocast(), self._qb_paused():
-                _, own = self.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_routing=True)
+                _, own = self.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_routing=True,
+                                    context_parallel=self.context_parallel)
             if routes is not None:
                 routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
@@ -258,7 +268,7 @@ class Trainer:
         """(log p(target) [T], entropy [T]) in fp32; the [T, V] logits are never materialised."""
         with self._autocast():
             logp, entropy = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
-                                  targets=mb.targets[None])
+                                  targets=mb.targets[None], context_parallel=self.context_parallel)
         return logp[0], entropy[0]
 
     def _recording_logits(self):
@@ -349,7 +359,12 @@ class Trainer:
             loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
         )  # fmt: skip
         total_positions = sum(mb.num_tokens for mb in mbs)
-        mine = shard_micro_batches(mbs, self.rank, self.world_size) if self.world_size > 1 else mbs
+        # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
+        cp = self.context_parallel and self.cfg.context_parallel or 1
+        groups = self.world_size // cp
+        mine = shard_micro_batches(mbs, self.rank // cp, groups) if groups > 1 else mbs
+        if self.context_parallel is not None:
+            mine = [self.context_parallel.shard_micro_batch(mb) for mb in mine]
         return [mb.to(self.device) for mb in mine], total_positions
 
     # ------------------------------------------------------------------------------------
@@ -394,7 +409,9 @@ class Trainer:
             logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
             prox_logp=prep["prox"], ref_logp=prep["ref"], entropy=entropy,
         )  # fmt: skip
-        (loss * self.world_size).backward()  # FSDP averages over ranks; the loss is a partial sum
+        # FSDP averages over ranks; the loss is a partial sum (of the rank's micro-batches, and under context
+        # parallelism of their positions), so x W makes the gradient the sum over ranks: the whole batch's
+        (loss * self.world_size).backward()
         ratio_max = stats.pop("ratio_max").double().cpu()
         for k, v in stats.items():
             sums[k] = sums.get(k, 0) + v.double().cpu()
