@@ -22,7 +22,7 @@ MLA layers of one model can share it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from .context_parallel import (
     local_documents,
     shard,
 )
+from .data import MicroBatch
 from .model.kda import short_conv
 from .model.mla import GatedMLA
 
@@ -153,6 +154,18 @@ class ContextParallel:
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's part of a whole-sequence tensor (positions along ``dim``)."""
         return shard(x, self.segments(x.shape[dim]), dim)
+
+    def shard_micro_batch(self, mb: MicroBatch) -> MicroBatch:
+        """This rank's positions of a packed micro-batch (``learner/data.py``): every per-position
+        tensor sharded, ``cu_seqlens`` (the whole sequence's) and the trajectory indices kept."""
+        if mb.images:
+            raise ValueError("context parallelism cannot split a micro-batch with images (the vision tower does "
+                             "not run context-parallel); set learner.context_parallel: 1 for image episodes")
+        segments = self.segments(mb.num_tokens)
+        per_position = ("targets", "mask", "behaviour_logp", "advantages", "agg_weights", "seq_index", "versions")
+        return replace(mb, input_ids=shard(mb.input_ids, segments, 1),
+                       routed_experts=None if mb.routed_experts is None else shard(mb.routed_experts, segments, 1),
+                       **{name: shard(getattr(mb, name), segments, 0) for name in per_position})  # fmt: skip
 
     def short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         return cp_short_conv(x, weight, cu_seqlens, self.group, self.zigzag)

@@ -1,0 +1,122 @@
+"""The Trainer under context parallelism: two gloo ranks (world_size = context_parallel = 2)
+split every packed micro-batch's positions and take the same steps as one process.
+
+Both ranks get the same micro-batches, feed their shard of the positions with the whole
+sequence's cu_seqlens, and their loss terms and gradients add up to one process's. An RL step
+(two minibatches: the old policy's log-probs are recorded first; a KL term against the
+reference policy, itself run context-parallel; Quantile Balancing histograms summed over the
+ranks) in the zigzag layout and an SFT step in the contiguous one: loss, grad norm and updated
+weights equal one process's to fp32 rounding. One spawn runs both.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from learner_helpers import make_trajectories
+
+from k3rl.config import LearnerSection
+from k3rl.learner.distributed import free_port
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.learner.trainer import Trainer
+
+RL = dict(minibatches=2, kl_coef=0.1, qb_frozen=False, context_parallel_zigzag=True)
+
+
+def _cfg(world: int, **kw) -> LearnerSection:
+    cp = dict(data_parallel="fsdp", world_size=world, context_parallel=world) if world > 1 else {}
+    return LearnerSection(micro_batch_tokens=64, steps=10, **cp, **kw)
+
+
+def _model() -> K3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = K3Config.preset("k3-tiny")
+    cfg.kernel_backend = "torch"
+    return K3ForCausalLM(cfg)
+
+
+def _recording_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """Every optimizer update's full gradients (gathered from the FSDP shards: every rank calls it)."""
+    grads, step = [], trainer.optimizer.step
+
+    def recorded(*args, **kwargs):
+        grads.append({n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                      for n, p in trainer.model.named_parameters() if p.grad is not None})  # fmt: skip
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recorded
+    return grads
+
+
+def _steps(world: int) -> dict:
+    rl = Trainer(_model(), _cfg(world, **RL))
+    rl_grads = _recording_grads(rl)
+    rl_metrics = rl.train_step(make_trajectories(0, n=8))
+    sft = Trainer(_model(), _cfg(world))
+    sft_grads = _recording_grads(sft)
+    sft_metrics = sft.sft_step(make_trajectories(5, n=4))
+    return {"rl": rl_metrics, "rl_grads": rl_grads, "rl_state": rl.full_state_dict(),
+            "sft": sft_metrics, "sft_grads": sft_grads, "sft_state": sft.full_state_dict()}  # fmt: skip
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = _steps(world)  # collectives: every rank joins
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, "cp.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _close(a: float, b: float, key: str) -> None:
+    assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
+
+
+def test_context_parallel_trainer_equals_one_process(tmp_path):
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    two = torch.load(tmp_path / "cp.pt", weights_only=False)
+    torch.set_num_threads(1)
+    one = _steps(1)
+
+    assert one["rl"]["updates"] == two["rl"]["updates"] == 2
+    assert one["rl"]["micro_batches"] == two["rl"]["micro_batches"]  # every rank ran every micro-batch
+    assert one["rl"]["qb_layers_updated"] > 0
+    for key in ("loss", "pg_loss", "kl", "entropy", "is_ratio_mean", "clip_frac", "approx_kl", "loss_tokens",
+                "grad_norm", "grad_norm_max", "qb_layers_updated"):
+        _close(one["rl"][key], two["rl"][key], f"rl/{key}")
+    for key in ("loss", "nll", "loss_tokens", "grad_norm"):
+        _close(one["sft"][key], two["sft"][key], f"sft/{key}")
+    for part in ("rl_grads", "sft_grads"):  # every parameter's gradient of every update, to fp32 rounding
+        assert len(one[part]) == len(two[part]) > 0
+        for g1, g2 in zip(one[part], two[part], strict=True):
+            assert g1.keys() == g2.keys()
+            scale = max(g.abs().max().item() for g in g1.values())  # the update's largest gradient entry
+            worst = max(((g1[k] - g2[k]).abs().max().item(), k) for k in g1)
+            assert worst[0] <= 1e-4 * scale, (part, worst, scale)
+    # the updated weights: Muon and AdamW normalise the update, which lifts rounding in near-zero gradient
+    # entries to a fraction of the step (lr 3e-3 an update), so compare at 1e-4 rather than 1e-6
+    for part in ("rl_state", "sft_state"):
+        worst = max((one[part][k].float() - two[part][k].float()).abs().max().item() for k in one[part])
+        assert worst < 1e-4, (part, worst)
+    start = _model().state_dict()
+    assert any(not torch.equal(start[k], one["rl_state"][k]) for k in start)  # the step moved the weights
+
+
+@pytest.mark.parametrize("kw, path", [
+    (dict(context_parallel=2), "context_parallel"),  # needs FSDP with world_size equal to it
+    (dict(context_parallel=2, world_size=4, data_parallel="fsdp"), "context_parallel"),
+    (dict(context_parallel=2, world_size=2, data_parallel="fsdp", expert_parallel=2), "context_parallel"),
+    (dict(context_parallel=2, world_size=2, data_parallel="fsdp", tis_level="sequence"), "tis_level"),
+])  # fmt: skip
+def test_context_parallel_refuses_what_it_cannot_do(kw, path):
+    with pytest.raises(ValueError, match=f"{path}: "):
+        LearnerSection(**kw)
