@@ -5,8 +5,9 @@ Both ranks get the same micro-batches, feed their shard of the positions with th
 sequence's cu_seqlens, and their loss terms and gradients add up to one process's. An RL step
 (two minibatches: the old policy's log-probs are recorded first; a KL term against the
 reference policy, itself run context-parallel; Quantile Balancing histograms summed over the
-ranks) in the zigzag layout and an SFT step in the contiguous one: loss, grad norm and updated
-weights equal one process's to fp32 rounding. One spawn runs both.
+ranks; routing replay with the probe forward for the tokens without a record) in the zigzag
+layout and an SFT step in the contiguous one: loss, grad norm and every gradient equal one
+process's to fp32 rounding, and so do the updated weights. One spawn runs both.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ def _model() -> K3ForCausalLM:
     return K3ForCausalLM(cfg)
 
 
+def _with_routes(trajectories):
+    """Recorded experts (routing replay) for the even completion tokens; the odd ones have no record, so
+    the trainer's routing probe (a forward of its own, context-parallel too) fills them."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = K3Config.preset("k3-tiny")
+    n_moe, k = len(cfg.moe_layer_ids), cfg.num_experts_per_token
+    for t in trajectories:
+        t.routed_experts = [torch.randperm(cfg.num_experts, generator=gen)[:k].repeat(n_moe, 1).tolist()
+                            if j % 2 == 0 else [] for j in range(len(t.completion_ids))]  # fmt: skip
+    return trajectories
+
+
 def _recording_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     """Every optimizer update's full gradients (gathered from the FSDP shards: every rank calls it)."""
     grads, step = [], trainer.optimizer.step
@@ -56,7 +69,7 @@ def _recording_grads(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
 def _steps(world: int) -> dict:
     rl = Trainer(_model(), _cfg(world, **RL))
     rl_grads = _recording_grads(rl)
-    rl_metrics = rl.train_step(make_trajectories(0, n=8))
+    rl_metrics = rl.train_step(_with_routes(make_trajectories(0, n=8)))
     sft = Trainer(_model(), _cfg(world))
     sft_grads = _recording_grads(sft)
     sft_metrics = sft.sft_step(make_trajectories(5, n=4))
@@ -103,12 +116,12 @@ def test_context_parallel_trainer_equals_one_process(tmp_path):
             worst = max(((g1[k] - g2[k]).abs().max().item(), k) for k in g1)
             assert worst[0] <= 1e-4 * scale, (part, worst, scale)
     # the updated weights: Muon and AdamW normalise the update, which lifts rounding in near-zero gradient
-    # entries to a fraction of the step (lr 3e-3 an update), so compare at 1e-4 rather than 1e-6
-    for part in ("rl_state", "sft_state"):
-        worst = max((one[part][k].float() - two[part][k].float()).abs().max().item() for k in one[part])
-        assert worst < 1e-4, (part, worst)
+    # entries to a fraction of an update (lr 3e-3), so compare against 5% of the largest change
     start = _model().state_dict()
-    assert any(not torch.equal(start[k], one["rl_state"][k]) for k in start)  # the step moved the weights
+    for part in ("rl_state", "sft_state"):
+        moved = max((one[part][k].float() - start[k].float()).abs().max().item() for k in start)
+        worst = max((one[part][k].float() - two[part][k].float()).abs().max().item() for k in one[part])
+        assert worst < 0.05 * moved, (part, worst, moved)
 
 
 @pytest.mark.parametrize("kw, path", [
