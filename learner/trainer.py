@@ -22,7 +22,9 @@ each rank trains on its share of micro-batches and FSDP2 reduces the gradients. 
 all-to-all backward and scaled here to the full-batch gradient. With `moon_ep.enabled` they are
 sharded with MoonEP instead (moon_ep.py: redundant copies of hot experts, a fixed number of rows
 per rank pair), replanned after each step unless planned per batch; every step then logs the load
-imbalance (max / mean rows per rank) and the dropped routes.
+imbalance (max / mean rows per rank) and the dropped routes. With `context_parallel=N` (= world_size)
+every rank gets the same micro-batches and trains on its `ContextParallel` shard of their positions
+(docs/parallel.md); the same x W loss scaling makes FSDP's average the sum over the ranks' positions.
 """
 
 from __future__ import annotations
@@ -616,6 +618,7 @@ class Trainer:
                 for k, v in hf.items()
             }
         hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
+        print("DBG export", version, float(sum(v.double().abs().sum() for v in hf.values() if v.is_floating_point())), flush=True)
         return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
 
     def _export_adapters(self, version: int, bucket_bytes: int, to_cpu: bool) -> WeightUpdate:
@@ -632,6 +635,7 @@ class Trainer:
         """Keep the current weights and optimizer state, in host memory, as the last good policy (the
         collapse guard's, k3rl/guard.py). Under FSDP each rank keeps its own shards."""
         self._good = (_to_host(self.model.state_dict()), _to_host(self.optimizer.state_dict()))
+        print("DBG snapshot", float(sum(v.double().abs().sum() for v in self._good[0].values() if v.is_floating_point())), flush=True)
 
     def restore(self, lr_scale: float) -> dict[str, float]:
         """Return to the last snapshot and train on with the learning rate scaled by `lr_scale`. The step
