@@ -618,7 +618,6 @@ class Trainer:
                 for k, v in hf.items()
             }
         hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
-        print("DBG export", version, float(sum(v.double().abs().sum() for v in hf.values() if v.is_floating_point())), flush=True)
         return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
 
     def _export_adapters(self, version: int, bucket_bytes: int, to_cpu: bool) -> WeightUpdate:
@@ -635,7 +634,6 @@ class Trainer:
         """Keep the current weights and optimizer state, in host memory, as the last good policy (the
         collapse guard's, k3rl/guard.py). Under FSDP each rank keeps its own shards."""
         self._good = (_to_host(self.model.state_dict()), _to_host(self.optimizer.state_dict()))
-        print("DBG snapshot", float(sum(v.double().abs().sum() for v in self._good[0].values() if v.is_floating_point())), flush=True)
 
     def restore(self, lr_scale: float) -> dict[str, float]:
         """Return to the last snapshot and train on with the learning rate scaled by `lr_scale`. The step
