@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
 
 from k3rl.types import Trajectory
 
@@ -26,3 +32,16 @@ def make_trajectories(seed: int, n: int = 8, group_size: int = 4, vocab: int = 2
             )
         )
     return out
+
+
+@contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """One rank of a loopback gloo group for a spawned test worker: joined on entry, destroyed on exit."""
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,13 +13,11 @@ process's to fp32 rounding, and so do the updated weights. One spawn runs both.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import make_trajectories
+from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import LearnerSection
 from k3rl.learner.distributed import free_port
@@ -78,16 +76,10 @@ def _steps(world: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         results = _steps(world)  # collectives: every rank joins
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "cp.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _close(a: float, b: float, key: str) -> None:

@@ -15,13 +15,12 @@ One spawn runs every distributed check (the process start dominates the cost):
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import make_trajectories
+from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import ConfigError, JobConfig, LearnerSection
 from k3rl.learner.distributed import free_port
@@ -93,11 +92,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         res: dict = {}
         # -- the model with EP alone ------------------------------------------------------
         ids, w, x = _inputs()
@@ -143,8 +138,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         except ValueError as e:
             res["bad"] = str(e)
         torch.save(res, os.path.join(out_dir, f"ep{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,10 @@ two ranks must resume to the same next step.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import make_trajectories
+from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import LearnerSection
 from k3rl.learner.distributed import free_port
@@ -39,11 +37,7 @@ def _model(seed: int) -> K3ForCausalLM:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         t = Trainer(_model(0), _cfg(world))
         metrics = [t.train_step(make_trajectories(s, n=8)) for s in range(STEPS)]
         state = t.full_state_dict()
@@ -60,8 +54,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                    "qb_metrics": qb_metrics, "qb_bias": _qb_biases(qb)}  # collectives: every rank joins
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "fsdp.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_two_processes_equal_one_process(tmp_path):

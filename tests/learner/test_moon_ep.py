@@ -18,13 +18,12 @@ episode.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from learner_helpers import make_trajectories
+from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import ConfigError, JobConfig, LearnerSection
 from k3rl.learner.distributed import free_port
@@ -137,11 +136,7 @@ def _trainer_run(moon: dict) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         group, res = dist.group.WORLD, {}
         res["plain"] = _run(ExpertParallelExperts(_experts(), group), rank)
 
@@ -200,8 +195,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             res["model_names"] = sorted(moon_ep_modules(moon_model))
             res["trainer"] = {name: _trainer_run(moon) for name, moon in TRAINER_VARIANTS.items()}
         torch.save(res, os.path.join(out_dir, f"moon{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world: int, tmp_path_factory):
