@@ -6,6 +6,9 @@
 - ``chunk_kda_reference``   chunkwise algorithm of docs/model.md §2.5 in PyTorch
 - ``kda_chunk_transition`` / ``kda_transition``  M_chunk of §2.5 step 7 and its product (§9.3)
 - ``kda_gate``, ``l2norm``  the gate and q/k normalisation the kernels fuse in
+- ``short_conv``, ``output_norm_gate``  the fp32 islands around the recurrence (the short convolution,
+  the output norm + gate): references and dispatchers in ``islands.py``, kernels in
+  ``triton_short_conv.py`` and ``triton_output_gate.py``
 
 The Triton chunk kernel is ``triton_chunk.py`` (host side: launch settings, autograd, the entry point)
 with one module per stage, in the order they run: ``triton_chunk_gate.py`` (gate, chunk cumsum),
@@ -18,6 +21,7 @@ from .chunk import chunk_kda
 from .chunk_reference import chunk_kda_reference, kda_chunk_transition, kda_transition
 from .fused_recurrent import fused_recurrent_kda
 from .gate import kda_gate, l2norm
+from .islands import output_norm_gate, output_norm_gate_reference, short_conv, short_conv_reference
 from .naive import naive_recurrent_kda
 
 __all__ = [
@@ -29,4 +33,8 @@ __all__ = [
     "kda_transition",
     "l2norm",
     "naive_recurrent_kda",
+    "output_norm_gate",
+    "output_norm_gate_reference",
+    "short_conv",
+    "short_conv_reference",
 ]

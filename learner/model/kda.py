@@ -9,8 +9,9 @@
     y          = Wo [ sigmoid(x Wg^T) * RMSNorm_head(o~) ]       fp32 island, cast at o_proj
 
 The recurrence, the L2 norm and the gate live in `k3rl.kernels.kda` (the in-kernel flags of
-the K3 training call, §2.5); this module owns the parameters, the short convolution, the
-decode caches and the output path.
+the K3 training call, §2.5), and so do the two fp32 islands, `short_conv` and `output_norm_gate`
+(fused Triton kernels on CUDA, their PyTorch references elsewhere; `config.kernel_backend` picks);
+this module owns the parameters, the decode caches and the wiring.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3rl.kernels.kda import chunk_kda, fused_recurrent_kda
+from k3rl.kernels.kda import chunk_kda, fused_recurrent_kda, output_norm_gate, short_conv
 
-from .common import fp32_island, rms_normalize
+from .common import fp32_island
 from .config import K3Config
 
 # Parameter names (suffixes) that must stay fp32 whatever the model dtype (§1.5).
@@ -41,33 +42,6 @@ class KDACacheEntry:
 
     state: torch.Tensor
     conv: torch.Tensor
-
-
-def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None, cu_seqlens: torch.Tensor | None):
-    """Causal depthwise conv + SiLU, in fp32 with fp32 weights, result in x's dtype.
-
-    y_t[c] = SiLU( sum_{j=0..W-1} w[c, j] * x_{t-W+1+j}[c] ), zero left context at every
-    document start (or `left` [B, W-1, C], the cached previous projections, for decoding).
-    x [B, T, C], weight [C, 1, W]. Returns (y [B, T, C], the new left context [B, W-1, C]).
-    """
-    B, T, C = x.shape
-    W = weight.shape[-1]
-    if left is None:
-        left = x.new_zeros(B, W - 1, C)
-    with fp32_island(x):
-        xx = torch.cat([left.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
-        w = weight.float()
-        if cu_seqlens is None:
-            y = F.conv1d(xx.float().transpose(1, 2), w, groups=C).transpose(1, 2)
-        else:  # packed documents: each starts from a zero left context
-            pieces = []
-            bounds = cu_seqlens.tolist()
-            for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
-                doc = F.pad(x[:, bos:eos].float().transpose(1, 2), (W - 1, 0))
-                pieces.append(F.conv1d(doc, w, groups=C).transpose(1, 2))
-            y = torch.cat(pieces, dim=1)
-        y = F.silu(y).to(x.dtype)
-    return y, xx[:, xx.shape[1] - (W - 1) :]
 
 
 def init_dt_bias(P: int, dt_min: float = 1e-3, dt_max: float = 1e-1, floor: float = 1e-4) -> torch.Tensor:
@@ -135,9 +109,9 @@ class KimiDeltaAttention(nn.Module):
             left_q = left_k = left_v = None
             if cache is not None:
                 left_q, left_k, left_v = cache.conv.split(P, dim=-1)
-            q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens)
-            k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens)
-            v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens)
+            q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens, self.backend)
+            k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens, self.backend)
+            v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens, self.backend)
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))  # channel c = h*D + d
 
         with fp32_island(x):
@@ -173,7 +147,5 @@ class KimiDeltaAttention(nn.Module):
 
         # 9. y = Wo [ sigmoid(x Wg^T) * RMSNorm_head(o) ], the norm and gate in fp32
         gate = self.g_proj(x).reshape(B, T, H, D)
-        with fp32_island(x):
-            normed = rms_normalize(o, self.norm_eps) * self.o_norm.weight.float()
-            y = (normed * torch.sigmoid(gate.float())).reshape(B, T, P)
-        return self.o_proj(y.to(self.o_proj.weight.dtype))
+        y = output_norm_gate(o, gate, self.o_norm.weight, self.norm_eps, self.o_proj.weight.dtype, self.backend)
+        return self.o_proj(y.reshape(B, T, P))

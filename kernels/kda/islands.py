@@ -1,0 +1,94 @@
+"""The fp32 islands around the KDA recurrence (docs/model.md §2): the short convolution and the
+output norm + gate, each as a PyTorch reference, a fused Triton kernel and a dispatcher.
+
+K3 report §2 (the precision contract): the convolution is computed in fp32 with the fp32 weights
+and stored in the activation dtype; the output RMSNorm and sigmoid gate are computed in fp32 and
+cast. The references widen whole tensors to fp32; the kernels read the activation dtype, compute
+in fp32 registers and store the result, with no fp32 tensor in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._backend import resolve_backend
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def short_conv_reference(x, weight, left=None, cu_seqlens=None):
+    """Causal depthwise conv + SiLU, in fp32 with fp32 weights, result in x's dtype.
+
+    y_t[c] = SiLU( sum_{j=0..W-1} w[c, j] * x_{t-W+1+j}[c] ), zero left context at every
+    document start (or `left` [B, W-1, C], the cached previous projections, for decoding).
+    x [B, T, C], weight [C, 1, W]. Returns (y [B, T, C], the new left context [B, W-1, C]).
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if left is None:
+        left = x.new_zeros(B, W - 1, C)
+    with torch.autocast(device_type=x.device.type, enabled=False):  # really fp32 under autocast
+        xx = torch.cat([left.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+        w = weight.float()
+        if cu_seqlens is None:
+            y = F.conv1d(xx.float().transpose(1, 2), w, groups=C).transpose(1, 2)
+        else:  # packed documents: each starts from a zero left context
+            pieces = []
+            bounds = cu_seqlens.tolist()
+            for bos, eos in zip(bounds[:-1], bounds[1:], strict=True):
+                doc = F.pad(x[:, bos:eos].float().transpose(1, 2), (W - 1, 0))
+                pieces.append(F.conv1d(doc, w, groups=C).transpose(1, 2))
+            y = torch.cat(pieces, dim=1)
+        y = F.silu(y).to(x.dtype)
+    return y, xx[:, xx.shape[1] - (W - 1) :]
+
+
+def short_conv(x, weight, left=None, cu_seqlens=None, backend="auto"):
+    """``short_conv_reference``'s result, by the Triton kernel (``triton_short_conv.py``) on CUDA.
+
+    The kernel covers the training and plain-prefill form (no ``left``) for fp32 / bf16 / fp16
+    activations; with a cached ``left`` context (decoding) every backend runs the reference.
+    Returns (y [B, T, C] in x's dtype, the last W - 1 rows of the padded input [B, W-1, C]).
+    """
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[0] != x.shape[-1] or weight.shape[1] != 1:
+        raise ValueError(
+            f"short_conv: x must be [B, T, C] and weight [C, 1, W]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    if cu_seqlens is not None and cu_seqlens.dim() != 1:
+        raise ValueError(f"short_conv: cu_seqlens must be 1-D [N+1]; got shape {tuple(cu_seqlens.shape)}")
+    path = resolve_backend(backend, "short_conv", x, weight, cu_seqlens)
+    if left is not None or x.dtype not in TRITON_DTYPES:
+        path = "torch"
+    if path == "torch":
+        return short_conv_reference(x, weight, left, cu_seqlens)
+    from .triton_short_conv import short_conv_triton
+
+    W = weight.shape[-1]
+    tail = F.pad(x[:, max(0, x.shape[1] - (W - 1)) :], (0, 0, max(0, W - 1 - x.shape[1]), 0))
+    return short_conv_triton(x, weight, cu_seqlens), tail
+
+
+def output_norm_gate_reference(o, g, weight, eps, out_dtype=None):
+    """RMSNorm over o's last dim (fp32 statistic, fp32 weight [D]) times sigmoid(g), computed in
+    fp32 and returned in ``out_dtype`` (default o's dtype). o, g [..., D] of one shape."""
+    with torch.autocast(device_type=o.device.type, enabled=False):
+        of = o.float()
+        normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        return (normed * torch.sigmoid(g.float())).to(out_dtype or o.dtype)
+
+
+def output_norm_gate(o, g, weight, eps, out_dtype=None, backend="auto"):
+    """``output_norm_gate_reference``'s result, by the Triton kernel (``triton_output_gate.py``) on CUDA."""
+    if o.shape != g.shape or weight.shape != o.shape[-1:]:
+        raise ValueError(
+            f"output_norm_gate: o and g must have one shape [..., D] and weight [D]; got o {tuple(o.shape)}, "
+            f"g {tuple(g.shape)}, weight {tuple(weight.shape)}"
+        )
+    out_dtype = out_dtype or o.dtype
+    path = resolve_backend(backend, "output_norm_gate", o, g, weight)
+    if path == "triton" and {o.dtype, g.dtype, out_dtype} <= set(TRITON_DTYPES):
+        from .triton_output_gate import output_norm_gate_triton
+
+        return output_norm_gate_triton(o, g, weight, eps, out_dtype)
+    return output_norm_gate_reference(o, g, weight, eps, out_dtype)

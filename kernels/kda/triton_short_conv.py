@@ -1,0 +1,136 @@
+"""KDA's short convolution as one Triton pass forward and one backward (no fp32 tensor in memory).
+
+    a_t[c] = sum_{s=0..W-1} w[c, W-1-s] x_{t-s}[c]   over the taps inside t's document (s <= p_t)
+    y_t[c] = SiLU(a_t[c])                             fp32 in registers, stored in x's dtype
+    da_t   = dy_t sigma(a_t) (1 + a_t (1 - sigma(a_t)))
+    dx_t   = sum_s w[c, W-1-s] da_{t+s}  [s <= p_{t+s}]
+    dw[c, W-1-s] = sum_t da_t x_{t-s}    [s <= p_t]
+
+p_t is token t's position in its document (t itself without documents), computed on the device
+from ``cu_seqlens``, so packed documents need no host sync. Backward recomputes a from x (only x,
+the weight and p are kept); dw is summed per block of tokens in fp32, then over the blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BT, BC = 32, 128  # tokens x channels per program
+
+
+@triton.jit
+def _conv_at(base, w, u, pu, mu, c, mc, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """a_u[c] (fp32) for the tokens u of a block, their positions pu and mask mu."""
+    a = tl.zeros([BT, BC], dtype=tl.float32)
+    for s in tl.static_range(W):
+        w_s = tl.load(w + c * W + (W - 1 - s), mask=mc, other=0.0).to(tl.float32)
+        m = (mu & (pu >= s))[:, None] & mc[None, :]
+        x_s = tl.load(base + (u - s).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0)
+        a += w_s[None, :] * x_s.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _positions(pos, u, mu, HAS_POS: tl.constexpr):
+    if HAS_POS:
+        return tl.load(pos + u, mask=mu, other=0)
+    return u
+
+
+@triton.jit
+def short_conv_fwd_kernel(
+    x, w, pos, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr
+):
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = i_t * BT + tl.arange(0, BT)
+    c = i_c * BC + tl.arange(0, BC)
+    mt, mc = t < T, c < C
+    off = i_b.to(tl.int64) * T * C
+    a = _conv_at(x + off, w, t, _positions(pos, t, mt, HAS_POS), mt, c, mc, C, W, BT, BC)
+    out = a * tl.sigmoid(a)
+    ptr = y + off + t.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(ptr, out.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def short_conv_bwd_kernel(
+    x, w, pos, dy, dx, dw_part, T, C, NT,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+):  # fmt: skip
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = i_t * BT + tl.arange(0, BT)
+    c = i_c * BC + tl.arange(0, BC)
+    mt, mc = t < T, c < C
+    off = i_b.to(tl.int64) * T * C
+    pt = _positions(pos, t, mt, HAS_POS)
+    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for s in tl.static_range(W):  # da at t + s, through tap s back to t
+        u = t + s
+        mu = u < T
+        pu = _positions(pos, u, mu, HAS_POS)
+        a = _conv_at(x + off, w, u, pu, mu, c, mc, C, W, BT, BC)
+        m = mu[:, None] & mc[None, :]
+        b_dy = tl.load(dy + off + u.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        da = b_dy * sig * (1.0 + a * (1.0 - sig))
+        if s == 0:
+            da_t = da
+        w_s = tl.load(w + c * W + (W - 1 - s), mask=mc, other=0.0).to(tl.float32)
+        b_dx += tl.where((pu >= s)[:, None], w_s[None, :] * da, 0.0)
+    ptr = dx + off + t.to(tl.int64)[:, None] * C + c[None, :]
+    tl.store(ptr, b_dx.to(dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+    part = dw_part + ((i_b * NT + i_t).to(tl.int64) * C + c) * W
+    for s in tl.static_range(W):  # this block's share of dw[c, W-1-s]
+        m = (mt & (pt >= s))[:, None] & mc[None, :]
+        x_s = tl.load(x + off + (t - s).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0)
+        tl.store(part + (W - 1 - s), tl.sum(da_t * x_s.to(tl.float32), axis=0), mask=mc)
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """int32 [T]: each token's position in its document, on cu_seqlens' device (no host sync)."""
+    cu = cu_seqlens.to(torch.long)
+    t = torch.arange(T, device=cu.device)
+    doc = torch.searchsorted(cu, t, right=True) - 1
+    return (t - cu[doc]).to(torch.int32)
+
+
+def _grid(B, T, C):
+    return (triton.cdiv(T, BT), triton.cdiv(C, BC), B)
+
+
+class ShortConvSiLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, pos):
+        B, T, C = x.shape
+        W = weight.shape[-1]
+        x = x.contiguous()
+        w = weight.contiguous()
+        y = torch.empty_like(x)
+        short_conv_fwd_kernel[_grid(B, T, C)](
+            x, w, pos, y, T, C, W=W, BT=BT, BC=BC, HAS_POS=pos is not None
+        )  # fmt: skip
+        ctx.save_for_backward(x, w, pos)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, pos = ctx.saved_tensors
+        B, T, C = x.shape
+        W = w.shape[-1]
+        NT = triton.cdiv(T, BT)
+        dx = torch.empty_like(x)
+        dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)
+        short_conv_bwd_kernel[_grid(B, T, C)](
+            x, w, pos, dy.contiguous(), dx, dw_part, T, C, NT, W=W, BT=BT, BC=BC, HAS_POS=pos is not None
+        )  # fmt: skip
+        dw = dw_part.sum(0).view(C, 1, W).to(w.dtype)
+        return dx, dw, None
+
+
+def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(causal depthwise conv(x)) with zero left context at every document start; x [B, T, C],
+    weight [C, 1, W] (fp32), cu_seqlens [N+1] on x's device or None. Returns y [B, T, C] in x's dtype."""
+    pos = None if cu_seqlens is None else positions_in_documents(cu_seqlens, x.shape[1])
+    return ShortConvSiLU.apply(x, weight, pos)
