@@ -66,10 +66,16 @@ class ModelSection(_Section):
 
 
 class SamplingSection(_Section):
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, description="the policy is softmax(logits / temperature): the engines "
+                               "sample and report log-probs at it, the learner trains it (0: greedy, the policy at 1)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_tokens_per_turn: int = Field(64, ge=1)
+
+    @property
+    def policy_temperature(self) -> float:
+        """tau of the trained policy softmax(logits / tau): the sampling temperature, 1 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
 
 
 class ContextSection(_Section):
@@ -584,6 +590,10 @@ class JobConfig(_Section):
         if self.learner.lora is not None and self.learner.lora.sync == "adapters":
             problems.append(("learner.lora.sync", "rollout.engine 'vllm' takes whole weights; set "
                                                   "learner.lora.sync: merged (or rollout.engine: embedded)"))
+        if self.rollout.sampling.temperature not in (0.0, 1.0):
+            problems.append(("rollout.sampling.temperature", "rollout.engine 'vllm' reports log-probs at temperature 1 "
+                             "(logprobs_mode raw_logprobs), and the learner trains softmax(logits / temperature): "
+                             "set temperature 1 (or rollout.engine: embedded)"))
         if self.learner.routing_replay:
             problems.append(("learner.routing_replay", "rollout.engine 'vllm' does not return the routed experts "
                                                        "that routing replay trains with; set "

@@ -103,8 +103,13 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, config, device: str | torch.device | None = None,
-                 qk_clip_tau: float | None = None):
+                 qk_clip_tau: float | None = None, temperature: float = 1.0):
         self.cfg = config
+        # the policy is softmax(logits / temperature), the distribution the engines sample from (the
+        # job's rollout.sampling.temperature); SFT stays maximum likelihood at temperature 1
+        if not temperature > 0:
+            raise ValueError(f"the policy temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.rank, self.world_size = rank_and_world()
         if config.data_parallel == "fsdp" and config.world_size != self.world_size:
@@ -207,7 +212,7 @@ class Trainer:
 
         model = build_model(job.model.preset, job.model.overrides, seed=job.model.seed,
                             checkpoint=job.model.checkpoint or None)
-        return cls(model, job.learner, device=device)
+        return cls(model, job.learner, device=device, temperature=job.rollout.sampling.policy_temperature)
 
     # ------------------------------------------------------------------------------------
     # helpers
@@ -266,11 +271,13 @@ class Trainer:
         return self.model.as_media([from_png(b) for b in mb.images])
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None,
-                          media=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log p(target) [T], entropy [T]) in fp32; the [T, V] logits are never materialised."""
+                          media=None, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log p(target) [T], entropy [T]) in fp32 under softmax(logits / temperature) (default: the
+        policy's); the [T, V] logits are never materialised."""
         with self._autocast():
             logp, entropy = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
-                                  targets=mb.targets[None], context_parallel=self.context_parallel)
+                                  targets=mb.targets[None], context_parallel=self.context_parallel,
+                                  temperature=self.temperature if temperature is None else temperature)
         return logp[0], entropy[0]
 
     def _recording_logits(self):
@@ -531,7 +538,7 @@ class Trainer:
                 media = self._media(mb)
                 routes = self._replay_routes(mb, media)
                 with self._qb_paused(not mb.traj_indices):
-                    logp, _ = self._forward_logprobs(self.model, mb, routes, media)
+                    logp, _ = self._forward_logprobs(self.model, mb, routes, media, temperature=1.0)
                 loss, stats = sft_loss(logp, mb.mask, mb.agg_weights)
                 (loss * self.world_size).backward()
                 for k, v in stats.items():

@@ -27,9 +27,9 @@ exactly one weight version, reported per token in `GenerationResult.versions`. T
 tokens processed before an update are kept (as in partial rollouts); the prefix cache is
 emptied at every update, so a new request never starts from a state of an older version.
 
-Log-probs: `logprobs[i] = log softmax(logits)[token_i]` in fp32 at temperature 1 with no
-top-k / top-p filtering, i.e. the policy's own distribution, exactly what the learner's
-`log_softmax(logits.float())` gives for the same context (see `rollout/sampling.py`). They
+Log-probs: `logprobs[i] = log softmax(logits / tau)[token_i]` in fp32 at the request's temperature
+tau (1 when greedy) with no top-k / top-p filtering, i.e. the policy's own distribution, exactly
+what the learner gives for the same context at the job's temperature (see `rollout/sampling.py`). They
 are always returned (one logsumexp per token). The media placeholder id is never sampled.
 
 Routed experts (on request): `routed_experts[i][m]` are the k experts that MoE layer m chose
@@ -736,7 +736,7 @@ class EmbeddedEngine(InferenceEngine):
                                filtered=needs_filter([s.params for s in ready]))
         rows = torch.zeros(len(ready), width, dtype=torch.float64, device=self.device)
         rows[:, 0] = tokens.double()
-        rows[:, 1] = policy_logprobs(logits, tokens).double()
+        rows[:, 1] = policy_logprobs(logits, tokens, temperature).double()
         return rows
 
     def _finish_decoding(self, seqs: list[_Seq]) -> None:

@@ -199,7 +199,7 @@ class DecodeRunner:
         logits, routes = decode_forward(self.model, ints[0][:, None], cache)
         self.pool.write_back(cache)
         tokens = sample_tokens(logits, floats[0], floats[1], floats[2], ints[1], ints[2], self.banned, filtered)
-        cols = [tokens[:, None].double(), policy_logprobs(logits, tokens)[:, None].double()]
+        cols = [tokens[:, None].double(), policy_logprobs(logits, tokens, floats[0])[:, None].double()]
         if routes is not None:
             cols.append(routes.flatten(1).double())
         return torch.cat(cols, dim=1), logits

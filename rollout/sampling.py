@@ -5,12 +5,14 @@ so that it can run inside a captured CUDA graph of the decode step.
 
 Two distributions are involved, and they are kept apart on purpose:
 
-* the **policy distribution** pi(. | context) = softmax(logits) at temperature 1 with no
-  filtering. The engine returns log pi(sampled token) computed in fp32:
-      logprob = logits_fp32[tok] - logsumexp(logits_fp32)
-  which is exactly what the learner computes as `log_softmax(logits.float())` and compares
-  against (the behaviour log-probs of truncated importance sampling). These are what the
-  engine reports, whatever temperature / top-k / top-p the request used.
+* the **policy distribution** pi(. | context) = softmax(logits / tau) at the request's temperature
+  tau (1 for a greedy request) with no filtering. The engine returns log pi(sampled token)
+  computed in fp32:
+      logprob = z[tok] - logsumexp(z),   z = logits_fp32 / tau
+  which is exactly what the learner computes at the job's sampling temperature
+  (`Trainer(temperature=...)`) and compares against (the behaviour log-probs of truncated
+  importance sampling). Top-k / top-p never enter them: what they cut is the gap between q and pi
+  that importance sampling corrects.
 * the **sampling distribution** q, that tokens are actually drawn from:
       z = logits / T                      (T > 0; T = 0 is greedy: tok = argmax logits)
       keep the k largest z                (top_k > 0)
@@ -66,12 +68,15 @@ def uniform(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return _shr(z, 11).double() * 2.0**-53
 
 
-def policy_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log pi(tok) under softmax(logits) at temperature 1, unfiltered, in fp32.
+def policy_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """log pi(tok) under softmax(logits / tau), unfiltered, in fp32; tau = the row's temperature (1 where
+    it is 0, greedy, or when `temperature` is None).
 
-    logits [B, V], tokens [B] -> [B] fp32.
+    logits [B, V], tokens [B], temperature [B] -> [B] fp32.
     """
     lf = logits.float()
+    if temperature is not None:
+        lf = lf / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()[:, None]
     return lf.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(lf, dim=-1)
 
 

@@ -15,6 +15,9 @@ forward and again (recomputed) in the backward, so the peak is chunk x V whateve
 
 The logits are formed in the dtype of h and W (bf16 under autocast, as `lm_head` would) and
 read in fp32, so the numbers equal `token_logprobs(lm_head(h), y)`.
+
+At a policy temperature tau (the distribution the engine samples from, softmax(z / tau)), z above
+is the fp32 logits divided by tau, and the chain rule adds d(logits) = d z / tau.
 """
 
 from __future__ import annotations
@@ -29,20 +32,20 @@ def default_chunk_tokens(vocab_size: int, chunk_bytes: int = 256 << 20) -> int:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, temperature: float):
         T = hidden.shape[0]
         logp = torch.empty(T, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for s in range(0, T, chunk):
-            z = (hidden[s : s + chunk] @ weight.t()).float()  # [c, V]
+            z = (hidden[s : s + chunk] @ weight.t()).float() / temperature  # [c, V]
             lse_c = torch.logsumexp(z, dim=-1)
             p = torch.exp(z - lse_c[:, None])
             lse[s : s + chunk] = lse_c
             logp[s : s + chunk] = z.gather(-1, targets[s : s + chunk, None]).squeeze(-1) - lse_c
             entropy[s : s + chunk] = lse_c - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.temperature = chunk, temperature
         return logp, entropy
 
     @staticmethod
@@ -53,7 +56,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = (h @ weight.t()).float()
+            z = (h @ weight.t()).float() / ctx.temperature
             p = torch.exp(z - lse[s : s + chunk, None])
             dz = torch.zeros_like(z)
             if g_logp is not None:
@@ -63,17 +66,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if g_entropy is not None:
                 mean_z = (lse - entropy)[s : s + chunk]  # E_p[z] = logsumexp(z) - H
                 dz -= g_entropy[s : s + chunk].float()[:, None] * p * (z - mean_z[:, None])
-            dz = dz.to(hidden.dtype)
+            dz = (dz / ctx.temperature).to(hidden.dtype)  # d logits = d z / tau
             if d_hidden is not None:
                 d_hidden[s : s + chunk] = dz @ weight
             if d_weight is not None:
                 d_weight += (dz.t() @ h).float()
-        return d_hidden, (d_weight.to(weight.dtype) if d_weight is not None else None), None, None
+        return d_hidden, (d_weight.to(weight.dtype) if d_weight is not None else None), None, None, None
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(y_t), entropy H_t), both fp32 [T], for hidden [T, d], lm_head weight [V, d], targets [T].
+                           chunk_tokens: int | None = None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(y_t), entropy H_t), both fp32 [T], for hidden [T, d], lm_head weight [V, d], targets [T],
+    under softmax(logits / temperature).
 
     Under autocast the product runs in the autocast dtype, as `nn.Linear` would."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
@@ -83,6 +87,8 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     elif weight.dtype != hidden.dtype:
         hidden = hidden.to(weight.dtype)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
-        return _ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk)
+        return _ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk, float(temperature))

@@ -215,12 +215,14 @@ class K3ForCausalLM(nn.Module):
         targets: torch.Tensor | None = None,
         logprob_chunk_tokens: int | None = None,
         context_parallel=None,
+        temperature: float = 1.0,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
 
         - `targets` [B, T]: instead of the logits, (log p(target) [B, T], entropy [B, T]) in fp32,
           formed chunk by chunk from the last hidden states (`logprobs.py`): the [B, T, V]
-          logits never exist, in the forward or the backward.
+          logits never exist, in the forward or the backward. `temperature`: of softmax(logits / T),
+          the distribution an engine sampling at temperature T draws from.
 
         - `images`: a MediaBatch (or raw images / videos) whose rows replace the
           `media_placeholder_token_id` tokens in order; the counts must match exactly.
@@ -297,7 +299,7 @@ class K3ForCausalLM(nn.Module):
             if tuple(targets.shape) != (B, T):
                 raise ValueError(f"targets must be [B, T] = {(B, T)}, got {tuple(targets.shape)}")
             logp, entropy = chunked_token_logprobs(hidden.reshape(B * T, -1), self.lm_head.weight,
-                                                   targets.reshape(-1), logprob_chunk_tokens)
+                                                   targets.reshape(-1), logprob_chunk_tokens, temperature)
             out = (logp.view(B, T), entropy.view(B, T))
         else:
             out = self.lm_head(hidden)

@@ -28,11 +28,31 @@ def test_forward_and_backward_equal_the_full_logits_path(chunk):
     torch.testing.assert_close(logp.double(), ref_logp.double(), rtol=0, atol=1e-6)
     torch.testing.assert_close(ent.double(), ref_ent.double(), rtol=0, atol=1e-5)  # both fp32
 
-    g1, g2 = torch.randn(37, dtype=torch.float64), torch.randn(37, dtype=torch.float64)
+    g1, g2 = torch.randn(2, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     grads = torch.autograd.grad((logp * g1).sum() + (ent * g2).sum(), (h, w))
     ref = torch.autograd.grad((ref_logp * g1).sum() + (ref_ent * g2).sum(), (h, w))
     for a, b in zip(grads, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)  # fp32 logits on both sides
+
+
+@pytest.mark.parametrize("tau", [0.7, 1.3])
+def test_a_temperature_is_the_policy_softmax_of_logits_over_tau(tau):
+    # the policy an engine sampling at temperature tau draws from: log softmax(z / tau), its entropy and
+    # both gradients (through z / tau) equal the full-logits path on the divided logits
+    h, w, y = _inputs(seed=2)
+    logp, ent = chunked_token_logprobs(h, w, y, 6, temperature=tau)
+    z = F.linear(h, w) / tau
+    ref_logp, ref_ent = token_logprobs(z, y), token_entropy(z)
+    torch.testing.assert_close(logp.double(), ref_logp.double(), rtol=0, atol=1e-5)  # z / tau in fp32 vs fp64
+    torch.testing.assert_close(ent.double(), ref_ent.double(), rtol=0, atol=1e-5)
+    g1, g2 = torch.randn(2, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad((logp * g1).sum() + (ent * g2).sum(), (h, w))
+    ref = torch.autograd.grad((ref_logp * g1).sum() + (ref_ent * g2).sum(), (h, w))
+    for a, b in zip(grads, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)
+    assert (logp - chunked_token_logprobs(h, w, y, 6)[0]).abs().max() > 1e-2  # not the temperature-1 numbers
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        chunked_token_logprobs(h, w, y, 6, temperature=0.0)
 
 
 def test_gradient_of_one_output_alone():

@@ -212,6 +212,30 @@ def test_other_objectives_train(algorithm, advantage, tis_level, loss_agg):
         assert m["is_ratio_mean"] == 1.0 and m["clip_frac"] > 0
 
 
+def test_the_policy_at_the_sampling_temperature_is_what_the_engine_reports():
+    """An engine sampling at temperature 0.6 (top-k 8) reports log softmax(logits / 0.6) of its tokens;
+    a Trainer at temperature 0.6 scores them the same (the ratio is 1 on policy), one at 1 does not;
+    SFT stays maximum likelihood at temperature 1 whatever the policy temperature."""
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.types import SamplingParams, Trajectory
+
+    model = tiny(3)
+    with EmbeddedEngine(model, max_num_seqs=2) as engine:
+        prompt = list(range(40, 72))
+        r = engine.generate(prompt, SamplingParams(temperature=0.6, top_k=8, max_tokens=20, seed=4))
+    C = len(r.token_ids)
+    tr = Trajectory(env_id="test/Synthetic-v0", group_id="g", prompt_ids=prompt, completion_ids=list(r.token_ids),
+                    logprobs=list(r.logprobs), loss_mask=[1] * C, versions=[0] * C, reward=1.0)
+    hot = Trainer(model, LearnerSection(micro_batch_tokens=128, steps=1), temperature=0.6)
+    got = torch.tensor(hot.logprobs([tr])[0], dtype=torch.float64)
+    torch.testing.assert_close(got, torch.tensor(r.logprobs, dtype=torch.float64), rtol=0, atol=2e-5)
+    cold = torch.tensor(Trainer(model, LearnerSection(micro_batch_tokens=128, steps=1)).logprobs([tr])[0], dtype=torch.float64)
+    assert (cold - got).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="policy temperature must be > 0"):
+        Trainer(model, LearnerSection(steps=1), temperature=0.0)
+    assert JobConfig.load(None, ["rollout.sampling.temperature=0"]).rollout.sampling.policy_temperature == 1.0
+
+
 def test_logprobs_of_completion_tokens_match_a_direct_forward():
     t = trainer()
     batch = make_trajectories(10, n=3)

@@ -58,12 +58,14 @@ def test_greedy_equals_argmax_of_full_forward_and_logprobs_match(model):
         assert r.logprobs[i] == pytest.approx(float(ref[P - 1 + i, tok]), rel=1e-4, abs=1e-4)
 
 
-def test_sampled_logprobs_are_the_unfiltered_temperature_one_policy(model):
+def test_sampled_logprobs_are_the_unfiltered_policy_at_the_request_temperature(model):
     eng = _engine(model)
     prompt = _prompt(20, 5)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=10, seed=3)
     r = eng.generate(prompt, params)
-    ref = torch.log_softmax(_full_logits(model, prompt + r.token_ids), -1)
+    # log softmax(logits / 0.7): the policy the learner trains at the job's temperature; neither
+    # the temperature-1 distribution nor the top-k / top-p filtered one
+    ref = torch.log_softmax(_full_logits(model, prompt + r.token_ids) / 0.7, -1)
     P = len(prompt)
     for i, tok in enumerate(r.token_ids):
         assert r.logprobs[i] == pytest.approx(float(ref[P - 1 + i, tok]), rel=1e-4, abs=1e-4)
