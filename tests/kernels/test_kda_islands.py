@@ -1,0 +1,98 @@
+"""The KDA islands (short convolution, output norm + gate): the Triton kernels under the interpreter (in a
+fresh process: islands_interpret_cases.py), the dispatchers' choices and errors, and the kernels on a GPU."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3rl.kernels.kda import output_norm_gate, output_norm_gate_reference, short_conv, short_conv_reference
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_island_kernels_under_the_interpreter():
+    cases = pathlib.Path(__file__).with_name("islands_interpret_cases.py")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"],
+        capture_output=True, text=True, env=env, timeout=900, cwd=cases.parent,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+def test_short_conv_on_cpu_is_the_reference_and_keeps_the_decode_cache():
+    gen = torch.Generator().manual_seed(0)
+    x, w, left = torch.randn(2, 5, 8, generator=gen), torch.randn(8, 1, 4, generator=gen), torch.randn(2, 3, 8)
+    y, tail = short_conv(x, w, left, None)
+    y_ref, tail_ref = short_conv_reference(x, w, left, None)
+    assert torch.equal(y, y_ref) and torch.equal(tail, x[:, 2:]) and torch.equal(tail_ref, tail)
+    # a short input: the new left context is the old one's end and the input
+    _, tail = short_conv(x[:, :1], w, left, None)
+    assert torch.equal(tail, torch.cat([left[:, 1:], x[:, :1]], 1))
+
+
+def test_islands_refuse_bad_shapes_and_backends():
+    x, w = torch.randn(1, 5, 8), torch.randn(8, 1, 4)
+    with pytest.raises(ValueError, match=r"weight \[C, 1, W\]"):
+        short_conv(x, torch.randn(6, 1, 4))
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):
+        short_conv(x, w, None, torch.tensor([[0, 5]]))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        short_conv(x, w, backend="cuda")
+    o = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match="o and g must have one shape"):
+        output_norm_gate(o, o[..., :4], torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        output_norm_gate(o, o, torch.ones(4), 1e-5)
+
+
+def gpu_case(seed=0, lens=(1, 700, 1, 1300, 37, 2048)):
+    """Ragged documents (1-token ones included) of 4087 tokens, and a random-tensor maker."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    T = int(cu[-1])
+    return cu, T, r
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def with_grads(fn, inputs, d_out):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(d_out)
+    return [out] + [t.grad for t in leaves]
+
+
+@pytest.mark.gpu
+@cuda
+def test_short_conv_triton_on_the_gpu_matches_the_reference_bf16():
+    cu, T, r = gpu_case()
+    x, w, dy = r(1, T, 1536).bfloat16(), r(1536, 1, 4) * 0.5, r(1, T, 1536).bfloat16()
+    ours = with_grads(lambda a, b: short_conv(a, b, None, cu, backend="triton"), [x, w], dy)
+    ref = with_grads(lambda a, b: short_conv_reference(a, b, None, cu), [x, w], dy)
+    assert ours[0].dtype == torch.bfloat16 and ours[2].dtype == torch.float32
+    for name, a, b in zip(("y", "dx", "dweight"), ours, ref, strict=True):
+        assert rel(a, b) < 4e-3, name  # bf16 rounding of the same fp32 values
+
+
+@pytest.mark.gpu
+@cuda
+def test_output_norm_gate_triton_on_the_gpu_matches_the_reference_bf16():
+    cu, T, r = gpu_case()
+    o, g, w = r(1, T, 12, 128).bfloat16(), r(1, T, 12, 128).bfloat16(), r(128) * 0.2 + 1
+    dy = r(1, T, 12, 128).bfloat16()
+    ours = with_grads(lambda *a: output_norm_gate(*a, 1e-5, torch.bfloat16, backend="triton"), [o, g, w], dy)
+    ref = with_grads(lambda *a: output_norm_gate_reference(*a, 1e-5, torch.bfloat16), [o, g, w], dy)
+    for name, a, b in zip(("y", "do", "dg", "dweight"), ours, ref, strict=True):
+        assert a.dtype == b.dtype and rel(a, b) < 4e-3, name
