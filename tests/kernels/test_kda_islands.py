@@ -1,7 +1,9 @@
 """The KDA islands (short convolution, output norm + gate): the Triton kernels under the interpreter (in a
-fresh process: islands_interpret_cases.py), the dispatchers' choices and errors, and the kernels on a GPU."""
+fresh process: islands_interpret_cases.py) and compiled for sm_90 (islands_sm90_check.py), the dispatchers'
+choices and errors, and the kernels on a GPU."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -25,6 +27,18 @@ def test_island_kernels_under_the_interpreter():
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_island_kernels_compile_for_sm90():
+    """The compiler (not the interpreter) takes every island kernel with its launch settings; none
+    needs more shared memory than a Hopper block has."""
+    script = pathlib.Path(__file__).with_name("islands_sm90_check.py")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(shared) == 5 and all(n <= 232448 for n in shared.values()), shared
 
 
 def test_short_conv_on_cpu_is_the_reference_and_keeps_the_decode_cache():

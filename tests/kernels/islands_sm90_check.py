@@ -1,0 +1,51 @@
+"""Compile the KDA island kernels for Hopper (sm_90) on the CPU with their launch settings and print
+each one's shared memory in bytes (JSON). Run as a script by test_kda_islands.py, so that
+TRITON_INTERPRET=1 elsewhere does not matter; catches what the interpreter cannot (a construct the
+compiler refuses)."""
+
+import inspect
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from k3rl.kernels.kda import triton_output_gate as tg  # noqa: E402
+from k3rl.kernels.kda import triton_short_conv as tc  # noqa: E402
+
+TYPES = {  # argument -> Triton type; bf16 activations, fp32 weights and partial sums
+    **dict.fromkeys(["x", "y", "dy", "dx", "o", "g", "do", "dg"], "*bf16"),
+    **dict.fromkeys(["w", "dw_part", "rstd"], "*fp32"),
+    "pos": "*i32",
+    **dict.fromkeys(["T", "C", "NT", "n_rows", "per_prog"], "i32"),
+    "eps": "fp32",
+}
+
+
+def shared_bytes(kernel, constexprs, num_warps=4, num_stages=3):
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in constexprs else TYPES[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+
+def main():
+    conv = dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True)
+    BD, BR = tg._blocks(128)
+    gate = dict(D=128, BD=BD, BR=BR)
+    print(json.dumps({
+        "short_conv_fwd": shared_bytes(tc.short_conv_fwd_kernel, conv),
+        "short_conv_bwd": shared_bytes(tc.short_conv_bwd_kernel, conv),
+        "short_conv_fwd_nopos": shared_bytes(tc.short_conv_fwd_kernel, dict(conv, HAS_POS=False)),
+        "norm_gate_fwd": shared_bytes(tg.norm_gate_fwd_kernel, gate),
+        "norm_gate_bwd": shared_bytes(tg.norm_gate_bwd_kernel, gate),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
