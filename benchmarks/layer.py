@@ -30,13 +30,18 @@ Norms, gates, activations, AttnRes and the short convolutions are not counted. M
 time / the bf16 matmul peak measured in the same run (an 8192^3 bf16 matmul).
 
 Levers (rows), each measured on the same layer and inputs:
-  eager              the model's own code path (``latent_experts`` with its input check)
+  eager              the model's own code path (``latent_experts`` with its input check; the KDA
+                     mixer's short convolutions and output norm + gate by the fused Triton kernels
+                     of ``kernels/kda/islands.py``)
+  kda islands torch  the KDA islands by their PyTorch references instead (the code before the fused
+                     kernels: fp32 cuDNN convolutions, fp32 norm and gate on [N, 96, 128], casts)
   no host sync       the grouped expert GEMMs called without the check's two host reads
   experts loop       one GEMM chain per expert (the loop reference) instead of torch._grouped_mm
   router tf32        the fp32 router matmul on TF32 tensor cores (allow_tf32)
   recompute experts  selective activation recompute: the routed experts under torch.utils.checkpoint
   compile            regional torch.compile of the decoder layer (first token count only: compile time)
-  kda conv bf16      the KDA short convolutions (depthwise conv + SiLU) in bf16 instead of fp32
+  kda conv bf16      the KDA short convolutions by cuDNN in bf16 instead of the fused kernel (output
+                     norm + gate still fused)
   mla bf16 sdpa      MLA attention by SDPA on bf16 inputs (flash / cuDNN) instead of the fp32 kernel
 """
 
@@ -54,6 +59,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3rl.kernels.kda import output_norm_gate_reference, short_conv_reference  # noqa: E402
 from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop  # noqa: E402
 from k3rl.learner.model import kda as kda_module  # noqa: E402
 from k3rl.learner.model import model_config  # noqa: E402
@@ -181,7 +187,7 @@ def bf16_attention(mla):
     return naive_attention
 
 
-def short_conv_bf16(x, weight, left, cu_seqlens):
+def short_conv_bf16(x, weight, left, cu_seqlens, backend=None):
     """learner.model.kda.short_conv for one unpacked batch, in x's dtype instead of fp32 (the lever)."""
     import torch.nn.functional as F
 
@@ -191,6 +197,15 @@ def short_conv_bf16(x, weight, left, cu_seqlens):
     xx = F.pad(x.transpose(1, 2), (W - 1, 0))  # [B, C, W-1+T]
     y = F.conv1d(xx, weight.to(x.dtype), groups=x.shape[-1]).transpose(1, 2)
     return F.silu(y), xx.transpose(1, 2)[:, xx.shape[-1] - (W - 1) :]
+
+
+def kda_islands_torch(_layer):
+    """The lever: the KDA mixer's short convolutions and output norm + gate by their PyTorch references."""
+    undo = [
+        _swap_global(kda_module, "short_conv", lambda *a: short_conv_reference(*a[:4])),  # a[4]: backend
+        _swap_global(kda_module, "output_norm_gate", lambda *a: output_norm_gate_reference(*a[:5])),
+    ]
+    return lambda: [u() for u in undo]
 
 
 def matmul_peak():
@@ -256,6 +271,7 @@ def levers(kind, first_n):
         rows += [("router tf32", _tf32)]
         rows += [("recompute experts", lambda L: _swap(L.mlp, "recompute", True))]
     if kind in ("kda_moe", "kda"):
+        rows += [("kda islands torch", kda_islands_torch)]
         rows += [("kda conv bf16", lambda L: _swap_global(kda_module, "short_conv", short_conv_bf16))]
     if kind in ("mla_moe", "mla"):
         rows += [

@@ -110,3 +110,31 @@ def test_output_norm_gate_triton_on_the_gpu_matches_the_reference_bf16():
     ref = with_grads(lambda *a: output_norm_gate_reference(*a, 1e-5, torch.bfloat16), [o, g, w], dy)
     for name, a, b in zip(("y", "do", "dg", "dweight"), ours, ref, strict=True):
         assert a.dtype == b.dtype and rel(a, b) < 4e-3, name
+
+
+def test_layer_benchmark_lever_runs_the_mixer_on_the_references():
+    """benchmarks/layer.py's 'kda islands torch' row (the before of the fused kernels): it swaps the mixer's
+    two islands for their references, the mixer still runs forward and backward, and undo restores them."""
+    import importlib.util as iu
+
+    from k3rl.learner.model import K3Config
+    from k3rl.learner.model import kda as kda_module
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "layer.py"
+    spec = iu.spec_from_file_location("layer_benchmark", path)
+    bench = iu.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = dict(bench.levers("kda", False))
+    assert "eager" in rows and "kda islands torch" in rows and "kda islands torch" in dict(bench.levers("kda_moe", 0))
+    layer = kda_module.KimiDeltaAttention(K3Config.preset("k3-tiny"), 0)
+    x = torch.randn(1, 12, layer.q_proj.in_features, requires_grad=True)
+    before = layer(x, cu_seqlens=torch.tensor([0, 5, 12]))
+    undo = rows["kda islands torch"](layer)
+    try:
+        assert kda_module.short_conv is not short_conv and kda_module.output_norm_gate is not output_norm_gate
+        after = layer(x, cu_seqlens=torch.tensor([0, 5, 12]))
+        after.sum().backward()
+    finally:
+        undo()
+    assert kda_module.short_conv is short_conv and kda_module.output_norm_gate is output_norm_gate
+    assert torch.equal(before, after) and x.grad is not None
