@@ -106,7 +106,7 @@ class Job:
         self.name, self.lag, self.overrides, self.out = name, lag, overrides, out
         self.proc: subprocess.Popen | None = None
         self.started = self.ended = None
-        self.interrupted = False
+        self.interrupted = self.killed = False
 
     def start(self) -> None:
         env = {**os.environ, **NO_MULTICAST, "COLUMNS": "200", "PYTHONUNBUFFERED": "1",
@@ -143,6 +143,7 @@ class Job:
     def kill(self) -> None:
         """The job's whole session (driver and its Ray processes), only ours."""
         if self.proc is not None:
+            self.killed |= self.proc.poll() is None
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -157,7 +158,7 @@ def say(line: str) -> None:
 
 def run_jobs(jobs: list[Job], args) -> list[dict]:
     """Start the jobs (all at once, or one after the other), stop them at the budget; GPU use every 30 s."""
-    deadline, gpu, last_poll = time.monotonic() + args.budget_s, [], 0.0
+    deadline, gpu, last_poll = START + args.budget_s, [], 0.0
     pending = list(jobs)
     try:
         while pending or any(j.running() for j in jobs):
@@ -213,6 +214,10 @@ def read_run(client, job: Job) -> dict:
     def history(key: str) -> dict[int, float]:
         return dict(metric_history(client, run.info.run_id, key)) if key in run.data.metrics else {}
 
+    status = run.info.status
+    if job.killed and status == "RUNNING":  # killed before it could end its MLflow run
+        client.set_terminated(run.info.run_id, status="KILLED")
+        status = "KILLED"
     series = {name: history(key) for name, key in STEP_KEYS.items()}
     steps = sorted(s for s in series["reward"] if s >= 1)  # step 0 is the untrained policy, if rolled out
     evals: dict[int, dict] = {}
@@ -224,8 +229,9 @@ def read_run(client, job: Job) -> dict:
     sft = {k.removeprefix("sft/"): [v for _, v in sorted(history(k).items())] for k in keys if k.startswith("sft/")}
     step_s = [series["step_s"][s] for s in steps if s in series["step_s"]]
     return {
-        "name": job.name, "max_policy_lag": job.lag, "run_id": run.info.run_id, "status": run.info.status,
+        "name": job.name, "max_policy_lag": job.lag, "run_id": run.info.run_id, "status": status,
         "exit_code": job.proc.returncode if job.proc else None, "stopped_by_budget": job.interrupted,
+        "killed": job.killed,
         "steps": [{"step": s, **{n: series[n][s] for n in series if s in series[n]}} for s in steps],
         "eval": [evals[s] for s in sorted(evals)],
         "sft": {k: {"first": v[0], "last": v[-1], "steps": len(v)} for k, v in sft.items() if k in ("loss", "nll")},
@@ -288,8 +294,9 @@ def main() -> None:
                     help=f"a KeyLookup kwarg of training and eval (default {TASK})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="a config override of both jobs, applied last (repeatable)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="wall clock after which the jobs get Ctrl-C")
-    ap.add_argument("--grace-s", type=float, default=60.0, help="then this long to save and stop before a kill")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="seconds from the script's start after which the jobs get Ctrl-C")
+    ap.add_argument("--grace-s", type=float, default=40.0, help="then this long to save and stop before a kill")
     ap.add_argument("--sequential", action="store_true", help="one job after the other (default: all at once)")
     ap.add_argument("--cpu", action="store_true", help="smoke run: k3-tiny in float32 on CPUs, 2 steps, tiny eval")
     args = ap.parse_args()
