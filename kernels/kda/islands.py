@@ -47,8 +47,8 @@ def short_conv_reference(x, weight, left=None, cu_seqlens=None):
 def short_conv(x, weight, left=None, cu_seqlens=None, backend="auto"):
     """``short_conv_reference``'s result, by the Triton kernel (``triton_short_conv.py``) on CUDA.
 
-    The kernel covers the training and plain-prefill form (no ``left``) for fp32 / bf16 / fp16
-    activations; with a cached ``left`` context (decoding) every backend runs the reference.
+    The kernel covers fp32 / bf16 / fp16 activations, packed documents, and a cached ``left``
+    context (decoding) that needs no gradient; anything else runs the reference on every backend.
     Returns (y [B, T, C] in x's dtype, the last W - 1 rows of the padded input [B, W-1, C]).
     """
     if x.dim() != 3 or weight.dim() != 3 or weight.shape[0] != x.shape[-1] or weight.shape[1] != 1:
@@ -57,16 +57,22 @@ def short_conv(x, weight, left=None, cu_seqlens=None, backend="auto"):
         )
     if cu_seqlens is not None and cu_seqlens.dim() != 1:
         raise ValueError(f"short_conv: cu_seqlens must be 1-D [N+1]; got shape {tuple(cu_seqlens.shape)}")
-    path = resolve_backend(backend, "short_conv", x, weight, cu_seqlens)
-    if left is not None or x.dtype not in TRITON_DTYPES:
+    W = weight.shape[-1]
+    if left is not None and (left.shape != (x.shape[0], W - 1, x.shape[2]) or cu_seqlens is not None):
+        raise ValueError(
+            f"short_conv: left must be [B, W-1, C] = {(x.shape[0], W - 1, x.shape[2])} and comes without "
+            f"cu_seqlens; got left {tuple(left.shape)}, cu_seqlens {'given' if cu_seqlens is not None else 'None'}"
+        )
+    path = resolve_backend(backend, "short_conv", x, weight, left, cu_seqlens)
+    if x.dtype not in TRITON_DTYPES or (left is not None and left.requires_grad):
         path = "torch"
     if path == "torch":
         return short_conv_reference(x, weight, left, cu_seqlens)
     from .triton_short_conv import short_conv_triton
 
-    W = weight.shape[-1]
-    tail = F.pad(x[:, max(0, x.shape[1] - (W - 1)) :], (0, 0, max(0, W - 1 - x.shape[1]), 0))
-    return short_conv_triton(x, weight, cu_seqlens), tail
+    before = x.new_zeros(x.shape[0], W - 1, x.shape[2]) if left is None else left.to(x.dtype)
+    tail = torch.cat([before[:, min(x.shape[1], W - 1) :], x[:, max(0, x.shape[1] - (W - 1)) :]], dim=1)
+    return short_conv_triton(x, weight, cu_seqlens, left), tail
 
 
 def output_norm_gate_reference(o, g, weight, eps, out_dtype=None):

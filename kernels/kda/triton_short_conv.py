@@ -7,7 +7,8 @@
     dw[c, W-1-s] = sum_t da_t x_{t-s}    [s <= p_t]
 
 p_t is token t's position in its document (t itself without documents), computed on the device
-from ``cu_seqlens``, so packed documents need no host sync. Backward recomputes a from x (only x,
+from ``cu_seqlens``, so packed documents need no host sync. For decoding, x_{t-s} before token 0
+comes from the cached left context [B, W-1, C] instead of zeros. Backward recomputes a from x (only x,
 the weight and p are kept); dw is summed per block of tokens in fp32, then over the blocks.
 """
 
@@ -21,14 +22,27 @@ BT, BC = 32, 128  # tokens x channels per program
 
 
 @triton.jit
-def _conv_at(base, w, u, pu, mu, c, mc, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _x_at(base, left, i_b, u, s, pu, mu, c, mc, C, W: tl.constexpr, HAS_LEFT: tl.constexpr):
+    """x_{u-s}[c] (fp32) inside u's document, or from the cached left context before token 0."""
+    m = (mu & (pu >= s))[:, None] & mc[None, :]
+    x_s = tl.load(base + (u - s).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_LEFT:  # row W-1+u-s of left [W-1, C] when u - s < 0
+        m = (mu & (u < s))[:, None] & mc[None, :]
+        row = i_b.to(tl.int64) * (W - 1) + (W - 1 + u - s)
+        x_s += tl.load(left + row[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    return x_s
+
+
+@triton.jit
+def _conv_at(
+    base, left, i_b, w, u, pu, mu, c, mc, C,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_LEFT: tl.constexpr,
+):  # fmt: skip
     """a_u[c] (fp32) for the tokens u of a block, their positions pu and mask mu."""
     a = tl.zeros([BT, BC], dtype=tl.float32)
     for s in tl.static_range(W):
         w_s = tl.load(w + c * W + (W - 1 - s), mask=mc, other=0.0).to(tl.float32)
-        m = (mu & (pu >= s))[:, None] & mc[None, :]
-        x_s = tl.load(base + (u - s).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0)
-        a += w_s[None, :] * x_s.to(tl.float32)
+        a += w_s[None, :] * _x_at(base, left, i_b, u, s, pu, mu, c, mc, C, W, HAS_LEFT)
     return a
 
 
@@ -41,14 +55,15 @@ def _positions(pos, u, mu, HAS_POS: tl.constexpr):
 
 @triton.jit
 def short_conv_fwd_kernel(
-    x, w, pos, y, T, C, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr
-):
+    x, w, pos, left, y, T, C,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+):  # fmt: skip
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t * BT + tl.arange(0, BT)
     c = i_c * BC + tl.arange(0, BC)
     mt, mc = t < T, c < C
     off = i_b.to(tl.int64) * T * C
-    a = _conv_at(x + off, w, t, _positions(pos, t, mt, HAS_POS), mt, c, mc, C, W, BT, BC)
+    a = _conv_at(x + off, left, i_b, w, t, _positions(pos, t, mt, HAS_POS), mt, c, mc, C, W, BT, BC, HAS_LEFT)
     out = a * tl.sigmoid(a)
     ptr = y + off + t.to(tl.int64)[:, None] * C + c[None, :]
     tl.store(ptr, out.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
@@ -56,8 +71,8 @@ def short_conv_fwd_kernel(
 
 @triton.jit
 def short_conv_bwd_kernel(
-    x, w, pos, dy, dx, dw_part, T, C, NT,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+    x, w, pos, left, dy, dx, dw_part, T, C, NT,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
 ):  # fmt: skip
     i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = i_t * BT + tl.arange(0, BT)
@@ -70,7 +85,7 @@ def short_conv_bwd_kernel(
         u = t + s
         mu = u < T
         pu = _positions(pos, u, mu, HAS_POS)
-        a = _conv_at(x + off, w, u, pu, mu, c, mc, C, W, BT, BC)
+        a = _conv_at(x + off, left, i_b, w, u, pu, mu, c, mc, C, W, BT, BC, HAS_LEFT)
         m = mu[:, None] & mc[None, :]
         b_dy = tl.load(dy + off + u.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
@@ -83,9 +98,8 @@ def short_conv_bwd_kernel(
     tl.store(ptr, b_dx.to(dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
     part = dw_part + ((i_b * NT + i_t).to(tl.int64) * C + c) * W
     for s in tl.static_range(W):  # this block's share of dw[c, W-1-s]
-        m = (mt & (pt >= s))[:, None] & mc[None, :]
-        x_s = tl.load(x + off + (t - s).to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0)
-        tl.store(part + (W - 1 - s), tl.sum(da_t * x_s.to(tl.float32), axis=0), mask=mc)
+        x_s = _x_at(x + off, left, i_b, t, s, pt, mt, c, mc, C, W, HAS_LEFT)
+        tl.store(part + (W - 1 - s), tl.sum(da_t * x_s, axis=0), mask=mc)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -102,35 +116,42 @@ def _grid(B, T, C):
 
 class ShortConvSiLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, pos):
+    def forward(ctx, x, weight, pos, left):
         B, T, C = x.shape
         W = weight.shape[-1]
-        x = x.contiguous()
-        w = weight.contiguous()
+        x, w = x.contiguous(), weight.contiguous()
+        left = None if left is None else left.to(x.dtype).contiguous()
         y = torch.empty_like(x)
         short_conv_fwd_kernel[_grid(B, T, C)](
-            x, w, pos, y, T, C, W=W, BT=BT, BC=BC, HAS_POS=pos is not None
+            x, w, pos, left, y, T, C, W=W, BT=BT, BC=BC, HAS_POS=pos is not None, HAS_LEFT=left is not None
         )  # fmt: skip
-        ctx.save_for_backward(x, w, pos)
+        ctx.save_for_backward(x, w, pos, left)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, pos = ctx.saved_tensors
+        x, w, pos, left = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[-1]
         NT = triton.cdiv(T, BT)
         dx = torch.empty_like(x)
         dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)
         short_conv_bwd_kernel[_grid(B, T, C)](
-            x, w, pos, dy.contiguous(), dx, dw_part, T, C, NT, W=W, BT=BT, BC=BC, HAS_POS=pos is not None
+            x, w, pos, left, dy.contiguous(), dx, dw_part, T, C, NT,
+            W=W, BT=BT, BC=BC, HAS_POS=pos is not None, HAS_LEFT=left is not None,
         )  # fmt: skip
         dw = dw_part.sum(0).view(C, 1, W).to(w.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def short_conv_triton(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None, left: torch.Tensor | None = None
+) -> torch.Tensor:
     """SiLU(causal depthwise conv(x)) with zero left context at every document start; x [B, T, C],
-    weight [C, 1, W] (fp32), cu_seqlens [N+1] on x's device or None. Returns y [B, T, C] in x's dtype."""
+    weight [C, 1, W] (fp32), cu_seqlens [N+1] on x's device or None; or, for decoding, the cached
+    left context [B, W-1, C] before token 0 (no cu_seqlens; no gradient to it). Returns y [B, T, C]
+    in x's dtype."""
+    if left is not None and (cu_seqlens is not None or left.requires_grad):
+        raise ValueError("short_conv_triton: a left context goes without cu_seqlens and without a gradient")
     pos = None if cu_seqlens is None else positions_in_documents(cu_seqlens, x.shape[1])
-    return ShortConvSiLU.apply(x, weight, pos)
+    return ShortConvSiLU.apply(x, weight, pos, left)

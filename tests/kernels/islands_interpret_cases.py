@@ -80,6 +80,24 @@ def test_short_conv_triton_matches_reference(B, lens, C, W, dtype):
     assert torch.equal(tail, short_conv_reference(x, w, None, cu)[1])
 
 
+@pytest.mark.parametrize("T", [1, 2, 45])  # a decode step, fewer tokens than the context, a prefill chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_triton_with_a_cached_left_context_matches_reference(T, dtype):
+    B, C, W = 3, 160, 4
+    gen = torch.Generator().manual_seed(T)
+    x, left = torch.randn(B, T, C, generator=gen).to(dtype), torch.randn(B, W - 1, C, generator=gen).to(dtype)
+    w, dy = torch.randn(C, 1, W, generator=gen) * 0.5, torch.randn(B, T, C, generator=gen).to(dtype)
+    with gpu_like_bf16():
+        y1, (dx1, dw1) = grads(lambda a, b: short_conv(a, b, left, None, backend="triton"), [x, w], dy, wrt=(0, 1))
+        tail1 = short_conv(x, w, left, None, backend="triton")[1]
+    y2, (dx2, dw2) = grads(lambda a, b: short_conv_reference(a, b, left, None), [x, w], dy, wrt=(0, 1))
+    rel = 1e-5 if dtype == torch.float32 else BF16_ULP
+    assert_close(y1, y2, "y", rel)
+    assert_close(dx1, dx2, "dx", rel)
+    assert_close(dw1, dw2, "dweight", 1e-4)
+    assert torch.equal(tail1, short_conv_reference(x, w, left, None)[1])
+
+
 def test_short_conv_document_reset_needs_no_host_sync():
     """Token positions in their documents come from cu_seqlens by tensor ops (no .tolist())."""
     cu = torch.tensor([0, 1, 4, 4, 9])
@@ -135,3 +153,14 @@ def test_kda_mixer_triton_islands_match_torch_path():
     names = ["y", "dx"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, runs["triton"], runs["torch"], strict=True):
         assert_close(a, b, name, 1e-3)
+    # prefill then two decode steps (the conv cache's left context, the recurrent kernel)
+    with torch.no_grad():
+        steps = {}
+        for backend in ("torch", "triton"):
+            layer.backend = backend
+            cache = layer.new_cache(2, torch.float32, "cpu")
+            xs = torch.randn(2, 9, c.hidden_size, generator=torch.Generator().manual_seed(1))
+            steps[backend] = [layer(xs[:, :7], cache=cache), layer(xs[:, 7:8], cache=cache)]
+            steps[backend] += [layer(xs[:, 8:], cache=cache), cache.conv, cache.state]
+    for i, (a, b) in enumerate(zip(steps["triton"], steps["torch"], strict=True)):
+        assert_close(a, b, f"decode output {i}", 1e-3)

@@ -17,7 +17,7 @@ from k3rl.kernels.kda import triton_output_gate as tg  # noqa: E402
 from k3rl.kernels.kda import triton_short_conv as tc  # noqa: E402
 
 TYPES = {  # argument -> Triton type; bf16 activations, fp32 weights and partial sums
-    **dict.fromkeys(["x", "y", "dy", "dx", "o", "g", "do", "dg"], "*bf16"),
+    **dict.fromkeys(["x", "left", "y", "dy", "dx", "o", "g", "do", "dg"], "*bf16"),
     **dict.fromkeys(["w", "dw_part", "rstd"], "*fp32"),
     "pos": "*i32",
     **dict.fromkeys(["T", "C", "NT", "n_rows", "per_prog"], "i32"),
@@ -35,13 +35,15 @@ def shared_bytes(kernel, constexprs, num_warps=4, num_stages=3):
 
 
 def main():
-    conv = dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True)
+    conv = dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True, HAS_LEFT=False)
+    decode = dict(conv, HAS_POS=False, HAS_LEFT=True)
     BD, BR = tg._blocks(128)
     gate = dict(D=128, BD=BD, BR=BR)
     print(json.dumps({
         "short_conv_fwd": shared_bytes(tc.short_conv_fwd_kernel, conv),
         "short_conv_bwd": shared_bytes(tc.short_conv_bwd_kernel, conv),
-        "short_conv_fwd_nopos": shared_bytes(tc.short_conv_fwd_kernel, dict(conv, HAS_POS=False)),
+        "short_conv_fwd_left": shared_bytes(tc.short_conv_fwd_kernel, decode),
+        "short_conv_bwd_left": shared_bytes(tc.short_conv_bwd_kernel, decode),
         "norm_gate_fwd": shared_bytes(tg.norm_gate_fwd_kernel, gate),
         "norm_gate_bwd": shared_bytes(tg.norm_gate_bwd_kernel, gate),
     }))  # fmt: skip

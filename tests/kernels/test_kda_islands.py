@@ -38,7 +38,7 @@ def test_island_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(shared) == 5 and all(n <= 232448 for n in shared.values()), shared
+    assert len(shared) == 6 and all(n <= 232448 for n in shared.values()), shared
 
 
 def test_short_conv_on_cpu_is_the_reference_and_keeps_the_decode_cache():
@@ -58,6 +58,10 @@ def test_islands_refuse_bad_shapes_and_backends():
         short_conv(x, torch.randn(6, 1, 4))
     with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):
         short_conv(x, w, None, torch.tensor([[0, 5]]))
+    with pytest.raises(ValueError, match=r"left must be \[B, W-1, C\] = \(1, 3, 8\)"):
+        short_conv(x, w, torch.zeros(1, 4, 8))
+    with pytest.raises(ValueError, match="comes without cu_seqlens"):
+        short_conv(x, w, torch.zeros(1, 3, 8), torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="backend must be one of"):
         short_conv(x, w, backend="cuda")
     o = torch.randn(1, 5, 2, 8)
