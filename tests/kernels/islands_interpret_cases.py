@@ -53,6 +53,20 @@ def assert_close(a, b, what, rel):
     assert bool((err <= bound).all()), f"{what}: max error {err.max().item()}, largest value {b.abs().max().item()}"
 
 
+def check_short_conv(x, w, left, cu, seed):
+    """The kernel's y, dx, dweight and new left context against the reference's."""
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    with gpu_like_bf16():
+        y1, (dx1, dw1) = grads(lambda a, b: short_conv(a, b, left, cu, backend="triton"), [x, w], dy, wrt=(0, 1))
+        tail = short_conv(x, w, left, cu, backend="triton")[1]
+    y2, (dx2, dw2) = grads(lambda a, b: short_conv_reference(a, b, left, cu), [x, w], dy, wrt=(0, 1))
+    rel = 1e-5 if x.dtype == torch.float32 else BF16_ULP
+    assert_close(y1, y2, "y", rel)
+    assert_close(dx1, dx2, "dx", rel)
+    assert_close(dw1, dw2, "dweight", 1e-4)  # fp32 sums over the tokens, in another order
+    assert torch.equal(tail, short_conv_reference(x, w, left, cu)[1])
+
+
 @pytest.mark.parametrize(
     "B, lens, C, W",
     [
@@ -68,16 +82,7 @@ def test_short_conv_triton_matches_reference(B, lens, C, W, dtype):
     gen = torch.Generator().manual_seed(T + C)
     x = torch.randn(B, T, C, generator=gen).to(dtype)
     w = torch.randn(C, 1, W, generator=gen) * 0.5  # fp32, as the model keeps it
-    dy = torch.randn(B, T, C, generator=gen).to(dtype)
-    with gpu_like_bf16():
-        y1, (dx1, dw1) = grads(lambda a, b: short_conv(a, b, None, cu, backend="triton"), [x, w], dy, wrt=(0, 1))
-        tail = short_conv(x, w, None, cu, backend="triton")[1]
-    y2, (dx2, dw2) = grads(lambda a, b: short_conv_reference(a, b, None, cu), [x, w], dy, wrt=(0, 1))
-    rel = 1e-5 if dtype == torch.float32 else BF16_ULP
-    assert_close(y1, y2, "y", rel)
-    assert_close(dx1, dx2, "dx", rel)
-    assert_close(dw1, dw2, "dweight", 1e-4)  # fp32 sums over the tokens, in another order
-    assert torch.equal(tail, short_conv_reference(x, w, None, cu)[1])
+    check_short_conv(x, w, None, cu, seed=T)
 
 
 @pytest.mark.parametrize("T", [1, 2, 45])  # a decode step, fewer tokens than the context, a prefill chunk
@@ -86,16 +91,7 @@ def test_short_conv_triton_with_a_cached_left_context_matches_reference(T, dtype
     B, C, W = 3, 160, 4
     gen = torch.Generator().manual_seed(T)
     x, left = torch.randn(B, T, C, generator=gen).to(dtype), torch.randn(B, W - 1, C, generator=gen).to(dtype)
-    w, dy = torch.randn(C, 1, W, generator=gen) * 0.5, torch.randn(B, T, C, generator=gen).to(dtype)
-    with gpu_like_bf16():
-        y1, (dx1, dw1) = grads(lambda a, b: short_conv(a, b, left, None, backend="triton"), [x, w], dy, wrt=(0, 1))
-        tail1 = short_conv(x, w, left, None, backend="triton")[1]
-    y2, (dx2, dw2) = grads(lambda a, b: short_conv_reference(a, b, left, None), [x, w], dy, wrt=(0, 1))
-    rel = 1e-5 if dtype == torch.float32 else BF16_ULP
-    assert_close(y1, y2, "y", rel)
-    assert_close(dx1, dx2, "dx", rel)
-    assert_close(dw1, dw2, "dweight", 1e-4)
-    assert torch.equal(tail1, short_conv_reference(x, w, left, None)[1])
+    check_short_conv(x, torch.randn(C, 1, W, generator=gen) * 0.5, left, None, seed=T)
 
 
 def test_short_conv_document_reset_needs_no_host_sync():
