@@ -58,8 +58,7 @@ GPU = ["model.preset=k3-small", "model.dtype=bfloat16", "learner.bf16=true", "le
 CPU = ["model.preset=k3-tiny", "model.dtype=float32", "learner.steps=2", "learner.sft_steps=2",
        "learner.sft_episodes=16", "rollout.prompts_per_step=2", "rollout.group_size=2",
        "rollout.num_rollout_workers=1", "rollout.episodes_per_worker=8", "rollout.max_batch_sequences=16",
-       "tracking.eval_every=1", "envs.eval.0.num_tasks=2",
-       "envs.eval.0.pass_k=1"]
+       "tracking.eval_every=1", "envs.eval.0.num_tasks=2", "envs.eval.0.pass_k=1"]
 STEP_KEYS = {"reward": "reward/mean", "success": "episodes/success_rate",
              "format_error_rate": "episodes/format_error_rate", "staleness": "staleness/mean",
              "clip_frac": "clip_frac", "kl": "kl", "entropy": "entropy", "step_s": "time/step_s",
@@ -105,6 +104,7 @@ class Job:
     def __init__(self, name: str, lag: int, overrides: list[str], out: Path):
         self.name, self.lag, self.overrides, self.out = name, lag, overrides, out
         self.proc: subprocess.Popen | None = None
+        self.relay: threading.Thread | None = None
         self.started = self.ended = None
         self.interrupted = self.killed = False
 
@@ -116,7 +116,8 @@ class Job:
         self.proc = subprocess.Popen(train_command(self.overrides), cwd=self.out, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         self.started = time.monotonic()
-        threading.Thread(target=self._relay, daemon=True).start()
+        self.relay = threading.Thread(target=self._relay, daemon=True)
+        self.relay.start()
         say(f"[{self.name}] started (pid {self.proc.pid})")
 
     def _relay(self) -> None:
@@ -135,7 +136,10 @@ class Job:
         return True
 
     def interrupt(self) -> None:
-        """Ctrl-C: the job stops at the end of its step (or warm start) and saves a checkpoint."""
+        """Ctrl-C: the job stops at the end of its step (or warm start) and saves a checkpoint. Not
+        always: a job whose next batch is already waiting when the step ends (max_policy_lag > 0 and
+        rollouts that keep up) trains on, since the driver takes a ready batch before it looks at
+        Ctrl-C (k3rl/job.py, `_unless`); such a job is killed --grace-s later."""
         if self.running():
             self.interrupted = True
             self.proc.send_signal(signal.SIGINT)
@@ -150,6 +154,8 @@ class Job:
                 pass
             self.proc.wait()
             self.running()
+            if self.relay is not None:
+                self.relay.join(timeout=5)  # its last lines before the results
 
 
 def say(line: str) -> None:
