@@ -7,7 +7,7 @@ With the job's own parts (config, episode loop, embedded engine, the learner's T
 export; no Ray or MLflow): an SFT warm start (cosine over learner.sft_steps; WS_CACHE=path.pt saves
 it, and loads it when the file exists, so several recipes start from the same policy), then
 learner.steps GRPO steps, each on rollout.prompts_per_step x group_size fresh episodes, and every
-10 steps a held-out eval on NEVAL (default 64) tasks of seeds training never draws, greedy and at
+EVAL_EVERY (default 10) steps a held-out eval on NEVAL (default 64) tasks of seeds training never draws, greedy and at
 the job's temperature. Writes NAME.jsonl (one line per SFT / step / eval event). The measurement
 in docs/learning.md ("Per-turn credit") used it; its runs are in benchmarks/results/credit/.
 """
@@ -130,7 +130,7 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
         log(event="step", step=step, reward=sum(t.reward for t in ts) / n, succ=sum(t.reward >= 1 for t in ts) / n,
             n=len(ts), fmt=sum(t.metadata.get("parse_errors", 0) > 0 for t in ts) / n, clip=m["clip_frac"],
             kl=m["kl"], approx_kl=m["approx_kl"], ent=m["entropy"])
-        if step % 10 == 0 or step == cfg.learner.steps:
+        if step % int(os.environ.get("EVAL_EVERY", 10)) == 0 or step == cfg.learner.steps:
             evaluate(step)
     engine.close()
     log(event="done")

@@ -270,9 +270,10 @@ class LearnerSection(_Section):
                             "reward still enters the group baseline); penalty = reward - overlong_penalty")
     overlong_penalty: float = Field(0.5, ge=0)
     format_penalty: float = Field(
-        0.0, ge=0, description="subtracted from the reward of an episode with a malformed assistant message (the "
-                               "format guard, docs/learning.md: RL's reward says nothing of the message format, so "
-                               "without it the format drifts)")
+        0.0, ge=0, description="subtracted from the reward of an episode with a malformed assistant message, or with "
+                               "per-turn advantages from the reward of each malformed turn (the format guard, "
+                               "docs/learning.md: RL's reward says nothing of the message format, so without it the "
+                               "format drifts, and a malformed answer that buys a retry is worth a second try)")
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")

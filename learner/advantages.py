@@ -17,7 +17,12 @@ of an episode's T environment turns (Turn.reward of its assistant turns):
 A_k is broadcast to the sampled tokens of turn k. The step rewards are the env's, as it gave
 them: an episode the loop truncated has reward 0 as a whole (what grpo trains on), but the steps
 that earned a reward before the cut keep it here. A shaped episode reward (an overlong penalty)
-adds its difference to the episode's last env turn. A turn index reached by a single episode of
+adds its difference to the episode's last env turn. The format penalty (learner.format_penalty)
+is charged to the turn that wrote the malformed message (r_k - penalty where turn k's message
+could not be parsed or was cut), not to the episode's end: a turn after it did nothing wrong.
+Why it matters (docs/learning.md, "Malformed messages buy retries"): an env that answers a
+malformed message with an error and a new turn gives the malformed turn the return of a second
+try, above that of a wrong answer, so without the penalty per-turn credit learns to write them. A turn index reached by a single episode of
 its group has no baseline: A_k = 0 there (as group_advantages gives a group of one). A
 summarisation turn is no env step: it gets the advantage of the env turn that follows it (the
 last env turn when none follows).
@@ -58,9 +63,11 @@ def turn_returns(rewards: list[float], gamma: float) -> list[float]:
     return out
 
 
-def env_turn_rewards(t: Trajectory) -> list[float]:
-    """The step rewards of an episode's env turns (its assistant turns that compaction did not make)."""
-    return [turn.reward for turn in t.turns if turn.role == "assistant" and turn.compaction is None]
+def env_turn_rewards(t: Trajectory, format_penalty: float = 0.0) -> list[float]:
+    """The step rewards of an episode's env turns (its assistant turns that compaction did not make),
+    each less `format_penalty` where the turn's message was malformed (Turn.error: unparsable or cut)."""
+    return [turn.reward - (format_penalty if turn.error else 0.0)
+            for turn in t.turns if turn.role == "assistant" and turn.compaction is None]
 
 
 def turn_advantages(turn_rewards: list[list[float]], group_ids: list[str], gamma: float = 1.0,
@@ -108,11 +115,12 @@ def token_advantages(t: Trajectory, per_turn: list[float]) -> torch.Tensor:
 
 
 def step_advantages(trajectories: list[Trajectory], rewards: torch.Tensor | list[float], method: str,
-                    gamma: float = 1.0) -> torch.Tensor:
+                    gamma: float = 1.0, format_penalty: float = 0.0) -> torch.Tensor:
     """What `build_micro_batches` takes: [N] episode advantages from `rewards` (grpo, grpo_no_std,
     rloo), or [N, C] per-token advantages (turn_grpo*; C the longest completion). `rewards` may be
     shaped (e.g. an overlong penalty): per turn, the difference to the episode's reward is added
-    to its last env turn."""
+    to its last env turn. `format_penalty` (per turn only; episode methods take it in `rewards`) is
+    subtracted from each malformed turn's reward."""
     group_ids = [t.group_id for t in trajectories]
     if method not in TURN_METHODS:
         return group_advantages(rewards, group_ids, method)
@@ -123,7 +131,7 @@ def step_advantages(trajectories: list[Trajectory], rewards: torch.Tensor | list
     shaped = torch.as_tensor(rewards, dtype=torch.float64).tolist()
     turn_rewards = []
     for t, r in zip(trajectories, shaped, strict=True):
-        rs = env_turn_rewards(t)
+        rs = env_turn_rewards(t, format_penalty)
         if rs:
             rs[-1] += r - t.reward
         turn_rewards.append(rs)

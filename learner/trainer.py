@@ -40,7 +40,7 @@ from torch import nn
 from k3rl.types import Trajectory, WeightUpdate
 
 from . import checkpoint as ckpt
-from .advantages import step_advantages
+from .advantages import TURN_METHODS, step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distill import distill_advantages, load_teachers, per_completion
 from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
@@ -447,9 +447,13 @@ class Trainer:
         mode = getattr(cfg, "overlong", "none")
         shaped = rewards - cfg.overlong_penalty * overlong if mode == "penalty" else rewards
         # the format guard: an episode with a malformed message earns less than any well-formed one
+        # per episode: a malformed episode earns less; per turn: the malformed turn does (learner/advantages.py)
+        penalty = getattr(cfg, "format_penalty", 0.0)
         malformed = torch.tensor([t.metadata.get("parse_errors", 0) > 0 for t in trajectories], dtype=torch.bool)
-        shaped = shaped - getattr(cfg, "format_penalty", 0.0) * malformed
-        adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0))  # [N], or [N, C] per token
+        if cfg.advantage not in TURN_METHODS:
+            shaped = shaped - penalty * malformed
+        adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0),
+                              format_penalty=penalty)  # [N], or [N, C] per token
         if self.teachers:
             adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens)
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]

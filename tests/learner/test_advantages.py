@@ -109,6 +109,42 @@ def test_step_advantages_shapes_and_shaping():
         step_advantages([batch[0].model_copy(update={"group_id": ""})], [1.0], "turn_grpo")
 
 
+def three_turn_episode(group: str, rewards: list[float], malformed: list[bool]) -> Trajectory:
+    """Assistant turns of 2 sampled tokens each, an env reply of 1 token after each but the last."""
+    t = Trajectory(env_id="e", group_id=group, prompt_ids=[1, 2, 3])
+    for k, (r, bad) in enumerate(zip(rewards, malformed, strict=True)):
+        start, end = t.append([10 + k, 11 + k], generated=True, logprobs=[-1.0, -1.0])
+        t.turns.append(Turn(role="assistant", start=start, end=end, reward=r, error="unparsable" if bad else None))
+        t.reward += r
+        if k < len(rewards) - 1:
+            start, end = t.append([7], generated=False)
+            t.turns.append(Turn(role="user", start=start, end=end))
+    return t
+
+
+def test_the_format_penalty_is_charged_to_the_malformed_turn():
+    """A malformed answer (turn 2) that buys a retry (turn 3) vs a wrong answer: the penalty lowers the
+    malformed turn's return, and not the retry turn's, which did nothing wrong."""
+    batch = [three_turn_episode("g", [0.5, 0.0], [False, False]),               # lookup, wrong answer
+             three_turn_episode("g", [0.5, 0.0, 0.5], [False, True, False]),    # lookup, malformed, right answer
+             three_turn_episode("g", [0.5, 0.0, 0.0], [False, True, False])]    # lookup, malformed, wrong answer
+    rewards = [t.reward for t in batch]
+    plain = step_advantages(batch, rewards, "turn_grpo_no_std")
+    # turn-2 returns: 0, 0.5, 0 (mean 1/6): the malformed turn that bought a right retry gets +1/3
+    assert plain[1, 3].item() == pytest.approx(1 / 3)  # completion: turn 1 [0, 2), reply, turn 2 [3, 5)
+    fixed = step_advantages(batch, rewards, "turn_grpo_no_std", format_penalty=0.3)
+    # turn rewards now [0.5, 0], [0.5, -0.3, 0.5], [0.5, -0.3, 0]: turn-2 returns 0, 0.2, -0.3
+    assert fixed[1, 3].item() == pytest.approx(0.2 - (0.0 + 0.2 - 0.3) / 3)
+    assert fixed[2, 3].item() == pytest.approx(-0.3 - (0.0 + 0.2 - 0.3) / 3)
+    # turn 3 (the two survivors, returns 0.5 and 0): unchanged by the penalty of turn 2
+    assert fixed[1, -1].item() == pytest.approx(plain[1, -1].item()) == pytest.approx(0.25)
+    # turn 1 sees it through the return (gamma 1): returns 0.5, 0.7, 0.2
+    assert fixed[0, 0].item() == pytest.approx(0.5 - 1.4 / 3)
+    # episode methods take the penalty in the rewards, not here
+    assert torch.equal(step_advantages(batch, rewards, "grpo", format_penalty=0.3),
+                       step_advantages(batch, rewards, "grpo"))
+
+
 def test_segments_pack_as_their_own_sequences_under_the_episode():
     rng = random.Random(2)
     routes = (2, 3)  # routing replay: 2 MoE layers, top-3
