@@ -268,11 +268,15 @@ class Job:
 
 # ----- small pieces of the loop -------------------------------------------------------------------
 async def _unless(stop: asyncio.Event, coro):
-    """`coro`'s result, or None when `stop` is set first (its task is then cancelled)."""
+    """`coro`'s result, or None when `stop` is set first (its task is then cancelled). Stop wins a tie:
+    an asynchronous job whose next batch is always ready when a step ends must still stop on Ctrl-C."""
+    if stop.is_set():
+        coro.close()
+        return None
     task, waiter = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
-    if task.done():
+    if task.done() and not stop.is_set():
         return task.result()
     task.cancel()
     return None

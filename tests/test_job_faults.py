@@ -269,3 +269,29 @@ def test_same_seeds_lag_0_one_worker_give_identical_trajectories(tmp_path):
     for k in a:
         assert a[k].token_ids == b[k].token_ids, k
         assert a[k].logprobs == pytest.approx(b[k].logprobs, abs=1e-4)
+
+
+def test_ctrl_c_wins_over_a_batch_that_is_already_waiting():
+    """With max_policy_lag > 0 and rollouts that keep up, the next batch is ready the moment a step
+    ends: Ctrl-C (the stop event) must still end the loop instead of training one more step."""
+    import asyncio
+
+    from k3rl.job import _unless
+
+    async def ready():
+        return "batch"
+
+    async def later(stop):
+        await asyncio.sleep(0.05)
+        stop.set()
+        return "batch"
+
+    async def main():
+        stop = asyncio.Event()
+        assert await _unless(stop, ready()) == "batch"  # no Ctrl-C: the batch
+        stop.set()
+        assert await _unless(stop, ready()) is None  # Ctrl-C before the batch was asked for
+        stop.clear()
+        assert await _unless(stop, later(stop)) is None  # both at once: Ctrl-C wins the tie
+
+    asyncio.run(main())
