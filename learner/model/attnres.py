@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from k3rl.kernels.attnres import attnres_aggregate
+
 from .common import RMSNorm, fp32_island, rms_normalize
 
 
@@ -34,16 +36,15 @@ def query_vector(proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
     return norm.weight.float() * proj.weight.float()[0]
 
 
-def aggregate(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
-    """h = sum_i softmax_i(RMSNorm(v_i) . query) v_i, in fp32, cast to the sources' dtype."""
-    if len(sources) == 1:
-        return sources[0]  # a single-source softmax is the identity (and keeps layer 0 bit-exact)
-    dtype = sources[0].dtype
-    with fp32_island(sources[0]):
-        v = torch.stack([s.float() for s in sources], dim=0)  # [S, ..., d]
-        logits = (rms_normalize(v, eps) * query).sum(-1)  # [S, ...]
-        a = torch.softmax(logits, dim=0)
-        return (a.unsqueeze(-1) * v).sum(0).to(dtype)
+def aggregate(sources: list[torch.Tensor], query: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
+    """h = sum_i softmax_i(RMSNorm(v_i) . query) v_i, in fp32, cast to the sources' dtype.
+
+    One source is returned as it is (a single-source softmax is the identity, and keeps layer 0
+    bit-exact). Otherwise the fused Triton kernel on CUDA (``kernels/attnres``: reads the sources in
+    their dtype, no fp32 stack), the PyTorch reference elsewhere; ``backend`` is the model's
+    ``kernel_backend``.
+    """
+    return attnres_aggregate(sources, query, eps, backend=backend)
 
 
 @dataclass
