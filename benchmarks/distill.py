@@ -113,37 +113,36 @@ def evaluate_model(model, cfg: JobConfig, tasks: int) -> dict[str, float]:
         engine.close()
 
 
-def rl(student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, eval_every: int,
-       eval_tasks: int, seed: int, start_eval: dict[str, float]) -> list[dict]:
-    """`steps` RL steps from `student` (with the teacher at `teacher_dir`, if any); the rows of the curve.
-    `start_eval`: the student's held-out evaluation, the same in both arms (step 0)."""
-    teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "engines": 0}] if teacher_dir else []
-    learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
-                                                "distill": {"teachers": teachers}})
-    trainer = Trainer(copy.deepcopy(student), learner)
-    engine = EmbeddedEngine(copy.deepcopy(student).eval(), max_num_seqs=64)
-    rng = random.Random(seed)  # the same tasks in both arms
-    rows = []
-    try:
-        for step in range(steps + 1):
-            row = {"step": step}
-            if step == 0:
-                row.update(start_eval)
-            elif step % eval_every == 0 or step == steps:
-                row.update(evaluate(engine, cfg, eval_tasks))
-            if step < steps:
-                t0 = time.perf_counter()
-                batch = play(engine, cfg, train_specs(cfg, step, rng, step))
-                m = trainer.train_step(batch)
-                engine.update_weights(trainer.export_weights(step + 1))
-                row.update(reward=m["reward_mean"], success=sum(success(t.reward) for t in batch) / len(batch),
-                           malformed=m["malformed_frac"], advantage_abs_mean=m["advantage_abs_mean"],
-                           seconds=time.perf_counter() - t0)
-            print(f"  {json.dumps({k: round(v, 3) for k, v in row.items()})}", flush=True)
-            rows.append(row)
-    finally:
-        engine.close()
-    return rows
+class Arm:
+    """One RL run from the student (with the teacher at `teacher_dir`, if any): its trainer, its engine,
+    its task stream (the same seeds in both arms) and the rows of its curve."""
+
+    def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, seed: int):
+        teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "engines": 0}] if teacher_dir else []
+        learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
+                                                    "distill": {"teachers": teachers}})
+        self.cfg = cfg
+        self.trainer = Trainer(copy.deepcopy(student), learner)
+        self.engine = EmbeddedEngine(copy.deepcopy(student).eval(), max_num_seqs=64)
+        self.rng = random.Random(seed)
+        self.rows: list[dict] = []
+
+    def evaluate(self, tasks: int) -> None:
+        """The held-out evaluation of the current policy, into the last row."""
+        self.rows[-1].update(evaluate(self.engine, self.cfg, tasks))
+
+    def train(self, step: int) -> None:
+        """RL step `step`: a batch sampled by the current policy, trained, the weights pushed; a new row."""
+        t0 = time.perf_counter()
+        played = play(self.engine, self.cfg, train_specs(self.cfg, step, self.rng, step))
+        # a failed episode (e.g. past envs.episode_time_budget_s on a busy CPU) is not trained, as in the job
+        batch = [t for t in played if not t.error and t.completion_ids]
+        m = self.trainer.train_step(batch)
+        self.engine.update_weights(self.trainer.export_weights(step + 1))
+        self.rows.append({"step": step + 1, "reward": m["reward_mean"],
+                          "success": sum(success(t.reward) for t in batch) / len(batch),
+                          "malformed": m["malformed_frac"], "advantage_abs_mean": m["advantage_abs_mean"],
+                          "failed": len(played) - len(batch), "seconds": time.perf_counter() - t0})
 
 
 def plot(results: dict, path: str) -> None:
@@ -152,17 +151,22 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, rows in results["arms"].items():
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.8))
+    for (name, rows), color in zip(results["arms"].items(), ("tab:blue", "tab:orange"), strict=True):
         train = [r for r in rows if "reward" in r]
-        a.plot([r["step"] + 1 for r in train], [r["reward"] for r in train], marker=".", label=name)
+        a.plot([r["step"] for r in train], [r["reward"] for r in train], marker=".", color=color, label=name)
+        c.plot([r["step"] for r in train], [r["malformed"] for r in train], marker=".", color=color, label=name)
         ev = [r for r in rows if "eval_success" in r]
-        b.plot([r["step"] for r in ev], [r["eval_success"] for r in ev], marker="o", label=name)
-    a.set(xlabel="RL step", ylabel="training reward (mean of the step's episodes)", ylim=(0, 1.02))
-    b.set(xlabel="RL step", ylabel="held-out greedy success", ylim=(0, 1.02))
-    for ax in (a, b):
+        b.plot([r["step"] for r in ev], [r["eval_success"] for r in ev], marker="o", color=color,
+               label=f"{name}: success")
+        b.plot([r["step"] for r in ev], [r["eval_reward"] for r in ev], marker="x", ls="--", color=color,
+               label=f"{name}: reward")
+    a.set(xlabel="RL step", ylabel="training reward (the step's 32 episodes)", ylim=(0, 1.02))
+    b.set(xlabel="RL step", ylabel="held-out greedy success / reward", ylim=(0, 1.02))
+    c.set(xlabel="RL step", ylabel="malformed episodes (training batch)", ylim=(0, 1.02))
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"k3-tiny student on KeyLookup; teacher's held-out greedy success "
                  f"{results['teacher']['eval_success']:.2f}")
     fig.tight_layout()
@@ -175,7 +179,7 @@ def main() -> None:
     ap.add_argument("--teacher-sft-lr", type=float, default=3e-3)
     ap.add_argument("--teacher", help="the teacher's checkpoint directory: loaded when it holds one, else "
                                       "written there (default: a temporary directory)")
-    ap.add_argument("--student-sft-steps", type=int, default=30)
+    ap.add_argument("--student-sft-steps", type=int, default=20)
     ap.add_argument("--student-sft-lr", type=float, default=1e-2)
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
@@ -210,17 +214,29 @@ def main() -> None:
     student_info.update(evaluate_model(student, cfg, args.eval_tasks))
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)
 
-    arms = {}
-    for name, teacher_path in (("RL alone", None), ("RL + teacher", teacher_dir)):
-        print(f"{name}: {args.rl_steps} RL steps", flush=True)
-        arms[name] = rl(student, cfg, args.rl_steps, teacher_path, args.coef, args.eval_every, args.eval_tasks,
-                        args.seed, start_eval={k: student_info[k] for k in ("eval_success", "eval_reward")})
-    results = {"args": vars(args), "teacher": teacher_info, "student": student_info, "arms": arms,
-               "seconds": time.perf_counter() - t0}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    plot(results, args.out + ".png")
+    # the two arms in lockstep, the results written after every step: a run cut short still compares them
+    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.seed)
+            for name, path in (("RL alone", None), ("RL + teacher", teacher_dir))}
+    start = {"step": 0, **{k: student_info[k] for k in ("eval_success", "eval_reward")}}
+    try:
+        for arm in arms.values():
+            arm.rows.append(dict(start))
+        for step in range(args.rl_steps):
+            for name, arm in arms.items():
+                arm.train(step)
+                if (step + 1) % args.eval_every == 0 or step + 1 == args.rl_steps:
+                    arm.evaluate(args.eval_tasks)
+                print(f"  {name}: {json.dumps({k: round(v, 3) for k, v in arm.rows[-1].items()})}", flush=True)
+            results = {"args": vars(args), "teacher": teacher_info, "student": student_info,
+                       "arms": {name: arm.rows for name, arm in arms.items()}, "rl_steps_done": step + 1,
+                       "seconds": time.perf_counter() - t0}
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out + ".json", "w") as f:
+                json.dump(results, f, indent=1)
+            plot(results, args.out + ".png")
+    finally:
+        for arm in arms.values():
+            arm.engine.close()
     print(f"wrote {args.out}.json and {args.out}.png ({results['seconds']:.0f} s)")
 
 
