@@ -122,7 +122,8 @@ class Arm:
         learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
                                                     "distill": {"teachers": teachers}})
         self.cfg = cfg
-        self.trainer = Trainer(copy.deepcopy(student), learner)
+        # the trained policy is softmax(logits / tau) at the sampling temperature, as in the job
+        self.trainer = Trainer(copy.deepcopy(student), learner, temperature=cfg.rollout.sampling.policy_temperature)
         self.engine = EmbeddedEngine(copy.deepcopy(student).eval(), max_num_seqs=64)
         self.rng = random.Random(seed)
         self.rows: list[dict] = []
@@ -227,7 +228,8 @@ def main() -> None:
                 if (step + 1) % args.eval_every == 0 or step + 1 == args.rl_steps:
                     arm.evaluate(args.eval_tasks)
                 print(f"  {name}: {json.dumps({k: round(v, 3) for k, v in arm.rows[-1].items()})}", flush=True)
-            results = {"args": vars(args), "teacher": teacher_info, "student": student_info,
+            results = {"args": vars(args), "learner": cfg.learner.model_dump(mode="json"),
+                       "sampling": cfg.rollout.sampling.model_dump(mode="json"), "teacher": teacher_info, "student": student_info,
                        "arms": {name: arm.rows for name, arm in arms.items()}, "rl_steps_done": step + 1,
                        "seconds": time.perf_counter() - t0}
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
