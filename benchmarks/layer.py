@@ -32,7 +32,10 @@ time / the bf16 matmul peak measured in the same run (an 8192^3 bf16 matmul).
 Levers (rows), each measured on the same layer and inputs:
   eager              the model's own code path (``latent_experts`` with its input check; the KDA
                      mixer's short convolutions and output norm + gate by the fused Triton kernels
-                     of ``kernels/kda/islands.py``)
+                     of ``kernels/kda/islands.py``; the Block AttnRes aggregations by the fused
+                     kernel of ``kernels/attnres``)
+  attnres torch      the layer's two Block AttnRes aggregations by the PyTorch reference instead (the
+                     code before the fused kernel: the sources stacked in fp32, normalised, weighted)
   kda islands torch  the KDA islands by their PyTorch references instead (the code before the fused
                      kernels: fp32 cuDNN convolutions, fp32 norm and gate on [N, 96, 128], casts)
   no host sync       the grouped expert GEMMs called without the check's two host reads
@@ -59,9 +62,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3rl.kernels.attnres import attnres_aggregate_reference  # noqa: E402
 from k3rl.kernels.kda import output_norm_gate_reference, short_conv_reference  # noqa: E402
 from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop  # noqa: E402
 from k3rl.learner.model import kda as kda_module  # noqa: E402
+from k3rl.learner.model import model as model_module  # noqa: E402
 from k3rl.learner.model import model_config  # noqa: E402
 from k3rl.learner.model.model import FP32_PARAM_SUFFIXES, K3DecoderLayer  # noqa: E402
 from k3rl.learner.model.moe import MoEGate  # noqa: E402
@@ -208,6 +213,16 @@ def kda_islands_torch(_layer):
     return lambda: [u() for u in undo]
 
 
+def attnres_torch(_layer):
+    """The lever: the decoder layer's Block AttnRes aggregations by the PyTorch reference (one source
+    stays the identity, as in the model)."""
+
+    def reference(sources, query, eps, backend=None):
+        return sources[0] if len(sources) == 1 else attnres_aggregate_reference(sources, query, eps)
+
+    return _swap_global(model_module, "aggregate", reference)
+
+
 def matmul_peak():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -273,6 +288,8 @@ def levers(kind, first_n):
     if kind in ("kda_moe", "kda"):
         rows += [("kda islands torch", kda_islands_torch)]
         rows += [("kda conv bf16", lambda L: _swap_global(kda_module, "short_conv", short_conv_bf16))]
+    if kind in ("kda_moe", "mla_moe"):
+        rows += [("attnres torch", attnres_torch)]
     if kind in ("mla_moe", "mla"):
         rows += [
             ("mla bf16 sdpa", lambda L: _swap(L.self_attn, "naive_attention", bf16_attention(L.self_attn)))
