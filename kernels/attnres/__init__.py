@@ -27,7 +27,9 @@ def attnres_aggregate_reference(sources: list[torch.Tensor], query: torch.Tensor
         return (a.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
 
 
-def attnres_aggregate(sources: list[torch.Tensor], query: torch.Tensor, eps: float, backend="auto") -> torch.Tensor:
+def attnres_aggregate(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, backend="auto"
+) -> torch.Tensor:
     """``attnres_aggregate_reference``'s result, by the Triton kernel on CUDA (``backend`` as in
     ``kernels/_backend.py``). One source is returned as it is (a one-source softmax is the identity).
 

@@ -36,7 +36,9 @@ def query_vector(proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
     return norm.weight.float() * proj.weight.float()[0]
 
 
-def aggregate(sources: list[torch.Tensor], query: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
+def aggregate(
+    sources: list[torch.Tensor], query: torch.Tensor, eps: float, backend: str = "auto"
+) -> torch.Tensor:
     """h = sum_i softmax_i(RMSNorm(v_i) . query) v_i, in fp32, cast to the sources' dtype.
 
     One source is returned as it is (a single-source softmax is the identity, and keeps layer 0

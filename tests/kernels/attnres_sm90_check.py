@@ -40,7 +40,9 @@ def compile_kernel(kernel, S):
         elif sig[n].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3}
+    )
 
 
 def main():

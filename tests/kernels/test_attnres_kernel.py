@@ -60,7 +60,9 @@ def test_aggregate_refuses_mismatched_sources_query_and_backend():
     v, q = torch.randn(3, 8), torch.randn(8)
     with pytest.raises(ValueError, match="at least one source"):
         attnres_aggregate([], q, 1e-6)
-    with pytest.raises(ValueError, match="share one shape, dtype and device; got \\(3, 8\\) torch.float32 cpu, \\(3, 4\\)"):
+    with pytest.raises(
+        ValueError, match="share one shape, dtype and device; got \\(3, 8\\) torch.float32 cpu, \\(3, 4\\)"
+    ):
         attnres_aggregate([v, v[:, :4]], q, 1e-6)
     with pytest.raises(ValueError, match="share one shape, dtype and device"):
         attnres_aggregate([v, v.bfloat16()], q, 1e-6)
@@ -76,7 +78,9 @@ def test_layer_benchmark_lever_runs_the_layer_on_the_reference():
     from k3rl.learner.model import K3Config
     from k3rl.learner.model import model as model_module
 
-    spec = importlib.util.spec_from_file_location("layer_benchmark", HERE.parents[1] / "benchmarks" / "layer.py")
+    spec = importlib.util.spec_from_file_location(
+        "layer_benchmark", HERE.parents[1] / "benchmarks" / "layer.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert all("attnres torch" in dict(bench.levers(kind, 0)) for kind in ("kda_moe", "mla_moe"))
@@ -107,13 +111,18 @@ def test_aggregate_triton_on_the_gpu_matches_the_reference_bf16():
     the reference."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     T, d = 4087, 7168
-    sources = [torch.randn(T, d, device="cuda", generator=gen).mul(s).bfloat16() for s in (0.3, 1.0, 2.0, 5.0)]
+    sources = [
+        torch.randn(T, d, device="cuda", generator=gen).mul(s).bfloat16() for s in (0.3, 1.0, 2.0, 5.0)
+    ]
     w = torch.randn(d, device="cuda", generator=gen) * 2 / d**0.5
     gamma = torch.rand(d, device="cuda", generator=gen) + 0.5
     dh = torch.randn(T, d, device="cuda", generator=gen).bfloat16()
     runs = []
     for backend in ("triton", "torch"):
-        leaves = [s.clone().requires_grad_() for s in sources] + [w.clone().requires_grad_(), gamma.clone().requires_grad_()]
+        leaves = [s.clone().requires_grad_() for s in sources] + [
+            w.clone().requires_grad_(),
+            gamma.clone().requires_grad_(),
+        ]
         h = attnres_aggregate(leaves[:4], leaves[5] * leaves[4], 1e-6, backend=backend)
         h.backward(dh)
         runs.append([h] + [t.grad for t in leaves])
