@@ -117,8 +117,10 @@ class Arm:
     """One RL run from the student (with the teacher at `teacher_dir`, if any): its trainer, its engine,
     its task stream (the same seeds in both arms) and the rows of its curve."""
 
-    def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, seed: int):
-        teachers = [{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "engines": 0}] if teacher_dir else []
+    def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, clip: float | None,
+                 seed: int):
+        teachers = ([{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "clip": clip, "engines": 0}]
+                    if teacher_dir else [])
         learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
                                                     "distill": {"teachers": teachers}})
         self.cfg = cfg
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
+    ap.add_argument("--clip", type=float, help="the teacher's clip R: log T - log mu clipped to [-R, R] (default none)")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -216,7 +219,7 @@ def main() -> None:
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
-    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.seed)
+    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.clip, args.seed)
             for name, path in (("RL alone", None), ("RL + teacher", teacher_dir))}
     start = {"step": 0, **{k: student_info[k] for k in ("eval_success", "eval_reward")}}
     try:
