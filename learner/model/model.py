@@ -38,6 +38,7 @@ class K3DecoderLayer(nn.Module):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = layer_idx
         self.eps = eps
+        self.backend = config.kernel_backend  # the Block AttnRes aggregation's kernel (kernels/attnres)
         self.is_block_start = layer_idx % config.attn_res_block_size == 0
         self.is_mla = config.is_mla_layer(layer_idx)
         self.is_moe = config.is_moe_layer(layer_idx)
@@ -57,7 +58,8 @@ class K3DecoderLayer(nn.Module):
                 step=None, replay_idx=None, context_parallel=None):
         # 1. attention input: aggregate completed blocks and the partial sum (identity at layer 0)
         attn_sources = bank + [partial]
-        a = aggregate(attn_sources, query_vector(self.self_attention_res_proj, self.self_attention_res_norm), self.eps)
+        a = aggregate(attn_sources, query_vector(self.self_attention_res_proj, self.self_attention_res_norm), self.eps,
+                      self.backend)
         # 2. block boundary: the partial (the embedding at l = 0) becomes a completed source
         if self.is_block_start:
             bank = bank + [partial]
@@ -72,7 +74,7 @@ class K3DecoderLayer(nn.Module):
         partial = t if partial is None else partial + t
         # 5-7. channel mixer on the aggregate of completed blocks and the updated partial
         mlp_sources = bank + [partial]
-        m = aggregate(mlp_sources, query_vector(self.mlp_res_proj, self.mlp_res_norm), self.eps)
+        m = aggregate(mlp_sources, query_vector(self.mlp_res_proj, self.mlp_res_norm), self.eps, self.backend)
         y = self.post_attention_layernorm(m)
         routing = None
         if self.is_moe:
@@ -293,7 +295,7 @@ class K3ForCausalLM(nn.Module):
         out_sources = bank + [partial]
         self.final_source_count = len(out_sources)
         out_query = query_vector(self.model.output_attn_res_proj, self.model.output_attn_res_norm)
-        hidden = aggregate(out_sources, out_query, self.config.rms_norm_eps)
+        hidden = aggregate(out_sources, out_query, self.config.rms_norm_eps, self.config.kernel_backend)
         hidden = self.model.norm(hidden)
         if targets is not None:
             if tuple(targets.shape) != (B, T):
