@@ -87,13 +87,23 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def mlflow_client(uri: str):
-    """An MlflowClient on `uri`; for a SQLite URI the directory of the database is created first."""
+    """An MlflowClient on `uri`; for a SQLite URI the directory of the database is created first, and
+    the store is opened under a file lock: MLflow creates and migrates a new database's schema on
+    first use, and two jobs doing that at once on one new file both failed (`table _alembic_tmp_metrics
+    already exists`), seen with three demo seeds started together on 2026-12-02."""
+    import fcntl
+
     from mlflow.tracking import MlflowClient
 
     path = sqlite_path(uri)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    if path is None:
+        return MlflowClient(tracking_uri=uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # opens the store: creates / migrates the schema
+    return client
 
 
 def find_run(client, name_or_id: str, experiment: str | None = None):

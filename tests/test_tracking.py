@@ -200,3 +200,28 @@ def test_sqlite_directory_is_created(tmp_path, monkeypatch):
     assert Path("runs/mlflow.db").is_file()
     assert Path(MlflowClient("sqlite:///runs/mlflow.db").get_experiment_by_name("k3rl").artifact_location) == (
         tmp_path / "runs" / "artifacts" / "k3rl")
+
+
+def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path):
+    """Three processes open one new SQLite store at the same moment (three demo seeds started together):
+    MLflow creates and migrates the schema on first use, and without the store's file lock two of them
+    failed in that migration. Each must get its own run in the one experiment."""
+    import subprocess
+    import sys
+    import time
+
+    uri = f"sqlite:///{tmp_path}/new/mlflow.db"
+    go = tmp_path / "go"
+    code = ("import sys, time, pathlib\n"
+            "from k3rl.tracking import Tracker\n"
+            f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
+            f"t = Tracker({uri!r}, experiment='together', run_name='r' + sys.argv[1]); t.finish()\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stderr=subprocess.PIPE, text=True)
+             for i in range(3)]
+    time.sleep(8)  # every process imported mlflow and waits on the file
+    go.touch()
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-1500:] for e in errors)
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["r0", "r1", "r2"]
