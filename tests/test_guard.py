@@ -91,6 +91,7 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
         "learner.guard.max_rise=0.2",
         "rollout.max_policy_lag=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.episodes_per_worker=16",
         "rollout.sampling.temperature=0.7", "tracking.sample_episodes=0", "envs.eval=[]",
+        "learner.kl_coef=0.05",  # the checkpoint then holds the KL reference: the warm-started weights
         f"tracking.runs_dir={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", "name=guard",
         "tracking.run_name=null",
     ])
