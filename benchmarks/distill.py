@@ -1,6 +1,7 @@
 """On-policy distillation on the CPU: does a k3-tiny student learn KeyLookup faster from a teacher?
 
-    python benchmarks/distill.py                      # the measurement in BENCHMARKS.md
+    python benchmarks/distill.py --teacher DIR        # the measurement (benchmarks/results/distill.md);
+                                                      # DIR empty: the teacher is trained and saved there
     python benchmarks/distill.py --rl-steps 2 --teacher-sft-steps 2 --student-sft-steps 2 --eval-tasks 4 \
         --out /tmp/distill-smoke                                   # a smoke run
 
@@ -14,11 +15,12 @@ the embedded engine, the learner's Trainer, its weight export):
 3. from that same student, the same RL budget twice: the demo's RL (per-turn GRPO,
    `turn_grpo_no_std`, on KeyLookup's per-turn rewards) on the env's reward alone, and the same
    plus the teacher's per-token reverse-KL advantage (`learner.distill.teachers`, the teacher
-   loaded from its checkpoint by the Trainer).
+   loaded from its checkpoint by the Trainer), the two arms in lockstep on the same task seeds.
 
 Per RL step: the training episodes' mean reward, success rate and malformed fraction; every
 --eval-every steps the held-out greedy success and reward on --eval-tasks tasks (seeds training
-never draws). Writes <out>.json and <out>.png (the curves).
+never draws). Writes <out>.json and <out>.png (the curves) after every step, so a run cut short
+still compares the arms at equal steps.
 """
 
 from __future__ import annotations
