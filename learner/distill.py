@@ -90,9 +90,13 @@ def per_completion(flat: torch.Tensor, mb, trajectories: list[Trajectory]) -> di
 
 
 @torch.no_grad()
-def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_tokens: int = 4096) -> list[torch.Tensor]:
-    """log model(y_t) of every sampled completion token, [len(completion_ids)] per trajectory (0 where
-    loss_mask is 0); each context segment is scored as the sequence it was."""
+def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_tokens: int = 4096,
+          temperature: float = 1.0) -> list[torch.Tensor]:
+    """log model(y_t) under softmax(logits / temperature) of every sampled completion token,
+    [len(completion_ids)] per trajectory (0 where loss_mask is 0); each context segment is scored as
+    the sequence it was. The temperature is the student's policy temperature: log T - log mu then
+    compares the two policies at the same temperature (a teacher at 1 against a student at 0.7 would
+    read every confident student token as a disagreement)."""
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [torch.zeros(0)] * len(trajectories)
     for mb in build_micro_batches(trajectories, micro_batch_tokens, "token_mean"):
@@ -102,7 +106,7 @@ def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_to
 
             media = model.as_media([from_png(b) for b in mb.images])
         logp, _ = model(mb.input_ids.to(device), images=media, cu_seqlens=mb.cu_seqlens.to(device),
-                        targets=mb.targets[None].to(device))
+                        targets=mb.targets[None].to(device), temperature=temperature)
         for s, values in per_completion(logp[0], mb, trajectories).items():
             out[s] = values
     return out
@@ -115,7 +119,8 @@ def teacher_index(env_id: str, teachers: Sequence) -> int | None:
     return named if named is not None else next((i for i, t in enumerate(teachers) if not t.envs), None)
 
 
-def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_batch_tokens: int) -> list[torch.Tensor]:
+def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_batch_tokens: int,
+                      temperature: float) -> list[torch.Tensor]:
     """log T of each trajectory's completion: the scores its teacher's engines attached, else scored here."""
     out = [None if t.metadata.get(TEACHER_LOGPROBS) is None
            else torch.tensor(t.metadata[TEACHER_LOGPROBS], dtype=torch.float32) for t in trajectories]
@@ -131,17 +136,17 @@ def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_ba
             "k3rl.rollout.teacher.TeacherGroup before train_step (the job does), or set the teacher's engines: 0 "
             "to score it in the learner")
     if missing:
-        for i, log_t in zip(missing, score(teacher.model, [trajectories[i] for i in missing], micro_batch_tokens),
-                            strict=True):
+        for i, log_t in zip(missing, score(teacher.model, [trajectories[i] for i in missing], micro_batch_tokens,
+                                           temperature), strict=True):
             out[i] = log_t
     return out
 
 
 def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
-                       micro_batch_tokens: int = 4096) -> torch.Tensor:
+                       micro_batch_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
     """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
     token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher (its log T
-    attached by the teacher's engines, or scored here)."""
+    attached by the teacher's engines, or scored here at the policy `temperature`)."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
@@ -149,7 +154,7 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
         mine = [i for i, t in enumerate(trajectories) if teacher_index(t.env_id, teachers) == k]
         if not mine:
             continue
-        scored = _teacher_logprobs(teacher, [trajectories[i] for i in mine], micro_batch_tokens)
+        scored = _teacher_logprobs(teacher, [trajectories[i] for i in mine], micro_batch_tokens, temperature)
         for i, log_t in zip(mine, scored, strict=True):
             t = trajectories[i]
             mask = torch.tensor(t.loss_mask, dtype=torch.float32)

@@ -455,7 +455,7 @@ class Trainer:
         adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0),
                               format_penalty=penalty)  # [N], or [N, C] per token
         if self.teachers:
-            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens)
+            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens, self.temperature)
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
         epochs = getattr(cfg, "ppo_epochs", 1)
         parts = []  # (micro-batches, prepared inputs) of each minibatch

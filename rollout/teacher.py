@@ -77,7 +77,8 @@ class TeacherEngine:
         mine = share(batch, self.teachers, self.index, self.engine, self.teachers[self.index].engines)
         if not mine:
             return {}
-        scored = score(self.model, [batch[k] for k in mine], self.cfg.learner.micro_batch_tokens)
+        scored = score(self.model, [batch[k] for k in mine], self.cfg.learner.micro_batch_tokens,
+                       self.cfg.rollout.sampling.policy_temperature)  # the student's policy temperature
         return {k: log_t.tolist() for k, log_t in zip(mine, scored, strict=True)}
 
 

@@ -35,6 +35,12 @@ def test_scores_are_the_learners_logprobs_segment_by_segment():
     learner = Trainer(model, LearnerSection(micro_batch_tokens=64, steps=1)).logprobs(batch)
     for got, want in zip(score(model, batch, 64), learner, strict=True):
         assert torch.allclose(got, torch.tensor(want, dtype=torch.float32), atol=1e-5)
+    # at the student's policy temperature the teacher is scored as the learner scores the student: a
+    # teacher equal to the student then adds nothing (log T - log mu = 0), where temperature 1 would not
+    hot = Trainer(model, LearnerSection(micro_batch_tokens=64, steps=1), temperature=0.7).logprobs(batch)
+    for got, want, cold in zip(score(model, batch, 64, 0.7), hot, learner, strict=True):
+        assert torch.allclose(got, torch.tensor(want, dtype=torch.float32), atol=1e-5)
+        assert not torch.allclose(got, torch.tensor(cold, dtype=torch.float32), atol=1e-3)
     episode = segmented_episode(random.Random(0), "g", (0.0, 1.0))
     whole = score(model, [episode])[0]
     P = len(episode.prompt_ids)
