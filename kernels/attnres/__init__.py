@@ -34,15 +34,18 @@ def attnres_aggregate(
     ``kernels/_backend.py``). One source is returned as it is (a one-source softmax is the identity).
 
     The kernel covers 2..16 sources in fp32 / bf16 / fp16 with d <= 16384; other cases run the
-    reference on every backend.
+    reference on every backend. Sources of different dtypes (under autocast the embeddings' block
+    is fp32 and the layers' outputs bf16) go to the kernel as fp32 (an exact upcast: the reference
+    reads them in fp32 too), and the result comes back in the first source's dtype, as the
+    reference's does.
     """
     sources = list(sources)
     if not sources:
         raise ValueError("attnres_aggregate: needs at least one source tensor")
     first = sources[0]
-    if any(s.shape != first.shape or s.dtype != first.dtype or s.device != first.device for s in sources):
+    if any(s.shape != first.shape or s.device != first.device for s in sources):
         got = ", ".join(f"{tuple(s.shape)} {s.dtype} {s.device}" for s in sources)
-        raise ValueError(f"attnres_aggregate: the sources must share one shape, dtype and device; got {got}")
+        raise ValueError(f"attnres_aggregate: the sources must share one shape and device; got {got}")
     if query.shape != first.shape[-1:]:
         raise ValueError(
             f"attnres_aggregate: query must be [d] = [{first.shape[-1]}] (the sources' last dim); "
@@ -51,10 +54,12 @@ def attnres_aggregate(
     path = resolve_backend(backend, "attnres_aggregate", *sources, query)
     if len(sources) == 1:
         return first
-    if path == "triton" and first.dtype in TRITON_DTYPES and len(sources) <= MAX_TRITON_SOURCES:
+    if path == "triton" and all(s.dtype in TRITON_DTYPES for s in sources) and len(sources) <= MAX_TRITON_SOURCES:
         from .triton_aggregate import MAX_D, aggregate_triton
 
         if first.shape[-1] <= MAX_D and first.numel() > 0:
+            if any(s.dtype != first.dtype for s in sources):  # mixed (autocast): read all in fp32
+                return aggregate_triton([s.float() for s in sources], query.float(), eps).to(first.dtype)
             return aggregate_triton(sources, query.float(), eps)
     return attnres_aggregate_reference(sources, query, eps)
 

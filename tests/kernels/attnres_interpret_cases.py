@@ -99,6 +99,26 @@ def test_one_row_per_program_at_the_default_launch_settings():
     assert_close(ours[3], ref[3], "d res_norm.weight", 1e-4)
 
 
+@pytest.mark.parametrize("first", [torch.float32, torch.bfloat16], ids=["fp32-first", "bf16-first"])
+def test_sources_of_mixed_dtypes_as_under_autocast(first):
+    """Under bf16 autocast the embeddings' block is fp32 and the layers' outputs bf16: the kernel reads
+    them all in fp32 (as the reference does), h comes back in the first source's dtype and each
+    source's gradient in its own."""
+    sources, proj, norm, dh = case(3, (2, 11, 96), torch.float32, seed=7)
+    sources = [sources[0].to(first)] + [v.bfloat16() for v in sources[1:]]
+    dh = dh.to(first)
+    with gpu_like_bf16():
+        ours = run(lambda v, q: attnres_aggregate(v, q, 1e-6, backend="triton"), sources, proj, norm, dh)
+    ref = run(lambda v, q: attnres_aggregate_reference(v, q, 1e-6), sources, proj, norm, dh)
+    assert ours[0].dtype == first
+    assert_close(ours[0], ref[0], "h", 1e-5 if first == torch.float32 else BF16_ULP)
+    for i, (a, b) in enumerate(zip(ours[1], ref[1], strict=True)):
+        assert a.dtype == sources[i].dtype
+        assert_close(a, b, f"d source {i}", 1e-5 if sources[i].dtype == torch.float32 else BF16_ULP)
+    assert_close(ours[2], ref[2], "d res_proj.weight", 1e-4)
+    assert_close(ours[3], ref[3], "d res_norm.weight", 1e-4)
+
+
 def test_model_with_the_kernel_matches_the_reference_path(monkeypatch):
     """k3-tiny (8 layers, blocks of 3: 1 to 4 sources) with every aggregation by the kernel against the
     reference: logits and every parameter's gradient, the pseudo-queries' included."""
@@ -112,7 +132,7 @@ def test_model_with_the_kernel_matches_the_reference_path(monkeypatch):
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setattr(
-            model_module, "aggregate", lambda s, q, eps, b=backend: aggregate(s, q, eps, backend=b)
+            model_module, "aggregate", lambda s, q, eps, _layer_backend=None, b=backend: aggregate(s, q, eps, backend=b)
         )
         model.zero_grad()
         logits = model(ids)
