@@ -4,13 +4,13 @@ the kernel on a GPU."""
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter_run import run_interpreted
 
 from k3rl.kernels.attnres import attnres_aggregate, attnres_aggregate_reference
 from k3rl.learner.model.attnres import aggregate
@@ -21,12 +21,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @has_triton
 def test_aggregate_kernel_under_the_interpreter():
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "attnres_interpret_cases.py", "-q", "-p", "no:cacheprovider"],
-        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=900, cwd=HERE,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    run_interpreted("attnres_interpret_cases.py")
 
 
 @pytest.mark.slow

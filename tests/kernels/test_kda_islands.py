@@ -4,13 +4,13 @@ choices and errors, and the kernels on a GPU."""
 
 import importlib.util
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreter_run import run_interpreted
 
 from k3rl.kernels.kda import output_norm_gate, output_norm_gate_reference, short_conv, short_conv_reference
 
@@ -19,14 +19,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_island_kernels_under_the_interpreter():
-    cases = pathlib.Path(__file__).with_name("islands_interpret_cases.py")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", str(cases), "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning"],
-        capture_output=True, text=True, env=env, timeout=900, cwd=cases.parent,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    run_interpreted("islands_interpret_cases.py")
 
 
 @pytest.mark.slow
