@@ -16,18 +16,27 @@ Two things plain EP lacks:
    all-to-alls are constants known before the step: no counts are read on the host to size
    buffers (plain EP does that once per layer). With a balanced plan a rank's receive buffer
    is ep * capacity ~ margin * S k rows (S tokens a rank, k routes a token), where a dispatch
-   sized for the worst case needs ep * S k.
+   sized for the worst case needs ep * S k. The experts then compute every one of the
+   ep * capacity received row slots in one buffer whose size depends on the capacity and the
+   number of local experts only (`expert_slots`): padding slots come out as zero rows.
 
-The histogram is either the routes of recent steps (`MoonEPExperts.replan`, e.g. once a step)
-or, as in the report, the current micro-batch's own routes (`plan_per_batch=True`): then every
-rank computes exactly S k rows with at most E / ep copies a rank, whatever the routing (the
-report's bound). Every rank learns every rank's per-expert counts through one fixed-size
-all-gather ([ep, E] integers) per layer; the plan and the split follow from them identically
-on every rank. The report's GPU planner, fused permutes and remote-write buffers are not here:
-torch's all-to-all needs its split sizes on the host, so ours are fixed per rank pair:
-capacity = ceil(margin * max_r load_r * S k), load_r the plan's share of rank r. A route beyond
-its pair's capacity is dropped (its expert output counts as zero): an error unless
-`allow_drops`, and counted either way (`dropped_routes`).
+With a plan from `replan` (the routes of recent steps, e.g. once a step), a forward reads
+nothing on the host: the counts, the split, the dispatch layout, the expert groups, the drop
+count and the load statistics stay on the device, and what depends on the plan alone (its
+tables, which weights to fetch) is copied to the device once per plan. The expert GEMMs are
+torch's grouped GEMM (`torch._grouped_mm`: one kernel per GEMM over every group, in bf16,
+the training dtype under autocast) or, for fp32 / `backend="torch"`, a loop over the local
+experts that reads the group sizes on the host (the reference). With `plan_per_batch=True`
+the plan comes, as in the report, from the current micro-batch's own routes: then every rank
+computes exactly S k rows with at most E / ep copies a rank, whatever the routing (the
+report's bound), but our planner runs in Python, so such a forward reads the [ep, E] counts on
+the host (the report's planner is a GPU kernel). Every rank learns every rank's per-expert
+counts through one fixed-size all-gather ([ep, E] integers) per layer; the plan and the split
+follow from them identically on every rank. The report's fused permutes and remote-write
+buffers are not here: torch's all-to-all needs its split sizes on the host, so ours are fixed
+per rank pair: capacity = ceil(margin * max_r load_r * S k), load_r the plan's share of rank r.
+A route beyond its pair's capacity is dropped (its expert output counts as zero) and counted
+(`MoonEPExperts.dropped_routes`); see `MoonEPExperts` for when that is an error.
 """
 
 from __future__ import annotations
@@ -40,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3rl.kernels.moe import GROUP_ALIGN
 from k3rl.kernels.moe import combine as combine_routes
-from k3rl.kernels.moe import latent_experts
+from k3rl.kernels.situ import situ_glu
 
 from .expert_parallel import ExpertParallelExperts, _check_divides, routed_experts
 from .model.moe import RoutedExperts
@@ -50,6 +60,7 @@ __all__ = [
     "MoonEPExperts",
     "MoonEPPlan",
     "apply_moon_ep",
+    "expert_slots",
     "moon_ep_modules",
     "plan_redundant_experts",
     "rank_loads",
@@ -114,6 +125,20 @@ class MoonEPPlan:
         rank[expert, copy], local[expert, copy] = torch.tensor(on_rank), torch.tensor(at)
         bounds[expert, copy] = torch.tensor(ends, dtype=torch.float64)
         return rank, local, bounds
+
+    def tables_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`tables` on `device`, copied there once per plan (a forward then copies nothing)."""
+        return self.cached_on(("tables", device), lambda: tuple(t.to(device) for t in self.tables))
+
+    def cached_on(self, key, make):
+        """What `make()` returns, made once per plan and key (per-plan tensors on a device)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @cached_property
+    def _cache(self) -> dict:
+        return {}
 
     def capacity(self, tokens_per_rank: int, top_k: int, margin: float) -> int:
         """Rows a pair of ranks exchanges: ceil(margin * max_r load_r * S k)."""
@@ -197,6 +222,13 @@ def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
                       tuple(x / total for x in home_load))  # fmt: skip
 
 
+def _count(values: torch.Tensor, size: int) -> torch.Tensor:
+    """torch.bincount(values, minlength=size) for values in [0, size), without reading the
+    largest value on the host (bincount does, to size its output: a sync on CUDA)."""
+    ones = torch.ones(values.shape, dtype=torch.int64, device=values.device)
+    return torch.zeros(size, dtype=torch.int64, device=values.device).index_add_(0, values, ones)
+
+
 def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan, counts: torch.Tensor | None = None, source: int = 0):
     """Where each of a source rank's N k routes goes, in expert-sorted order.
 
@@ -211,12 +243,12 @@ def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan, counts: torch.T
     routes of source s' with a smaller key number #{p' : (2 p' + 1) n_se < (2 p + 1) n_s'e}
     (<= for s' < s). Without `counts`, this rank's routes alone are ordered (g = p).
     """
-    copy_rank, copy_local, bounds = (t.to(topk_idx.device) for t in plan.tables)
+    copy_rank, copy_local, bounds = plan.tables_on(topk_idx.device)
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of_route = order // topk_idx.shape[1]
     expert = flat[order]
-    local = torch.bincount(flat, minlength=plan.num_experts)
+    local = _count(flat, plan.num_experts)
     if counts is None:
         counts, source = local[None], 0
     p = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(local, 0) - local)[expert]
@@ -244,20 +276,22 @@ def rank_loads(topk_idx_per_rank: list[torch.Tensor], plan: MoonEPPlan) -> torch
 
 
 def rows_per_rank(plan: MoonEPPlan, histogram: torch.Tensor) -> torch.Tensor:
-    """Routed rows each rank computes [ep] when the routes of all ranks to each expert are
-    `histogram` [E]: copy j of expert e serves round(F_{j+1} L_e) - round(F_j L_e) of its L_e
-    routes (the split `route_destinations` makes), on its rank. Dropped routes are not subtracted."""
-    copy_rank, _, bounds = plan.tables
-    L = torch.as_tensor(histogram).detach().cpu().double()
+    """Routed rows each rank computes [ep] (fp64, on the histogram's device) when the routes of
+    all ranks to each expert are `histogram` [E]: copy j of expert e serves
+    round(F_{j+1} L_e) - round(F_j L_e) of its L_e routes (the split `route_destinations`
+    makes), on its rank. Dropped routes are not subtracted."""
+    L = torch.as_tensor(histogram).detach().double()
+    copy_rank, _, bounds = plan.tables_on(L.device)
     ends = torch.round(bounds.clamp(max=1.0) * L[:, None])  # [E, ep]; copies past the last serve 0
     served = ends - torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
-    return torch.zeros(plan.ep, dtype=torch.float64).index_add_(0, copy_rank.reshape(-1), served.reshape(-1))
+    rows = torch.zeros(plan.ep, dtype=torch.float64, device=L.device)
+    return rows.index_add_(0, copy_rank.reshape(-1), served.reshape(-1))
 
 
 def _position_per_dest(dest: torch.Tensor, ep: int) -> torch.Tensor:
     """Position of each route among the routes to its destination rank (route order kept)."""
     by_dest = torch.argsort(dest, stable=True)
-    counts = torch.bincount(dest, minlength=ep)
+    counts = _count(dest, ep)
     pos = torch.empty_like(dest)
     pos[by_dest] = torch.arange(dest.numel(), device=dest.device) - (torch.cumsum(counts, 0) - counts)[dest[by_dest]]
     return pos
@@ -287,15 +321,19 @@ class _Exchange(torch.autograd.Function):
 class _Fetch:
     """How this rank's redundant slots get their weights (constant for a plan): `send` home
     expert indices, grouped by destination rank, `send_splits` / `recv_splits` per rank, and
-    `recv_slot` the slot each received row fills."""
+    `recv_slot` the slot each received row fills. Made once per plan, rank and device."""
 
-    send: list[int]
+    send: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
-    recv_slot: list[int]
+    recv_slot: torch.Tensor
 
     @classmethod
-    def of(cls, plan: MoonEPPlan, rank: int) -> _Fetch:
+    def of(cls, plan: MoonEPPlan, rank: int, device: torch.device) -> _Fetch:
+        return plan.cached_on(("fetch", rank, device), lambda: cls._make(plan, rank, device))
+
+    @classmethod
+    def _make(cls, plan: MoonEPPlan, rank: int, device: torch.device) -> _Fetch:
         n = plan.num_home
         send, send_splits = [], []
         for row in plan.slot_experts:  # sender: each destination's slots in slot order
@@ -307,19 +345,81 @@ class _Fetch:
             slots = [s for s, e in enumerate(plan.slot_experts[rank]) if e >= 0 and e // n == src]
             recv_slot += slots
             recv_splits.append(len(slots))
-        return cls(send, send_splits, recv_splits, recv_slot)
+        as_tensor = lambda ids: torch.tensor(ids, dtype=torch.int64, device=device)
+        return cls(as_tensor(send), send_splits, recv_splits, as_tensor(recv_slot))
+
+
+def _grouped_gemm(backend: str, x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether the experts run as torch's grouped GEMM: bf16 with 16-byte aligned rows (the
+    latent and expert widths multiples of 8), unless the reference is asked for."""
+    fits = hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0
+    return backend != "torch" and fits
+
+
+def grouped_expert_rows(x, ends, w1, w3, w2, beta_gate, beta_up, grouped: bool) -> torch.Tensor:
+    """h = w2_g SiTU-GLU(w1_g x, w3_g x) for the rows [ends[g-1], ends[g]) of x [M, l] (group g
+    computed by expert g; rows past ends[-1] are left undefined and must not be read).
+
+    grouped: torch's grouped GEMM, one kernel per GEMM whatever the group sizes, nothing read on
+    the host. Else a loop over the experts, reading `ends` on the host (the reference); it also
+    runs the experts with no rows, so that the output always depends on x and the weights.
+    """
+    if grouped:
+        offs = ends.to(torch.int32)
+        a = situ_glu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                     torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs), beta_gate, beta_up)  # fmt: skip
+        return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    parts, start = [], 0
+    for g, end in enumerate(ends.tolist()):
+        xg = x[start:end]
+        parts.append(situ_glu(xg @ w1[g].T, xg @ w3[g].T, beta_gate, beta_up, backend="torch") @ w2[g].T)
+        start = end
+    return torch.cat([*parts, x.new_zeros(x.shape[0] - start, w2.shape[1])])
+
+
+def expert_slots(x, slot_expert, w1, w3, w2, beta_gate, beta_up, backend: str = "auto") -> torch.Tensor:
+    """h [R, l] for R row slots x [R, l]: slot i computed by expert slot_expert[i] of w1/w3/w2
+    [G, ...]; slot_expert -1 marks a padding slot (h = 0, and no gradient reaches its row).
+
+    The slots are laid out by expert in one buffer of M = ceil((R + G (A - 1)) / A) A rows
+    (A = GROUP_ALIGN), each expert's group padded to a multiple of A:
+        key_i  = slot_expert[i], or G for a padding slot; sorted stably
+        first_g = #{i : key_i < g}   (searchsorted on the sorted keys), n_g = first_{g+1} - first_g
+        padded_g = ceil(n_g / A) A, end_g = sum_{g' <= g} padded_g'
+        the j-th slot of group g (slot order) -> buffer row end_g - padded_g + j;  padding -> row M (zero)
+    M depends on R and G alone: the expert GEMMs have the same shapes whatever the routing, and
+    nothing here is read on the host (except by the fp32 reference loop, see grouped_expert_rows).
+    """
+    R, G, A = x.shape[0], w1.shape[0], GROUP_ALIGN
+    key = torch.where(slot_expert >= 0, slot_expert, G)
+    perm = torch.argsort(key, stable=True)
+    sorted_key = key[perm]
+    first = torch.searchsorted(sorted_key, torch.arange(G + 1, device=x.device))
+    padded = (first[1:] - first[:-1] + A - 1) // A * A
+    ends = torch.cumsum(padded, 0)
+    M = -(-(R + G * (A - 1)) // A) * A
+    j = torch.arange(R, device=x.device) - first[sorted_key]
+    row_sorted = torch.where(sorted_key < G, (ends - padded)[sorted_key.clamp(max=G - 1)] + j, M)
+    row = torch.empty_like(perm).index_copy_(0, perm, row_sorted)
+    buf = x.new_zeros(M + 1, x.shape[1]).index_copy(0, row, x)[:M]
+    h = grouped_expert_rows(buf, ends, w1, w3, w2, beta_gate, beta_up, _grouped_gemm(backend, x, w1))
+    return torch.cat([h, h.new_zeros(1, h.shape[1])])[row]
 
 
 def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta_up, group, plan: MoonEPPlan,
-                           capacity: int, counts: torch.Tensor, allow_drops: bool = False, backend: str = "auto"):  # fmt: skip
+                           capacity: int, counts: torch.Tensor, backend: str = "auto"):  # fmt: skip
     """`latent_experts` under MoonEP: w1/w3/w2 hold this rank's home experts only; `counts`
-    [ep, E] the routes every rank sends to every expert this step. Collective.
+    [ep, E] the routes every rank sends to every expert this step. Collective; reads nothing
+    on the host except in the fp32 reference loop (`grouped_expert_rows`).
 
-    Returns (u [N, l], routes this rank dropped, real rows it computed (0-d int64 tensors)).
+    Returns (u [N, l], routes this rank dropped, routes every rank of the group dropped (the
+    same on every rank), slots that carried a route here): the counts are 0-d int64 tensors on
+    z's device, left there.
 
         fetch       the slots' weights from their home ranks      (splits from the plan)
         dispatch    [ep * capacity, l] rows + their local expert   (splits: capacity per rank)
-        experts     h = w2_j SiTU-GLU(w1_j x, w3_j x) on the real rows; padding rows of h are zero
+        experts     h = w2_j SiTU-GLU(w1_j x, w3_j x) on every received slot (`expert_slots`);
+                    padding slots give zero rows
         return      [ep * capacity, l] back, in the same rows      (splits: capacity per rank)
         combine     u_t = sum_e p_e h_e in fp32, a dropped route's h_e = 0
     """
@@ -336,36 +436,24 @@ def moon_ep_latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta
     meta = torch.cat([meta[: ep * C].view(ep, C), dropped.expand(ep, 1)], 1)
     meta_in = torch.empty_like(meta)
     dist.all_to_all_single(meta_in, meta, group=group)
-    if not allow_drops and bool(meta_in[:, C].any()):  # every rank reads the same sum: all raise together
-        raise RuntimeError(
-            f"MoonEP: {int(meta_in[:, C].sum())} routes exceeded the capacity of {C} rows per rank pair this "
-            "step; raise the margin, plan per batch or replan more often (a stale plan), or allow dropped routes"
-        )
     expert_in = meta_in[:, :C].reshape(-1)
 
-    fetch = _Fetch.of(plan, rank)
+    fetch = _Fetch.of(plan, rank, z.device)
     flat = [w.reshape(n, -1) for w in (w1, w3, w2)]
-    send, recv_slot = (torch.tensor(i, dtype=torch.int64, device=z.device) for i in (fetch.send, fetch.recv_slot))
     rows = z.new_zeros(ep * C + 1, lat).index_copy(0, row, z[token_of_route])[: ep * C]
     x, fetched = _Exchange.apply(
-        group, [([C] * ep, [C] * ep), (fetch.send_splits, fetch.recv_splits)], rows, torch.cat(flat, 1)[send]
+        group, [([C] * ep, [C] * ep), (fetch.send_splits, fetch.recv_splits)], rows, torch.cat(flat, 1)[fetch.send]
     )
-    held = fetched.new_zeros(plan.slots, fetched.shape[1]).index_copy(0, recv_slot, fetched)
+    held = fetched.new_zeros(plan.slots, fetched.shape[1]).index_copy(0, fetch.recv_slot, fetched)
     w1s, w3s, w2s = held.split([f.shape[1] for f in flat], 1)
     w1, w3, w2 = (torch.cat([w, s.view(-1, *w.shape[1:])]) for w, s in zip((w1, w3, w2), (w1s, w3s, w2s), strict=True))
 
-    # only the real rows are computed (padding rows of h stay zero and pass no gradient); every
-    # received row is a "token" with one route of weight 1, as in plain EP
-    real = (expert_in >= 0).nonzero().squeeze(1)
-    ones = torch.ones(real.numel(), 1, dtype=torch.float32, device=x.device)
-    h_real = latent_experts(x[real], expert_in[real].unsqueeze(1), ones, w1, w3, w2, beta_gate, beta_up,
-                            backend=backend)  # fmt: skip
-    h = x.new_zeros(x.shape).index_copy(0, real, h_real)
-    if real.numel() == 0 and torch.is_grad_enabled() and x.requires_grad:
-        h = x * 0  # nothing arrived: keep this rank in the graph so its backward all-to-alls still run
+    # every received row is a "token" with one route of weight 1, as in plain EP
+    h = expert_slots(x, expert_in, w1, w3, w2, beta_gate, beta_up, backend)
     (y,) = _Exchange.apply(group, [([C] * ep, [C] * ep)], h)
     y = torch.cat([y, y.new_zeros(1, lat)])[row]  # [N k] in `order`; dropped routes read zeros
-    return combine_routes(y, order, token_of_route, topk_weight, N, z.dtype), dropped, real.new_tensor(real.numel())
+    u = combine_routes(y, order, token_of_route, topk_weight, N, z.dtype)
+    return u, dropped, meta_in[:, C].sum(), (expert_in >= 0).sum()
 
 
 class MoonEPExperts(ExpertParallelExperts):
@@ -377,7 +465,17 @@ class MoonEPExperts(ExpertParallelExperts):
     The plan comes from `replan` (the routes of recent steps), or with `plan_per_batch` from each
     forward's own routes, as the K3 report does: then every rank computes exactly the mean load
     (S k rows when every rank routes S tokens) whenever the slots suffice (E / ep always do).
-    Every rank of `group` must call forward and `replan` together.
+    Every rank of `group` must call forward, `replan` and `check_drops` together.
+
+    Host reads: with a plan from `replan`, a forward reads nothing on the host (bf16 grouped
+    GEMM; the fp32 reference loop reads its group sizes); `replan`, `check_drops` and
+    `pop_load_stats` do, once a step. Dropped routes (beyond a pair's capacity) are counted on
+    the device, per rank (`dropped_routes`) and over the whole group (every rank receives every
+    rank's count with the dispatch). When `allow_drops` is off they are an error, raised by
+    `check_drops` on every rank of the group at once; `replan` and `pop_load_stats` call it,
+    i.e. once a step in the Trainer, after the step. A forward does not stop at a drop (that
+    would read the count on the host once per layer): call `check_drops()` after a forward to
+    stop right there, e.g. while sizing the margin.
     """
 
     def __init__(self, experts: RoutedExperts, group, slots: int, tokens_per_rank: int, margin: float = 1.25,
@@ -388,11 +486,15 @@ class MoonEPExperts(ExpertParallelExperts):
             raise ValueError(f"MoonEP: tokens_per_rank must be >= 1 and margin > 0, got {tokens_per_rank} and {margin}")
         self.slots, self.tokens_per_rank, self.margin, self.allow_drops = slots, tokens_per_rank, margin, allow_drops
         self.plan_per_batch = plan_per_batch
+        counter = lambda: torch.zeros((), dtype=torch.int64)
         self.register_buffer("routes_seen", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("dropped_routes", torch.zeros((), dtype=torch.int64), persistent=False)
-        self.register_buffer("received_rows", torch.zeros((), dtype=torch.int64), persistent=False)  # last forward
-        # per forward since `pop_load_stats`: max / mean rows per rank, under this plan and under plain EP
-        self.imbalance_sums, self.forwards = [0.0, 0.0], 0
+        self.register_buffer("dropped_routes", counter(), persistent=False)  # this rank's, since pop_load_stats
+        self.register_buffer("group_dropped_routes", counter(), persistent=False)  # every rank's, since check_drops
+        self.register_buffer("received_rows", counter(), persistent=False)  # last forward
+        # since `pop_load_stats`: sums over forwards of max / mean rows per rank under this plan and
+        # under plain EP, and the number of forwards (those that routed anything)
+        self.register_buffer("load_sums", torch.zeros(3, dtype=torch.float64), persistent=False)
+        self.last_capacity = 0
         # no routes seen yet: plain EP's layout, and a capacity for the worst case (S k a pair)
         self.plan, self.planned = plan_redundant_experts(torch.zeros(self.num_experts), self.ep_size, slots), False
 
@@ -405,7 +507,8 @@ class MoonEPExperts(ExpertParallelExperts):
     @torch.no_grad()
     def replan(self) -> MoonEPPlan:
         """A new plan from every rank's routes counted since the last replan (the same counts on
-        every rank, so the same plan); the counts start again from zero."""
+        every rank, so the same plan); the counts start again from zero. Checks the drops first."""
+        self.check_drops()
         self.set_plan(plan_redundant_experts(self.routes_seen, self.ep_size, self.slots))
         self.routes_seen.zero_()
         return self.plan
@@ -421,39 +524,55 @@ class MoonEPExperts(ExpertParallelExperts):
             raise ValueError(f"MoonEP: {z.shape[0]} tokens on this rank, more than tokens_per_rank="
                              f"{self.tokens_per_rank} that the capacity is sized for")  # fmt: skip
         with torch.no_grad():  # the routes every rank sends to every expert [ep, E]: a fixed-size exchange
-            mine = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+            mine = _count(idx.reshape(-1), self.num_experts)
             every = [torch.empty_like(mine) for _ in range(self.ep_size)]
             dist.all_gather(every, mine, group=self.group)
             counts = torch.stack(every)
             self.routes_seen += counts.sum(0).to(self.routes_seen.device)
-            if self.plan_per_batch:
+            if self.plan_per_batch:  # planned in Python: reads the counts on the host
                 self.set_plan(plan_redundant_experts(counts.sum(0), self.ep_size, self.slots))
             self._count_load(counts.sum(0))
+        self.last_capacity = self.capacity(idx.shape[1])
         z, w1, w3, w2 = self.cast_inputs(z)
-        u, dropped, received = moon_ep_latent_experts(
+        u, dropped, group_dropped, received = moon_ep_latent_experts(
             z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, self.group, self.plan,
-            self.capacity(idx.shape[1]), counts, self.allow_drops, self.backend,
+            self.last_capacity, counts, self.backend,
         )  # fmt: skip
-        self.dropped_routes += dropped.detach()
+        self.dropped_routes += dropped
+        self.group_dropped_routes += group_dropped
         self.received_rows.copy_(received)
         return u
 
     def _count_load(self, histogram: torch.Tensor) -> None:
-        """Add this forward's max / mean rows per rank, MoonEP's and plain EP's (home copies only)."""
+        """Add this forward's max / mean rows per rank, MoonEP's and plain EP's (home copies
+        only), on the device; a forward that routed nothing adds nothing."""
         moon = rows_per_rank(self.plan, histogram)
-        plain = histogram.detach().cpu().double().view(self.ep_size, -1).sum(1)
-        if float(plain.sum()) > 0:
-            for i, rows in enumerate((moon, plain)):
-                self.imbalance_sums[i] += float(rows.max() / rows.mean())
-            self.forwards += 1
+        plain = histogram.double().view(self.ep_size, -1).sum(1)
+        ratios = torch.stack([moon.max() / moon.mean(), plain.max() / plain.mean(), torch.ones_like(moon[0])])
+        self.load_sums += torch.where(plain.sum() > 0, ratios, 0.0).to(self.load_sums.device)
+
+    def check_drops(self) -> None:
+        """Unless `allow_drops`: raise if any rank of the group dropped a route since the last
+        check. Every rank reads the same group count, so all raise together (none is left
+        waiting in a collective). One read on the host."""
+        dropped = 0 if self.allow_drops else int(self.group_dropped_routes)
+        self.group_dropped_routes.zero_()
+        if dropped:
+            raise RuntimeError(
+                f"MoonEP: {dropped} routes exceeded the capacity of {self.last_capacity} rows per rank pair "
+                "(all ranks of the EP group, since the last check); raise the margin, plan per batch or replan "
+                "more often (a stale plan), or allow dropped routes"
+            )
 
     def pop_load_stats(self) -> tuple[float, float, int]:
         """(mean max / mean rows per rank under MoonEP, the same under plain EP, routes this rank
         dropped) over the forwards since the last call; the counters start again from zero. The
-        imbalances are the same on every rank of the EP group (they come from the shared counts)."""
-        n = max(1, self.forwards)
-        out = (self.imbalance_sums[0] / n, self.imbalance_sums[1] / n, int(self.dropped_routes))
-        self.imbalance_sums, self.forwards = [0.0, 0.0], 0
+        imbalances are the same on every rank of the EP group (they come from the shared counts).
+        Checks the drops first (`check_drops`)."""
+        self.check_drops()
+        moon, plain, forwards = self.load_sums.tolist()
+        out = (moon / max(1.0, forwards), plain / max(1.0, forwards), int(self.dropped_routes))
+        self.load_sums.zero_()
         self.dropped_routes.zero_()
         return out
 

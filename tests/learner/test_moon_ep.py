@@ -6,8 +6,11 @@ on skewed routing (60% of the routes to experts 0 and 1), MoonEP's output, input
 home-expert gradients equal plain EP's and one process's, with a plan from the previous step
 and with a plan per batch (then every rank computes exactly S k rows, also when every route
 goes to one rank's experts); a rank that receives nothing still joins the exchanges; routes
-beyond the capacity are an error on every rank at once, or, when allowed, counted and left
-out of the output exactly; bad settings are refused; with 2 ranks, k3-tiny with MoonEP in
+beyond the capacity are counted on the device and are an error on every rank at once at the
+next check (`check_drops`), or, when allowed, left out of the output exactly; the experts
+compute a buffer of the same number of rows whatever the routing, and a forward's local steps
+read nothing on the host (they run on fake tensors; on a Hopper GPU, the whole forward under
+`torch.cuda.set_sync_debug_mode("error")`); bad settings are refused; with 2 ranks, k3-tiny with MoonEP in
 every MoE layer equals k3-tiny with plain EP, and the Trainer (FSDP + EP) with `learner.moon_ep`,
 replanned after each step or planned per batch, takes the same steps as with plain EP (losses,
 gradient norms, updated weights), logging the load imbalance and no dropped routes. The config
@@ -17,6 +20,7 @@ episode.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -24,15 +28,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from learner_helpers import gloo_group, make_trajectories
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+import k3rl.learner.moon_ep as moon_ep
 from k3rl.config import ConfigError, JobConfig, LearnerSection
+from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.moe import RoutedExperts
 from k3rl.learner.moon_ep import (
     MoonEPExperts,
+    _position_per_dest,
     apply_moon_ep,
+    expert_slots,
     moon_ep_modules,
     plan_redundant_experts,
     rank_loads,
@@ -135,41 +144,64 @@ def _trainer_run(moon: dict) -> dict:
             "planned": [m.planned for m in layers], "kinds": kinds}  # fmt: skip
 
 
+def _spy_on_expert_rows(seen: list) -> None:
+    """Record the rows and the path of every call of the experts' GEMMs (the real function runs)."""
+    real = moon_ep.grouped_expert_rows
+
+    def recorded(x, ends, *args):
+        seen.append((x.shape[0], args[-1]))
+        return real(x, ends, *args)
+
+    moon_ep.grouped_expert_rows = recorded
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with gloo_group(rank, world, port):
-        group, res = dist.group.WORLD, {}
+        group, res, seen = dist.group.WORLD, {"expert_rows": {}}, []
+        _spy_on_expert_rows(seen)
+
+        def run(name, layer, **kw):  # _run, and what the experts computed (rows, grouped GEMM), capacity, slots
+            seen.clear()
+            res[name] = _run(layer, rank, **kw)
+            res["expert_rows"][name] = (list(seen), layer.last_capacity, layer.slots)
+
         res["plain"] = _run(ExpertParallelExperts(_experts(), group), rank)
 
         moon = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N, margin=1.5)
         with torch.no_grad():  # one step's routes make the histogram
             moon(*_layer_inputs(rank)[:3])
         res["plan"] = moon.replan()
-        res["moon"] = _run(moon, rank)
+        run("moon", moon)
         res["dropped"] = int(moon.dropped_routes)
-        res["moon_bf16"] = _run(moon, rank, autocast=True)  # the copies travel in bf16 too
+        run("moon_bf16", moon, autocast=True)  # the copies travel in bf16 too; the grouped GEMM runs
 
         tight = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N, margin=0.6)
         tight.set_plan(res["plan"])
+        run("tight_strict", tight)  # a forward does not stop at a drop: the check does
+        res["tight_strict_dropped"] = int(tight.dropped_routes)
         try:
-            _run(tight, rank)
+            tight.check_drops()
             res["tight_error"] = None
         except RuntimeError as e:
             res["tight_error"] = str(e)
+        tight.check_drops()  # the error was reported once: the group's count starts again
         tight.allow_drops = True
+        tight.pop_load_stats()
         res["capacity"] = tight.capacity(K)
-        res["tight"] = _run(tight, rank)
+        run("tight", tight)
         res["tight_dropped"] = int(tight.dropped_routes)
+        tight.check_drops()  # allowed: no error
 
         # before any plan (no copies, worst-case capacity), every route to rank 0's experts:
         # the other ranks receive no row but still join every exchange, forward and backward
         fresh = MoonEPExperts(_experts(), group, slots=1, tokens_per_rank=N)
-        res["to_rank0"] = _run(fresh, rank, idx=ONLY_RANK0)
+        run("to_rank0", fresh, idx=ONLY_RANK0)
 
         # the report's way: a plan from each forward's own routes, E / ep slots
         per_batch = MoonEPExperts(_experts(), group, slots=E // world, tokens_per_rank=N, margin=1.5,
                                   plan_per_batch=True)  # fmt: skip
         for name, idx in (("skewed", None), ("to_rank0", ONLY_RANK0)):
-            res[f"per_batch_{name}"] = _run(per_batch, rank, idx=idx)
+            run(f"per_batch_{name}", per_batch, idx=idx)
             res[f"per_batch_{name}_rows"] = int(per_batch.received_rows)
             res[f"per_batch_{name}_plan"] = per_batch.plan
         res["per_batch_dropped"] = int(per_batch.dropped_routes)
@@ -300,6 +332,100 @@ def test_plan_refuses_bad_input():
         plan_redundant_experts(torch.ones(6), 4, 1)
 
 
+# -- static shapes, no host reads ---------------------------------------------------------------
+
+
+def _slots_and_weights(G: int, R: int, dtype=torch.float32):
+    """R received slots (a third of them padding, -1) for G local experts, their rows and weights."""
+    g = torch.Generator().manual_seed(3)
+    slot_expert = torch.randint(0, G, (R,), generator=g).masked_fill(torch.rand(R, generator=g) < 0.3, -1)
+    layer = _experts()
+    w = [getattr(layer, name).detach()[:G].to(dtype).requires_grad_(True) for name in ("w1", "w3", "w2")]
+    x = torch.randn(R, LAT, generator=g).to(dtype).requires_grad_(True)
+    return x, slot_expert, w, (layer.beta_gate, layer.beta_up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-loop", "bf16-grouped-gemm"])
+def test_expert_slots_compute_each_slot_with_its_expert(dtype):
+    """expert_slots: a slot's row is its expert's output (as one process's experts, with weight
+    1), a padding slot's is zero and passes no gradient; the weights' gradients are the real
+    slots' alone."""
+    x, slot_expert, w, betas = _slots_and_weights(G=5, R=70, dtype=dtype)
+    h = expert_slots(x, slot_expert, *w, *betas)
+    proj = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
+    (h.float() * proj).sum().backward()
+    got = [h.detach(), x.grad, *(t.grad for t in w)]
+    real = slot_expert >= 0
+    for t in (x, *w):
+        t.grad = None
+    ref = latent_experts_loop(x[real], slot_expert[real, None], torch.ones(int(real.sum()), 1), *w, *betas)
+    (ref.float() * proj[real]).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(got[0][real].float(), ref.detach().float()) < tol
+    assert not got[0][~real].any() and not got[1][~real].any()
+    assert _rel(got[1][real].float(), x.grad[real].float()) < tol
+    assert all(_rel(a.float(), t.grad.float()) < tol for a, t in zip(got[2:], w, strict=True))
+
+
+def test_a_forward_reads_nothing_on_the_host():
+    """The local steps of a forward under a plan (the split of the routes among the copies, the
+    positions in the dispatch buffer, the experts over every received slot in bf16, the load
+    statistics) run on fake tensors, which hold no data: a read on the host (.item(),
+    .tolist(), nonzero, bincount sizing its output) raises there. The per-plan tables are made
+    once per plan, before."""
+    world, rank = 4, 1
+    routes = [_skewed_routes(r) for r in range(world)]
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in routes])
+    plan = plan_redundant_experts(counts.sum(0), world, 1)
+    R = world * plan.capacity(N, K, 1.25)
+    x, slot_expert, w, betas = _slots_and_weights(G=E // world + 1, R=R, dtype=torch.bfloat16)
+    want = rows_per_rank(plan, counts.sum(0))  # a real call: the plan's tables are made here
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        order, token, dest, local = route_destinations(routes[rank], plan, counts, rank)
+        pos = _position_per_dest(dest, world)
+        h = expert_slots(x, slot_expert, *w, *betas)
+        rows = rows_per_rank(plan, counts.sum(0))
+    assert pos.shape == dest.shape == order.shape == (N * K,) and h.shape == (R, LAT)
+    assert rows.shape == want.shape == (world,)
+
+
+def _nccl_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        layer = MoonEPExperts(_experts(), dist.group.WORLD, slots=0, tokens_per_rank=N).cuda()
+        z, idx, p, _ = (t.cuda() for t in _layer_inputs(0))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            layer(z, idx, p)  # the first forward and plan: NCCL's communicator, the plan's tables
+            layer.replan()
+            layer(z, idx, p)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                u = layer(z, idx, p)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.save(u.float().cpu(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the one-kernel grouped GEMM needs a Hopper (sm90) GPU or newer")  # fmt: skip
+def test_a_forward_never_waits_for_the_device_on_cuda(tmp_path):
+    """A forward under a plan, bf16 autocast, NCCL (one rank): nothing synchronises the host
+    with the GPU (torch raises at the first synchronising call), and the output is the experts'."""
+    out = str(tmp_path / "u.pt")
+    mp.spawn(_nccl_worker, args=(free_port(), out), nprocs=1, join=True)
+    layer = _experts()
+    z, idx, p, _ = _layer_inputs(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(z, idx, p)
+    assert _rel(torch.load(out), want.float()) < 2e-2
+
+
 # -- the layer on gloo ------------------------------------------------------------------------
 
 
@@ -388,13 +514,17 @@ def test_bad_settings_are_refused_with_their_names(ranks):
 
 
 def test_routes_beyond_the_capacity(ranks):
-    """margin 0.6: some pairs overflow. Strict: every rank raises (none hangs in a collective);
-    allowed: the drops are counted, and the output is one process's without those routes."""
+    """margin 0.6: some pairs overflow. The drops are counted on the device; strict, the next
+    check raises on every rank with the group's count (none hangs in a collective); the output
+    is one process's without those routes."""
     world = len(ranks)
     plan = ranks[0]["plan"]
     C = ranks[0]["capacity"]
     for res in ranks:
-        assert res["tight_error"] is not None and "exceeded the capacity" in res["tight_error"]
+        assert res["tight_error"] is not None and "exceeded the capacity of" in res["tight_error"]
+        assert res["tight_error"] == ranks[0]["tight_error"]  # the same group count everywhere
+        assert res["tight_strict_dropped"] == res["tight_dropped"]
+        assert all(torch.equal(a, b) for a, b in zip(res["tight_strict"][:2], res["tight"][:2], strict=True))
     keep, dropped = [], []
     routes = [_layer_inputs(r)[1] for r in range(world)]
     counts = torch.stack([torch.bincount(i.reshape(-1), minlength=E) for i in routes])
@@ -408,6 +538,7 @@ def test_routes_beyond_the_capacity(ranks):
         keep.append(kept.view(N, K))
         dropped.append(int((pos >= C).sum()))
     assert sum(dropped) > 0
+    assert f"MoonEP: {sum(dropped)} routes exceeded the capacity of {C} rows per rank pair" in ranks[0]["tight_error"]
     outs, full = _one_process(world, keep)
     n = E // world
     for r, res in enumerate(ranks):
@@ -469,3 +600,24 @@ def test_moon_ep_config_is_refused_where_it_cannot_work():
         JobConfig.from_dict({"learner": {**ep, "moon_ep": {"enabled": True, "margin": 0}}})
     job = JobConfig.from_dict({"learner": {**ep, "moon_ep": {"enabled": True, "slots": 4}}})
     assert job.learner.moon_ep.slots == 4 and not job.learner.moon_ep.plan_per_batch
+
+
+def _static_rows(capacity: int, world: int, slots: int) -> int:
+    """The rows of the experts' buffer: every received slot, plus each local expert's padding."""
+    G = E // world + slots
+    return math.ceil((world * capacity + G * (GROUP_ALIGN - 1)) / GROUP_ALIGN) * GROUP_ALIGN
+
+
+def test_the_experts_compute_a_fixed_number_of_rows_whatever_the_routing(ranks):
+    """Every received slot (ep x capacity, padding included) reaches the experts' GEMMs in one
+    buffer whose size follows from the capacity and the number of local experts alone: skewed
+    routes, every route to rank 0's experts (the other ranks receive only padding), per-batch
+    plans, routes beyond the capacity. One call a forward: the grouped GEMM in bf16, the
+    reference loop in fp32."""
+    world = len(ranks)
+    for res in ranks:
+        seen = res["expert_rows"]
+        assert len(seen) == 7
+        for name, (calls, capacity, slots) in seen.items():
+            assert calls == [(_static_rows(capacity, world, slots), name == "moon_bf16")], (name, calls)
+        assert seen["per_batch_skewed"] == seen["per_batch_to_rank0"]
