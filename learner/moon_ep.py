@@ -16,9 +16,10 @@ Two things plain EP lacks:
    all-to-alls are constants known before the step: no counts are read on the host to size
    buffers (plain EP does that once per layer). With a balanced plan a rank's receive buffer
    is ep * capacity ~ margin * S k rows (S tokens a rank, k routes a token), where a dispatch
-   sized for the worst case needs ep * S k. The experts then compute every one of the
-   ep * capacity received row slots in one buffer whose size depends on the capacity and the
-   number of local experts only (`expert_slots`): padding slots come out as zero rows.
+   sized for the worst case needs ep * S k. The experts then take all ep * capacity received
+   row slots in one buffer whose size depends on the capacity and the number of local experts
+   only (`expert_slots`): each expert's rows padded to a multiple of 16, padding slots in no
+   expert's group, read back as zero rows.
 
 With a plan from `replan` (the routes of recent steps, e.g. once a step), a forward reads
 nothing on the host: the counts, the split, the dispatch layout, the expert groups, the drop
@@ -349,7 +350,7 @@ class _Fetch:
         return cls(as_tensor(send), send_splits, recv_splits, as_tensor(recv_slot))
 
 
-def _grouped_gemm(backend: str, x: torch.Tensor, w1: torch.Tensor) -> bool:
+def _use_grouped_gemm(backend: str, x: torch.Tensor, w1: torch.Tensor) -> bool:
     """Whether the experts run as torch's grouped GEMM: bf16 with 16-byte aligned rows (the
     latent and expert widths multiples of 8), unless the reference is asked for."""
     fits = hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0
@@ -402,7 +403,7 @@ def expert_slots(x, slot_expert, w1, w3, w2, beta_gate, beta_up, backend: str = 
     row_sorted = torch.where(sorted_key < G, (ends - padded)[sorted_key.clamp(max=G - 1)] + j, M)
     row = torch.empty_like(perm).index_copy_(0, perm, row_sorted)
     buf = x.new_zeros(M + 1, x.shape[1]).index_copy(0, row, x)[:M]
-    h = grouped_expert_rows(buf, ends, w1, w3, w2, beta_gate, beta_up, _grouped_gemm(backend, x, w1))
+    h = grouped_expert_rows(buf, ends, w1, w3, w2, beta_gate, beta_up, _use_grouped_gemm(backend, x, w1))
     return torch.cat([h, h.new_zeros(1, h.shape[1])])[row]
 
 
