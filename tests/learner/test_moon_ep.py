@@ -1,21 +1,21 @@
 """MoonEP (learner/moon_ep.py): the plan from a routing histogram, and the balanced, static-shape
 expert parallel layer on gloo process groups of 2 and 4 ranks.
 
-One spawn per group size runs every distributed check (process start dominates the cost):
-on skewed routing (60% of the routes to experts 0 and 1), MoonEP's output, input gradient and
-home-expert gradients equal plain EP's and one process's, with a plan from the previous step
-and with a plan per batch (then every rank computes exactly S k rows, also when every route
-goes to one rank's experts); a rank that receives nothing still joins the exchanges; routes
-beyond the capacity are counted on the device and are an error on every rank at once at the
-next check (`check_drops`), or, when allowed, left out of the output exactly; the experts
-compute a buffer of the same number of rows whatever the routing, and a forward's local steps
-read nothing on the host (they run on fake tensors; on a Hopper GPU, the whole forward under
-`torch.cuda.set_sync_debug_mode("error")`); bad settings are refused; with 2 ranks, k3-tiny with MoonEP in
-every MoE layer equals k3-tiny with plain EP, and the Trainer (FSDP + EP) with `learner.moon_ep`,
-replanned after each step or planned per batch, takes the same steps as with plain EP (losses,
-gradient norms, updated weights), logging the load imbalance and no dropped routes. The config
-refuses MoonEP without EP, more slots than a rank can fill, and micro-batches shorter than an
-episode.
+One spawn per group size runs every distributed check (process start dominates the cost): on
+skewed routing (60% of the routes to experts 0 and 1), MoonEP's output, input gradient and
+home-expert gradients equal plain EP's and one process's, with a plan from the previous step and
+with a plan per batch (then every rank computes exactly S k rows, also when every route goes to
+one rank's experts); a rank that receives nothing still joins the exchanges; routes beyond the
+capacity are counted on the device and are an error on every rank at once at the next check
+(`check_drops`), or, when allowed, left out of the output exactly; the experts compute a buffer
+of the same number of rows whatever the routing, and a forward's local steps read nothing on the
+host (they run on fake tensors; on a Hopper GPU, the whole forward under
+`torch.cuda.set_sync_debug_mode("error")`); bad settings are refused; with 2 ranks, k3-tiny with
+MoonEP in every MoE layer equals k3-tiny with plain EP, and the Trainer (FSDP + EP) with
+`learner.moon_ep`, replanned after each step or planned per batch, takes the same steps as with
+plain EP (losses, gradient norms, updated weights), logging the load imbalance and no dropped
+routes. The config refuses MoonEP without EP, more slots than a rank can fill, and micro-batches
+shorter than an episode.
 """
 
 from __future__ import annotations
