@@ -312,6 +312,8 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
         if type(norm).__name__ == "DTensor":
             norm = norm.full_tensor()
+        for moon in moon_ep_modules(self.model).values():  # strict MoonEP: a step with dropped routes
+            moon.check_drops()  # stops before the optimizer applies it (raised on every rank at once)
         self._set_lr(lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
