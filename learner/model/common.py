@@ -7,6 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
+from k3rl.kernels.rmsnorm import rms_norm
 from k3rl.kernels.situ import situ_glu
 
 
@@ -31,18 +32,17 @@ class RMSNorm(nn.Module):
     """RMSNorm_eps(x; gamma) = gamma * x / sqrt(mean(x^2) + eps).
 
     The statistic is fp32; gamma multiplies after the downcast to the input dtype, as the
-    reference code does (docs/model.md §0).
+    reference code does (docs/model.md §0). One fused kernel on CUDA (``kernels/rmsnorm``);
+    ``backend`` is the model's ``kernel_backend`` (K3ForCausalLM sets it).
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: str = "auto"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with fp32_island(x):
-            normed = rms_normalize(x, self.eps).to(x.dtype)
-        return self.weight.to(x.dtype) * normed
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
 class SiTUGLUMLP(nn.Module):

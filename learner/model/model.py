@@ -112,6 +112,9 @@ class K3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.moe_layer_ids = config.moe_layer_ids
         self.final_source_count = 0
+        for module in self.modules():  # every norm runs the model's kernel backend (kernels/rmsnorm)
+            if isinstance(module, RMSNorm):
+                module.backend = config.kernel_backend
 
     # ----- initialisation and dtypes ----------------------------------------------------------
     @torch.no_grad()
