@@ -69,6 +69,7 @@ def import_engine_alone() -> None:
 import_engine_alone()
 from k3rl.learner.distributed import free_port  # noqa: E402
 from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
+from k3rl.learner.model.common import RMSNorm  # noqa: E402
 from k3rl.learner.model.state_dict_adapter import to_hf  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
 from k3rl.types import SamplingParams, WeightUpdate  # noqa: E402
@@ -160,6 +161,20 @@ def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, graph
     return {"batch": batch, "decode_tok_s": batch * new_tokens / decode_s, "step_ms": 1e3 * decode_s / new_tokens,
             "prefill_tok_s": batch * prompt_len / prefill_s, "context": prompt_len + warmup + new_tokens // 2,
             "replay_ms": replay_ms}
+
+
+def kernels_per_step(model) -> int:
+    """GPU kernels launched by one eager decode step at batch 1 (what a CUDA graph of it replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = EmbeddedEngine(model, background=False, max_num_seqs=1, prefill_chunk=16, max_prefill_tokens=16,
+                         prefix_cache_size=0, enforce_eager=True)
+    eng.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=8))
+    eng.step(), eng.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name)
 
 
 # ----- weight sync ---------------------------------------------------------------------------------
@@ -272,6 +287,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync measurements")
+    ap.add_argument("--norms", default="auto", choices=["auto", "torch"],
+                    help="the RMSNorms' kernel backend (torch: eager PyTorch, the before of kernels/rmsnorm)")
+    ap.add_argument("--count-kernels", action="store_true",
+                    help="count the GPU kernels of one eager decode step at batch 1 (torch.profiler)")
     args = ap.parse_args()
     if args.tests:
         import pytest
@@ -285,6 +304,9 @@ def main() -> None:
     batches = [int(b) for b in (args.batches or ("1,64,256" if device.type == "cuda" else "1,8,32")).split(",")]
     graph_modes = [g == "on" for g in (args.graphs or ("on,off" if device.type == "cuda" else "off")).split(",")]
     model = build(args.preset, args.device, dtype)
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.backend = args.norms
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
     print(f"# engine benchmark: {args.preset} {dtype} on {name}")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} timed decode steps after 3 warm-up steps, greedy")
@@ -295,6 +317,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
         decode_throughput(model, 1, args.prompt_len, 2, graphs=False)  # compile the kernels outside the timings
+        if args.count_kernels and device.type == "cuda":
+            print(f"GPU kernels per eager decode step at batch 1 (norms: {args.norms}): {kernels_per_step(model)}\n")
         for graphs in graph_modes:
             for b in batches:
                 r = decode_throughput(model, b, args.prompt_len, args.new_tokens, graphs)

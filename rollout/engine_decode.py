@@ -104,13 +104,13 @@ def _moe(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _layer(layer, bank: list, partial: torch.Tensor, entry, step):
     """K3DecoderLayer.forward with a cache (docs/model.md §4.3)."""
     a = aggregate(bank + [partial], query_vector(layer.self_attention_res_proj, layer.self_attention_res_norm),
-                  layer.eps)
+                  layer.eps, layer.backend)
     if layer.is_block_start:
         bank, partial = bank + [partial], None
     x = layer.input_layernorm(a)
     t = layer.self_attn(x, cache=entry, step=step) if layer.is_mla else layer.self_attn(x, cache=entry)
     partial = t if partial is None else partial + t
-    m = aggregate(bank + [partial], query_vector(layer.mlp_res_proj, layer.mlp_res_norm), layer.eps)
+    m = aggregate(bank + [partial], query_vector(layer.mlp_res_proj, layer.mlp_res_norm), layer.eps, layer.backend)
     y = layer.post_attention_layernorm(m)
     f, experts = _moe(layer.mlp, y) if layer.is_moe else (layer.mlp(y), None)
     return bank, partial + f, experts
@@ -126,7 +126,7 @@ def decode_forward(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch
             routes.append(experts)
     m = model.model
     hidden = aggregate(bank + [partial], query_vector(m.output_attn_res_proj, m.output_attn_res_norm),
-                       model.config.rms_norm_eps)
+                       model.config.rms_norm_eps, model.config.kernel_backend)
     logits = model.lm_head(m.norm(hidden))[:, -1]
     return logits, (torch.stack(routes, dim=1) if routes else None)
 
