@@ -27,7 +27,7 @@ import torch
 from k3rl.kernels._backend import resolve_backend
 from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.kernels.situ import situ_glu
-from k3rl.learner.model.attnres import aggregate, query_vector
+from k3rl.learner.model.attnres import aggregate
 
 from .sampling import policy_logprobs, sample_tokens
 from .state_pool import StatePool
@@ -101,16 +101,28 @@ def _moe(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return y.reshape(x.shape), routing.topk_idx
 
 
-def _layer(layer, bank: list, partial: torch.Tensor, entry, step):
+def attnres_queries(model) -> list[torch.Tensor]:
+    """Every Block AttnRes pseudo-query gamma * w of a decode step in fp32, in the order the step uses
+    them (per layer: before the mixer, before the MLP; then the output's): the products of
+    `query_vector`, computed in a handful of kernels instead of three per aggregation."""
+    m = model.model
+    pairs = [(layer.self_attention_res_proj, layer.self_attention_res_norm) for layer in m.layers]
+    pairs = [p for layer, pa in zip(m.layers, pairs, strict=True) for p in (pa, (layer.mlp_res_proj, layer.mlp_res_norm))]
+    pairs.append((m.output_attn_res_proj, m.output_attn_res_norm))
+    w = torch.cat([proj.weight for proj, _ in pairs])  # [n, d]
+    gamma = torch.stack([norm.weight for _, norm in pairs])
+    return list((gamma.float() * w.float()).unbind(0))
+
+
+def _layer(layer, bank: list, partial: torch.Tensor, entry, step, queries):
     """K3DecoderLayer.forward with a cache (docs/model.md §4.3)."""
-    a = aggregate(bank + [partial], query_vector(layer.self_attention_res_proj, layer.self_attention_res_norm),
-                  layer.eps, layer.backend)
+    a = aggregate(bank + [partial], next(queries), layer.eps, layer.backend)
     if layer.is_block_start:
         bank, partial = bank + [partial], None
     x = layer.input_layernorm(a)
     t = layer.self_attn(x, cache=entry, step=step) if layer.is_mla else layer.self_attn(x, cache=entry)
     partial = t if partial is None else partial + t
-    m = aggregate(bank + [partial], query_vector(layer.mlp_res_proj, layer.mlp_res_norm), layer.eps, layer.backend)
+    m = aggregate(bank + [partial], next(queries), layer.eps, layer.backend)
     y = layer.post_attention_layernorm(m)
     f, experts = _moe(layer.mlp, y) if layer.is_moe else (layer.mlp(y), None)
     return bank, partial + f, experts
@@ -119,14 +131,14 @@ def _layer(layer, bank: list, partial: torch.Tensor, entry, step):
 def decode_forward(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [B, V] of ids [B, 1] appended to `cache`, and the experts used [B, n_moe, k] (None without MoE)."""
     step = cache.decode_step(1)
+    queries = iter(attnres_queries(model))
     bank, partial, routes = [], model.model.embed_tokens(ids), []
     for layer in model.model.layers:
-        bank, partial, experts = _layer(layer, bank, partial, cache.layer(layer.layer_idx), step)
+        bank, partial, experts = _layer(layer, bank, partial, cache.layer(layer.layer_idx), step, queries)
         if experts is not None:
             routes.append(experts)
     m = model.model
-    hidden = aggregate(bank + [partial], query_vector(m.output_attn_res_proj, m.output_attn_res_norm),
-                       model.config.rms_norm_eps, model.config.kernel_backend)
+    hidden = aggregate(bank + [partial], next(queries), model.config.rms_norm_eps, model.config.kernel_backend)
     logits = model.lm_head(m.norm(hidden))[:, -1]
     return logits, (torch.stack(routes, dim=1) if routes else None)
 

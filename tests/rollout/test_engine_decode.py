@@ -7,7 +7,8 @@ import torch
 
 from k3rl.kernels.moe import latent_experts_loop
 from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.rollout.engine_decode import _gathered_experts, _grouped_experts, decode_forward
+from k3rl.learner.model.attnres import query_vector
+from k3rl.rollout.engine_decode import _gathered_experts, _grouped_experts, attnres_queries, decode_forward
 from k3rl.rollout.state_pool import StatePool
 
 torch.set_num_threads(1)
@@ -31,6 +32,10 @@ def test_grouped_and_gathered_experts_match_the_reference_loop():
 def test_decode_forward_over_the_pool_equals_the_model_forward():
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():  # distinct Block AttnRes pseudo-queries (zero at init): each aggregation's own
+        for name, param in model.named_parameters():
+            if "_res_proj" in name or "_res_norm" in name:
+                param.copy_(torch.randn_like(param) * 0.5 + ("_res_norm" in name))
     ids = [[5, 9, 33, 2, 71, 8], [12, 4, 4, 100, 3, 17]]
     pool = StatePool(model, num_slots=3, max_len=64, initial_capacity=16)
     with torch.no_grad():
@@ -72,3 +77,21 @@ def test_padding_rows_of_a_rung_change_nothing():
     for a, b in zip(*results, strict=True):
         assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
+
+
+def test_the_decode_steps_queries_are_the_models_in_its_order():
+    """attnres_queries: gamma * w of every aggregation, bit for bit, in the order the step reads them."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    model.to_param_dtype(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "_res_proj" in name or "_res_norm" in name:
+                param.copy_(torch.randn_like(param))
+    m = model.model
+    expected = [query_vector(getattr(layer, f"{which}_res_proj"), getattr(layer, f"{which}_res_norm"))
+                for layer in m.layers for which in ("self_attention", "mlp")]
+    expected.append(query_vector(m.output_attn_res_proj, m.output_attn_res_norm))
+    got = attnres_queries(model)
+    assert len(got) == len(expected) == 2 * len(m.layers) + 1
+    assert all(g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected, strict=True))
