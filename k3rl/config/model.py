@@ -1,0 +1,40 @@
+"""`model:` the K3 preset, its overrides, checkpoint, tokenizer and dtype."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+
+from .base import ConfigError, _format, _Section
+
+
+class ModelSection(_Section):
+    preset: Literal["k3", "k3-small", "k3-tiny"] = "k3-tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields replacing the preset's")
+    checkpoint: str | None = Field(None, description="HF-layout directory to load the weights from")
+    tokenizer: str = Field("byte", description="'byte', or a directory with the checkpoint's tiktoken.model + "
+                                               "tokenizer_config.json (the official K3 files), or a tokenizer.json")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    thinking: bool = Field(False, description="thinking mode of the chat template")
+    seed: int = 0
+
+    def k3_config(self):
+        """The K3Config this section describes (preset + overrides), validated: the one combination
+        of the two (`k3rl.learner.model.model_config`) that the learner and the engines build from."""
+        from k3rl.learner.model import model_config
+
+        try:
+            return model_config(self.preset, self.overrides)
+        except ValidationError as e:
+            raise ConfigError(_format(e, prefix="model.overrides")) from None
+
+    def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
+        from k3rl.learner.model import K3Config
+
+        try:
+            return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.overrides}), []
+        except ValidationError as e:
+            return None, [(f"overrides.{'.'.join(str(p) for p in err['loc'])}".rstrip("."),
+                           err["msg"].removeprefix("Value error, ") if err["type"] != "extra_forbidden" else "not a K3Config field")
+                          for err in e.errors()]

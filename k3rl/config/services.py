@@ -1,0 +1,53 @@
+"""What a job runs on and records to: `sandbox:` (the tools' containers), `tracking:` (MLflow)
+and `ray:` (the cluster)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from .base import _refuse, _Section
+
+
+class SandboxSection(_Section):
+    backend: Literal["auto", "docker", "bwrap"] = "auto"
+    image: str | None = Field(
+        None, description="Docker image of the sandboxes (backend docker or auto); None: k3rl-sandbox:<version> from "
+                          "`k3rl sandbox build`. Another image needs python3 and a user 1000 (e.g. FROM that image)")
+    memory_mb: int = Field(512, ge=32, description="memory of one sandbox; Python needs 32 MB or more")
+    cpus: float = Field(1.0, gt=0)
+    pids: int = Field(128, ge=8)
+    exec_timeout_s: float = Field(10.0, gt=0)
+    pool_size: int = Field(4, ge=0, description="warm sandboxes kept ready")
+    max_concurrency: int = Field(16, ge=1)
+    starts_per_second: float = Field(4.0, gt=0)
+
+
+class TrackingSection(_Section):
+    uri: str = Field("sqlite:///runs/mlflow.db", description="MLflow tracking URI (sqlite:///... or http://server)")
+    experiment: str = "k3rl"
+    run_name: str | None = None
+    runs_dir: str = "runs"
+    sample_every: int = Field(5, ge=1, description="log sample episodes every this many steps (and at the last)")
+    sample_episodes: int = Field(4, ge=0, description="episodes rendered as HTML artifacts per logging step")
+    eval_every: int = Field(0, ge=0, description="run envs.eval every this many RL steps (and after the last); "
+                                                 "0: only before the first RL step")
+
+
+class RaySection(_Section):
+    address: str | None = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
+    num_cpus: int | None = Field(None, ge=1)
+    namespace: str = "k3rl"
+    include_dashboard: bool = False
+    runtime_env: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Ray runtime_env of the job (working_dir, py_modules, pip, env_vars...): how a cluster's "
+                    "workers get the user's code; its env_vars are merged over the ones the job sets")
+
+    @model_validator(mode="after")
+    def _env_vars_mapping(self):
+        env_vars = self.runtime_env.get("env_vars")
+        if env_vars is not None and not isinstance(env_vars, dict):
+            _refuse([("runtime_env.env_vars", f"must map variable names to values, got {env_vars!r}")])
+        return self
