@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3rl.kernels.moe import GROUP_ALIGN
+from k3rl.kernels.moe import GROUP_ALIGN, count_per_expert
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.situ import situ_glu
 
@@ -223,13 +223,6 @@ def plan_redundant_experts(histogram, ep: int, slots: int) -> MoonEPPlan:
                       tuple(x / total for x in home_load))  # fmt: skip
 
 
-def _count(values: torch.Tensor, size: int) -> torch.Tensor:
-    """torch.bincount(values, minlength=size) for values in [0, size), without reading the
-    largest value on the host (bincount does, to size its output: a sync on CUDA)."""
-    ones = torch.ones(values.shape, dtype=torch.int64, device=values.device)
-    return torch.zeros(size, dtype=torch.int64, device=values.device).index_add_(0, values, ones)
-
-
 def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan, counts: torch.Tensor | None = None, source: int = 0):
     """Where each of a source rank's N k routes goes, in expert-sorted order.
 
@@ -249,7 +242,7 @@ def route_destinations(topk_idx: torch.Tensor, plan: MoonEPPlan, counts: torch.T
     order = torch.argsort(flat, stable=True)
     token_of_route = order // topk_idx.shape[1]
     expert = flat[order]
-    local = _count(flat, plan.num_experts)
+    local = count_per_expert(flat, plan.num_experts)
     if counts is None:
         counts, source = local[None], 0
     p = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(local, 0) - local)[expert]
@@ -292,7 +285,7 @@ def rows_per_rank(plan: MoonEPPlan, histogram: torch.Tensor) -> torch.Tensor:
 def _position_per_dest(dest: torch.Tensor, ep: int) -> torch.Tensor:
     """Position of each route among the routes to its destination rank (route order kept)."""
     by_dest = torch.argsort(dest, stable=True)
-    counts = _count(dest, ep)
+    counts = count_per_expert(dest, ep)
     pos = torch.empty_like(dest)
     pos[by_dest] = torch.arange(dest.numel(), device=dest.device) - (torch.cumsum(counts, 0) - counts)[dest[by_dest]]
     return pos
@@ -525,7 +518,7 @@ class MoonEPExperts(ExpertParallelExperts):
             raise ValueError(f"MoonEP: {z.shape[0]} tokens on this rank, more than tokens_per_rank="
                              f"{self.tokens_per_rank} that the capacity is sized for")  # fmt: skip
         with torch.no_grad():  # the routes every rank sends to every expert [ep, E]: a fixed-size exchange
-            mine = _count(idx.reshape(-1), self.num_experts)
+            mine = count_per_expert(idx.reshape(-1), self.num_experts)
             every = [torch.empty_like(mine) for _ in range(self.ep_size)]
             dist.all_gather(every, mine, group=self.group)
             counts = torch.stack(every)

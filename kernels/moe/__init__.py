@@ -37,9 +37,18 @@ def _check(z, topk_idx, topk_weight, w1, w3, w2):
     E, f, _ = w1.shape
     if w2.shape != (E, dim, f):
         raise ValueError(f"latent_experts: w2 must be [E={E}, l={dim}, f={f}], got {tuple(w2.shape)}")
-    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
+    # the ids' range is read on the host off CUDA only: a read there stops the stream every layer, and
+    # CUDA ids come from top-k (in range) or from routing replay (MoEGate checks those itself)
+    if topk_idx.numel() and not topk_idx.is_cuda and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
         raise ValueError(f"latent_experts: topk_idx values must lie in [0, {E}); got range "
                          f"[{int(topk_idx.min())}, {int(topk_idx.max())}]")  # fmt: skip
+
+
+def count_per_expert(values: torch.Tensor, size: int) -> torch.Tensor:
+    """torch.bincount(values, minlength=size) for values in [0, size), without reading the largest
+    value on the host (bincount does, to size its output: a sync on CUDA). Integer adds: exact in any order."""
+    ones = torch.ones(values.shape, dtype=torch.int64, device=values.device)
+    return torch.zeros(size, dtype=torch.int64, device=values.device).index_add_(0, values.reshape(-1), ones.reshape(-1))
 
 
 def permute_by_expert(topk_idx: torch.Tensor, num_experts: int):
@@ -50,7 +59,7 @@ def permute_by_expert(topk_idx: torch.Tensor, num_experts: int):
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routes grouped by expert, token order kept inside
     token_of_route = order // topk_idx.shape[1]
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_per_expert(flat, num_experts)
     return order, token_of_route, counts
 
 
@@ -119,4 +128,4 @@ def latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=
     return fn(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta_up)
 
 
-__all__ = ["latent_experts", "latent_experts_grouped", "latent_experts_loop", "permute_by_expert"]
+__all__ = ["count_per_expert", "latent_experts", "latent_experts_grouped", "latent_experts_loop", "permute_by_expert"]

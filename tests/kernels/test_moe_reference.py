@@ -71,3 +71,25 @@ def test_bad_index_raises():
         latent_experts(z, idx + 6, w, w1, w3, w2)
     with pytest.raises(ValueError, match="w2 must be"):
         latent_experts(z, idx, w, w1, w3, w2.transpose(1, 2))
+
+
+def test_the_grouped_path_reads_nothing_on_the_host():
+    """Counting, permuting and the grouped GEMMs run on fake tensors, which hold no data: a read on the
+    host (bincount sizing its output, .item(), .tolist()) raises there. And the count is bincount's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from k3rl.kernels.moe import count_per_expert, latent_experts_grouped
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    gen = torch.Generator().manual_seed(0)
+    E, k, N, dim, f = 6, 2, 11, 16, 32
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    assert torch.equal(count_per_expert(idx, E), torch.bincount(idx.reshape(-1), minlength=E))
+    z = torch.randn(N, dim, generator=gen).bfloat16()
+    w1, w3 = (torch.randn(E, f, dim, generator=gen).bfloat16() for _ in range(2))
+    w2 = torch.randn(E, dim, f, generator=gen).bfloat16()
+    p = torch.rand(N, k, generator=gen)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        u = latent_experts_grouped(z, idx, p, w1, w3, w2)
+    assert u.shape == (N, dim) and u.dtype == torch.bfloat16
