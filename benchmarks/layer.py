@@ -38,7 +38,7 @@ Levers (rows), each measured on the same layer and inputs:
                      code before the fused kernel: the sources stacked in fp32, normalised, weighted)
   kda islands torch  the KDA islands by their PyTorch references instead (the code before the fused
                      kernels: fp32 cuDNN convolutions, fp32 norm and gate on [N, 96, 128], casts)
-  no host sync       the grouped expert GEMMs called without the check's two host reads
+  norms torch        the layer's RMSNorms by eager PyTorch instead of the fused kernel of ``kernels/rmsnorm``
   experts loop       one GEMM chain per expert (the loop reference) instead of torch._grouped_mm
   router tf32        the fp32 router matmul on TF32 tensor cores (allow_tf32)
   recompute experts  selective activation recompute: the routed experts under torch.utils.checkpoint
@@ -64,10 +64,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3rl.kernels.attnres import attnres_aggregate_reference  # noqa: E402
 from k3rl.kernels.kda import output_norm_gate_reference, short_conv_reference  # noqa: E402
-from k3rl.kernels.moe import latent_experts, latent_experts_grouped, latent_experts_loop  # noqa: E402
+from k3rl.kernels.moe import latent_experts, latent_experts_loop  # noqa: E402
 from k3rl.learner.model import kda as kda_module  # noqa: E402
 from k3rl.learner.model import model as model_module  # noqa: E402
 from k3rl.learner.model import model_config  # noqa: E402
+from k3rl.learner.model.common import RMSNorm  # noqa: E402
 from k3rl.learner.model.model import FP32_PARAM_SUFFIXES, K3DecoderLayer  # noqa: E402
 from k3rl.learner.model.moe import MoEGate  # noqa: E402
 
@@ -223,6 +224,19 @@ def attnres_torch(_layer):
     return _swap_global(model_module, "aggregate", reference)
 
 
+def norms_torch(layer):
+    """The lever: the layer's RMSNorms by eager PyTorch (the code before kernels/rmsnorm)."""
+    norms = [m for m in layer.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.backend = "torch"
+
+    def undo():
+        for m in norms:
+            m.backend = "auto"
+
+    return undo
+
+
 def matmul_peak():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -281,7 +295,6 @@ def levers(kind, first_n):
     levers run on kda_moe and moe (mla_moe shares the MoE; its fp32 attention makes each step slow)."""
     rows = [("eager", None)]
     if kind in ("kda_moe", "moe"):
-        rows += [("no host sync", lambda L: _swap(L.mlp, "experts_fn", latent_experts_grouped))]
         rows += [("experts loop", lambda L: _swap(L.mlp, "experts_fn", latent_experts_loop))]
         rows += [("router tf32", _tf32)]
         rows += [("recompute experts", lambda L: _swap(L.mlp, "recompute", True))]
@@ -290,6 +303,7 @@ def levers(kind, first_n):
         rows += [("kda conv bf16", lambda L: _swap_global(kda_module, "short_conv", short_conv_bf16))]
     if kind in ("kda_moe", "mla_moe"):
         rows += [("attnres torch", attnres_torch)]
+    rows += [("norms torch", norms_torch)]
     if kind in ("mla_moe", "mla"):
         rows += [
             ("mla bf16 sdpa", lambda L: _swap(L.self_attn, "naive_attention", bf16_attention(L.self_attn)))

@@ -66,3 +66,30 @@ def test_rms_norm_kernel_on_the_gpu():
     torch.testing.assert_close(y.float(), y2.float(), rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(dx.float(), x.grad.float(), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(dw, w.grad, rtol=1e-2, atol=1.0)
+
+
+def test_layer_benchmark_lever_puts_the_norms_on_eager_pytorch():
+    """benchmarks/layer.py's 'norms torch' row (the before of the fused kernel) sets every norm of the
+    layer to the PyTorch path; the layer gives the same output, and undo restores the kernel's backend."""
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "layer_benchmark", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "layer.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert all("norms torch" in dict(bench.levers(kind, 0)) for kind in ("kda_moe", "mla_moe", "kda", "moe", "mla"))
+    torch.manual_seed(0)
+    c = K3Config.preset("k3-tiny")
+    layer = K3ForCausalLM(c).model.layers[4]
+    norms = [m for m in layer.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) >= 2 and {m.backend for m in norms} == {"auto"}
+    xs = [torch.randn(1, 6, c.hidden_size) for _ in range(3)]
+    before = layer(xs[:2], xs[2])[1]
+    undo = dict(bench.levers("kda_moe", 0))["norms torch"](layer)
+    try:
+        assert {m.backend for m in norms} == {"torch"}
+        assert torch.equal(layer(xs[:2], xs[2])[1], before)
+    finally:
+        undo()
+    assert {m.backend for m in norms} == {"auto"}
