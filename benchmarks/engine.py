@@ -30,6 +30,7 @@ and the copy bandwidth is measured with a large device-to-device copy (2 * bytes
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import os
 import statistics
@@ -174,7 +175,11 @@ def kernels_per_step(model) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name)
+    names = collections.Counter(e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name)
+    print("the step's most frequent GPU kernels (count, name):")
+    for name, n in names.most_common(25):
+        print(f"  {n:5d}  {name[:110]}")
+    return sum(names.values())
 
 
 # ----- weight sync ---------------------------------------------------------------------------------
