@@ -25,12 +25,15 @@ per rank pair), replanned after each step unless planned per batch; every step t
 imbalance (max / mean rows per rank) and the dropped routes. With `context_parallel=N` (= world_size)
 every rank gets the same micro-batches and trains on its `ContextParallel` shard of their positions
 (docs/parallel.md); the same x W loss scaling makes FSDP's average the sum over the ranks' positions.
+
+Beside it: `update.py` an optimizer update and what follows it (LR schedule, clipping, QK-Clip,
+the QB bias update, MoonEP's replan), `parallelize.py` the sharding applied to the model,
+`export.py` the WeightUpdate of its weights, `checkpoint.py` save and load.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -40,21 +43,16 @@ from torch import nn
 from k3rl.types import Trajectory, WeightUpdate
 
 from . import checkpoint as ckpt
+from . import export
 from .advantages import TURN_METHODS, step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distill import distill_advantages, load_teachers, per_completion
-from .distributed import all_reduce_max, all_reduce_sum, apply_fsdp, full_state_dict, rank_and_world
-from .expert_parallel import (
-    apply_expert_parallel,
-    clip_grad_norm_with_experts,
-    expert_parallel_groups,
-    local_expert_params,
-    reduce_expert_grads,
-)
+from .distributed import all_reduce_max, all_reduce_sum, full_state_dict, rank_and_world
 from .losses import LossConfig, policy_loss, sft_loss
-from .moon_ep import apply_moon_ep, moon_ep_modules, replan_all
 from .optim import PerHeadMuon, param_groups
+from .parallelize import parallelize
 from .qk_clip import MaxLogitTracker, QKClip
+from .update import apply_qk_clip, clip_and_step, lr_at, moon_ep_step, qb_update
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -68,22 +66,6 @@ def _to_host(tree):
     if isinstance(tree, (list, tuple)):
         return type(tree)(_to_host(v) for v in tree)
     return copy.deepcopy(tree)
-
-
-def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Cosine decay with linear warmup (docs/model.md §8.4), for 0-based `step`.
-
-    warmup W = ceil(warmup_ratio * total):   lr = peak (step + 1) / W             for step < W
-    then progress p = (step - W) / max(1, total - W), clamped to [0, 1]:
-        lr = min + (peak - min) (1 + cos(pi p)) / 2,   min = peak * min_lr_ratio
-    """
-    total = max(1, total_steps)
-    warmup = math.ceil(warmup_ratio * total)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    p = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
-    lo = peak * min_lr_ratio
-    return lo + (peak - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
 def _abs_mean_over_tokens(adv: torch.Tensor, trajectories: list[Trajectory]) -> float:
@@ -139,26 +121,7 @@ class Trainer:
 
             apply_lora(model, self.lora.settings())
         self.expert_parallel = getattr(config, "expert_parallel", 1)
-        if self.expert_parallel > 1:
-            ep_group, replicate_group = expert_parallel_groups(self.expert_parallel, self.device.type)
-            moon = getattr(config, "moon_ep", None)
-            if moon is not None and moon.enabled:  # tokens a rank: a micro-batch's
-                apply_moon_ep(model, ep_group, moon.slots, config.micro_batch_tokens, moon.margin, moon.allow_drops,
-                              moon.plan_per_batch, replicate_group)  # fmt: skip
-            else:
-                apply_expert_parallel(model, ep_group, replicate_group)
-        # context parallelism: every rank gets the same micro-batches and trains on its part of their positions
-        self.context_parallel = None
-        if getattr(config, "context_parallel", 1) > 1:
-            from .context_parallel_layers import ContextParallel
-
-            if config.context_parallel != self.world_size:
-                raise ValueError(f"learner.context_parallel={config.context_parallel} must equal the world size "
-                                 f"{self.world_size} (data parallelism beyond it is not supported yet)")
-            self.context_parallel = ContextParallel(zigzag=config.context_parallel_zigzag)
-        if config.data_parallel == "fsdp":
-            # FSDP shards everything but the expert slices (EP shards those)
-            apply_fsdp(model, self.device, ignored_params=set(local_expert_params(model)))
+        self.context_parallel = parallelize(model, config, self.device, self.world_size)
         self.model = model
         self.sharded = config.data_parallel == "fsdp"
         self.loss_cfg = LossConfig.from_section(config)
@@ -228,10 +191,6 @@ class Trainer:
             return 0, 0
         return len(c.moe_layer_ids), c.num_experts_per_token
 
-    def _set_lr(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-
     @contextmanager
     def _qb_paused(self, paused: bool = True):
         """Forwards inside do not add to the Quantile Balancing histograms (fillers, replay probes)."""
@@ -283,84 +242,9 @@ class Trainer:
     def _recording_logits(self):
         return self.max_logits.recording() if self.max_logits is not None else nullcontext()
 
-    @torch.no_grad()
-    def _apply_qk_clip(self) -> dict[str, float]:
-        """Rescale the MLA heads whose max logit of this step exceeded tau (after the update)."""
-        if self.qk_clip is None:
-            return {}
-        maxima = self.max_logits.pop()
-        clipped, top = 0, float("-inf")
-        for name in sorted(maxima):
-            S = maxima[name]
-            if self.world_size > 1:
-                import torch.distributed as dist
-
-                dist.all_reduce(S, op=dist.ReduceOp.MAX)
-            mla = self.max_logits.modules[name]
-            gamma = self.qk_clip.apply(mla.q_b_proj.weight, mla.kv_b_proj.weight, S)
-            clipped += int((gamma < 1).sum())
-            top = max(top, float(S.max()))
-        return {"qk_clip_heads": float(clipped), "mla_max_logit": top}
-
     def _clip_and_step(self, lr: float) -> float:
-        if self.expert_parallel > 1:
-            # expert grads hold W x their share (loss x W, summed by the all-to-all backward): / W
-            reduce_expert_grads(self.model, 1.0 / self.world_size)
-            norm = clip_grad_norm_with_experts(self.model, self.trainable, self.cfg.grad_clip)
-        else:
-            grads = [p for p in self.trainable if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(grads, self.cfg.grad_clip) if grads else torch.zeros(())
-        if type(norm).__name__ == "DTensor":
-            norm = norm.full_tensor()
-        for moon in moon_ep_modules(self.model).values():  # strict MoonEP: a step with dropped routes
-            moon.check_drops()  # stops before the optimizer applies it (raised on every rank at once)
-        self._set_lr(lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    @torch.no_grad()
-    def _qb_update(self) -> int:
-        """Sum the step's QB histograms over ranks (integer all-reduce) and set the next biases."""
-        model = self.model
-        if not hasattr(model, "qb_step") or self.cfg.qb_frozen:
-            return 0
-        if self.world_size == 1:
-            return model.qb_step()
-        import torch.distributed as dist
-        from torch.distributed.tensor import distribute_tensor
-
-        updated = 0
-        for moe in model.moe_layers():
-            dist.all_reduce(moe.qb.counts)
-            dist.all_reduce(moe.qb.num_tokens)
-            bias = moe.gate.e_score_correction_bias  # a sharded DTensor under FSDP
-            sharded = type(bias).__name__ == "DTensor"
-            new = moe.qb.new_bias(bias.full_tensor() if sharded else bias)
-            if new is None:
-                continue
-            if sharded:
-                new = distribute_tensor(new, bias.device_mesh, bias.placements, src_data_rank=None)
-            bias.copy_(new)
-            updated += 1
-        return updated
-
-    def _moon_ep_step(self) -> dict[str, float]:
-        """After a step under MoonEP: the load metrics of its forwards (mean over layers and forwards
-        of max / mean rows per rank, MoonEP's and plain EP's; routes dropped on all ranks), then a
-        new plan from the step's routes unless every forward plans its own. Collective."""
-        layers = list(moon_ep_modules(self.model).values())
-        if not layers:
-            return {}
-        stats = [m.pop_load_stats() for m in layers]
-        dropped = all_reduce_sum({"dropped": torch.tensor(float(sum(s[2] for s in stats)))})["dropped"]
-        if not self.cfg.moon_ep.plan_per_batch:
-            replan_all(self.model)
-        return {
-            "moe/ep_imbalance": sum(s[0] for s in stats) / len(stats),
-            "moe/ep_imbalance_plain_ep": sum(s[1] for s in stats) / len(stats),
-            "moe/dropped_routes": float(dropped),
-        }
+        return clip_and_step(self.model, self.optimizer, self.trainable, lr, self.cfg.grad_clip, self.expert_parallel,
+                             self.world_size)
 
     def _micro_batches(self, trajectories, advantages) -> tuple[list[MicroBatch], int]:
         n_moe, k = self._moe_shape()
@@ -480,11 +364,11 @@ class Trainer:
                     for mb, prep in zip(mbs, preps, strict=True):
                         ratio_max = torch.maximum(ratio_max, self._rl_micro_batch(mb, prep, sums))
                 norms.append(self._clip_and_step(lr))
-                qk = self._apply_qk_clip()
+                qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
         sums = all_reduce_sum(sums)
         ratio_max = all_reduce_max(ratio_max)
-        qb_layers = self._qb_update()
-        moon = self._moon_ep_step()
+        qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)
+        moon = moon_ep_step(self.model, replan=not self.cfg.moon_ep.plan_per_batch)
         self.step += 1
         self.data_position["trajectories"] += len(trajectories)
         self.data_position["tokens"] += total_positions
@@ -551,9 +435,9 @@ class Trainer:
                     sums[k] = sums.get(k, 0) + v.double().cpu()
         sums = all_reduce_sum(sums)
         grad_norm = self._clip_and_step(lr)
-        qk = self._apply_qk_clip()
-        qb_layers = self._qb_update()
-        moon = self._moon_ep_step()
+        qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
+        qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)
+        moon = moon_ep_step(self.model, replan=not self.cfg.moon_ep.plan_per_batch)
         self.sft_step_count += 1
         self.data_position["sft_trajectories"] += len(trajectories)
         self.data_position["tokens"] += total_positions
@@ -610,38 +494,8 @@ class Trainer:
         started with. `to_cpu=False` keeps the tensors where the model is (for a GPU-to-GPU broadcast
         or CUDA IPC). Under FSDP this is collective: call it on every rank (each gets the same update).
         With LoRA: `sync: merged` sends W + (alpha / r) B A for every weight, `sync: adapters` only the
-        adapters (`_export_adapters`; `dtype` and `experts` do not apply)."""
-        from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
-        from k3rl.learner.model.state_dict_adapter import to_hf
-
-        if self.lora is not None and self.lora.sync == "adapters":
-            return self._export_adapters(version, bucket_bytes, to_cpu)
-        if self.lora is not None:
-            from .lora import merged_state_dict
-
-            state = merged_state_dict(self.model)
-        else:
-            state = self.full_state_dict()
-        if self.model_config is not None and getattr(self.model_config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        hf = to_hf(state, experts=experts or getattr(self.model, "routed_experts_format", "dense"))
-        if dtype is not None:
-            hf = {
-                k: (v.to(dtype) if v.is_floating_point() and not k.endswith(FP32_PARAM_SUFFIXES) else v)
-                for k, v in hf.items()
-            }
-        hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
-        return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
-
-    def _export_adapters(self, version: int, bucket_bytes: int, to_cpu: bool) -> WeightUpdate:
-        """LoRA with `sync: adapters`: the adapters alone, in fp32 under PEFT's names, plus the scaling
-        alpha / r (`lora.SCALING_NAME`); each engine merges them into its own base weights. Marked
-        full: with the base an engine starts from, it makes the whole policy."""
-        from .lora import SCALING_NAME, adapter_state_dict
-
-        state = {**adapter_state_dict(self.model), SCALING_NAME: torch.tensor(self.lora.settings().scaling)}
-        state = {k: (v.detach().cpu() if to_cpu else v.detach().to(self.device)).contiguous() for k, v in state.items()}
-        return WeightUpdate.from_state_dict(version, state, bucket_bytes=bucket_bytes)
+        adapters (learner/export.py; `dtype` and `experts` do not apply)."""
+        return export.weight_update(self, version, dtype, bucket_bytes, to_cpu, experts)
 
     def snapshot(self) -> None:
         """Keep the current weights and optimizer state, in host memory, as the last good policy (the
