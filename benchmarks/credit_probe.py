@@ -2,6 +2,7 @@
 
     python benchmarks/credit_probe.py NAME examples/demo.yaml [key.path=value ...]
     python benchmarks/credit_probe.py --plot OUT.png A.jsonl B.jsonl ...
+    python benchmarks/credit_probe.py --table A.jsonl B.jsonl ...     # RL's own gain and evals, a line each
 
 With the job's own parts (config, episode loop, embedded engine, the learner's Trainer and weight
 export; no Ray or MLflow): an SFT warm start (cosine over learner.sft_steps; WS_CACHE=path.pt saves
@@ -45,6 +46,19 @@ def plot(out: str, files: list[str]) -> None:
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+
+
+def table(files: list[str]) -> None:
+    """One line per run: RL's own gain (mean training reward of the last 5 steps minus the first 5)
+    and the held-out evals (greedy success, sampled success)."""
+    for f in files:
+        rows = [json.loads(line) for line in open(f)]
+        rewards = [r["reward"] for r in rows if r["event"] == "step"]
+        evals = " ".join(f"{r['step']}:{r['g_succ']:.2f}/{r['t_succ']:.2f}" for r in rows if r["event"] == "eval")
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        gain = f"{first:.3f} -> {last:.3f} ({last - first:+.3f})" if len(rewards) >= 10 else "-"
+        print(f"{os.path.basename(f).removesuffix('.jsonl')}: {len(rewards)} steps, reward steps 1-5 -> last 5 {gain}; "
+              f"eval step:greedy/sampled success {evals}")
 
 
 def probe(name: str, config: str, overrides: list[str]) -> None:
@@ -103,7 +117,7 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
 
     cache = os.environ.get("WS_CACHE")
     if cache and os.path.exists(cache):
-        trainer.model.load_state_dict(torch.load(cache))
+        trainer.model.load_state_dict(torch.load(cache, map_location=device))
         trainer.reset_reference()
         log(event="warm_start_loaded", path=cache)
     elif cfg.learner.sft_steps:
@@ -139,5 +153,7 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--plot":
         plot(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "--table":
+        table(sys.argv[2:])
     else:
         probe(sys.argv[1], sys.argv[2], sys.argv[3:])

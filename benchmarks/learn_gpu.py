@@ -1,7 +1,8 @@
-"""k3-small learns KeyLookup on one H200: two real jobs that differ only in rollout.max_policy_lag
-(issue [11], item 6).
+"""k3-small learns KeyLookup on one H200: two real jobs that differ in one config value, by default
+rollout.max_policy_lag (issue [11], item 6).
 
     python benchmarks/learn_gpu.py --out /tmp/learn                    # one H200: lags 0 and 2 at once
+    python benchmarks/learn_gpu.py --out /tmp/learn --vary learner.lr=2e-5,5e-5   # two rates instead
     python benchmarks/learn_gpu.py --out /tmp/learn --task num_keys=6 --set learner.sft_steps=10
     python benchmarks/learn_gpu.py --cpu --out /tmp/learn-smoke        # smoke run: k3-tiny, CPU, 2 steps
     bash benchmarks/learn_gpu.sh 2>&1 | tee $OUT/log                   # on the device (wheels, layout, $OUT)
@@ -12,7 +13,8 @@ one MLflow SQLite store under --out. The recipe is the demo's (KeyLookup with pe
 turn_grpo_no_std, an SFT warm start, held-out eval) at k3-small's size, with a warm start kept
 short on purpose: k3-small copies KeyLookup's content within ~50 SFT steps at 1e-3, which would
 leave RL nothing to show. `--task key=value` changes the KeyLookup task of training and eval
-alike; `--set key.path=value` any config value of both jobs (after the script's own, so it wins).
+alike; `--set key.path=value` any config value of both jobs (after the script's own, so it wins);
+`--vary key.path=v1,v2` the value the jobs differ in (one job per value, applied last).
 
 Every line a job prints comes through with its name and the seconds since start; after
 --budget-s the jobs get Ctrl-C (each ends with a checkpoint of its last complete step) and,
@@ -45,13 +47,14 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 # the KeyLookup task of training and eval (the demo's: 2 keys of abcd, 1-digit values)
 TASK = {"num_keys": "4", "value_digits": "2", "key_letters": "abcdefgh", "key_digit": "false"}
-# on top of examples/demo.yaml; the lead's knobs
+# on top of examples/demo.yaml (temperature 0.7, per-turn credit and format penalty, token mean); lr 5e-5 is the
+# rate measured to learn on the H200 (benchmarks/results/learn_gpu/README.md: 2e-5's job hit an engine fault)
 RECIPE = [
-    "learner.steps=30", "learner.sft_steps=20", "learner.sft_lr=1e-3", "learner.lr=3e-5",
+    "learner.steps=30", "learner.sft_steps=20", "learner.sft_lr=1e-3", "learner.lr=5e-5",
     "rollout.prompts_per_step=16", "rollout.group_size=8",
     "rollout.num_rollout_workers=2", "rollout.episodes_per_worker=128", "rollout.max_batch_sequences=256",
     "learner.checkpoint_every=0", "learner.eval_before_training=false", "tracking.sample_episodes=0",
-    "tracking.eval_every=5", "envs.eval.0.num_tasks=64", "envs.eval.0.pass_k=4",
+    "tracking.eval_every=10", "envs.eval.0.num_tasks=64", "envs.eval.0.pass_k=2",
 ]
 GPU = ["model.preset=k3-small", "model.dtype=bfloat16", "learner.bf16=true", "learner.micro_batch_tokens=16384",
        "learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5", "rollout.weight_transport=cuda_ipc"]
@@ -84,8 +87,10 @@ def parse_pair(item: str, flag: str) -> tuple[str, str]:
     return key, value
 
 
-def run_name(args, lag: int) -> str:
-    return f"{'k3-tiny' if args.cpu else 'k3-small'}-lag{lag}"
+def run_name(args, key: str, value: str) -> str:
+    """k3-small-lag0 for rollout.max_policy_lag=0, k3-small-lr2e-5 for learner.lr=2e-5."""
+    leaf = {"max_policy_lag": "lag"}.get(key.split(".")[-1], key.split(".")[-1])
+    return f"{'k3-tiny' if args.cpu else 'k3-small'}-{leaf}{value}"
 
 
 def train_command(overrides: list[str]) -> list[str]:
@@ -101,8 +106,8 @@ class Job:
     """One `k3rl train` process (a session of its own: its Ray processes go with it), its output
     relayed line by line with its name, and kept in <out>/<name>.log."""
 
-    def __init__(self, name: str, lag: int, overrides: list[str], out: Path):
-        self.name, self.lag, self.overrides, self.out = name, lag, overrides, out
+    def __init__(self, name: str, label: str, overrides: list[str], out: Path):
+        self.name, self.label, self.overrides, self.out = name, label, overrides, out
         self.proc: subprocess.Popen | None = None
         self.relay: threading.Thread | None = None
         self.started = self.ended = None
@@ -212,7 +217,7 @@ def read_run(client, job: Job) -> dict:
     try:
         run = find_run(client, job.name, experiment=EXPERIMENT)
     except TrackingError as e:  # the job stopped before it made its MLflow run: its log says why
-        return {"name": job.name, "max_policy_lag": job.lag, "status": "NO RUN", "error": str(e),
+        return {"name": job.name, "label": job.label, "status": "NO RUN", "error": str(e),
                 "exit_code": job.proc.returncode if job.proc else None, "steps": [], "eval": [], "sft": {},
                 "timings": {"median_step_s": None}}
     keys = sorted(run.data.metrics)
@@ -235,7 +240,7 @@ def read_run(client, job: Job) -> dict:
     sft = {k.removeprefix("sft/"): [v for _, v in sorted(history(k).items())] for k in keys if k.startswith("sft/")}
     step_s = [series["step_s"][s] for s in steps if s in series["step_s"]]
     return {
-        "name": job.name, "max_policy_lag": job.lag, "run_id": run.info.run_id, "status": status,
+        "name": job.name, "label": job.label, "run_id": run.info.run_id, "status": status,
         "exit_code": job.proc.returncode if job.proc else None, "stopped_by_budget": job.interrupted,
         "killed": job.killed,
         "steps": [{"step": s, **{n: series[n][s] for n in series if s in series[n]}} for s in steps],
@@ -264,7 +269,7 @@ def plot(runs: list[dict], path: Path) -> None:
     fig = Figure(figsize=(8, 8), dpi=100)
     top, bottom = fig.subplots(2, 1)
     for i, r in enumerate(runs):
-        colour, label = f"C{i}", f"max_policy_lag {r['max_policy_lag']}"
+        colour, label = f"C{i}", r["label"]
         top.plot([s["step"] for s in r["steps"]], [s["reward"] for s in r["steps"]], "-o", color=colour,
                  markersize=3, label=label)
         for key in sorted({k for e in r["eval"] for k in e if k != "step"}):
@@ -295,7 +300,8 @@ def summary_lines(runs: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="a new (or empty) folder: MLflow store, runs, logs, results")
-    ap.add_argument("--lags", default="0,2", help="rollout.max_policy_lag of each job (default 0,2)")
+    ap.add_argument("--vary", default="rollout.max_policy_lag=0,2", metavar="KEY.PATH=V1,V2",
+                    help="one job per value of this config key (default rollout.max_policy_lag=0,2)")
     ap.add_argument("--task", action="append", default=[], metavar="KEY=VALUE",
                     help=f"a KeyLookup kwarg of training and eval (default {TASK})")
     ap.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
@@ -312,10 +318,10 @@ def main() -> None:
     if out.exists() and any(out.iterdir()):
         raise SystemExit(f"--out {out} is not empty: give a new folder (the runs' names repeat between runs)")
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        lags = [int(x) for x in args.lags.split(",")]
-    except ValueError:
-        raise SystemExit(f"--lags {args.lags!r}: expected integers separated by commas, e.g. 0,2") from None
+    vary_key, values = parse_pair(args.vary, "--vary")
+    values = [v for v in values.split(",") if v]
+    if not values:
+        raise SystemExit(f"--vary {args.vary!r}: expected values separated by commas, e.g. --vary learner.lr=2e-5,5e-5")
 
     from k3rl.config import ConfigError, JobConfig
     from k3rl.envs.registration import check_env_ids
@@ -324,28 +330,28 @@ def main() -> None:
 
     shared = job_overrides(args)
     jobs = []
-    for lag in lags:
-        name = run_name(args, lag)
-        overrides = [*shared, f"rollout.max_policy_lag={lag}", f"name={name}", f"tracking.run_name={name}"]
+    for value in values:
+        name = run_name(args, vary_key, value)
+        overrides = [*shared, f"{vary_key}={value}", f"name={name}", f"tracking.run_name={name}"]
         try:  # refused here, before any job starts, with the field and what to change (the job's own checks)
             cfg = JobConfig.load(DEMO, overrides)
             check_env_ids(cfg)
             preflight(cfg)
         except ConfigError as e:
             raise SystemExit(f"the recipe is refused: {e}") from None
-        jobs.append(Job(name, lag, overrides, out))
+        jobs.append(Job(name, f"{vary_key.split('.')[-1]} {value}", overrides, out))
     client = mlflow_client(f"sqlite:///{out}/mlflow.db")
     client.search_experiments()  # the store's schema, made once here rather than by two jobs at once
     say(f"learn_gpu: {len(jobs)} jobs ({'one after the other' if args.sequential else 'at once'}), budget "
         f"{args.budget_s:.0f}s; each: {shown(shared)} "
-        f"--set rollout.max_policy_lag=LAG")
+        f"--set {vary_key}=VALUE")
     gpu = run_jobs(jobs, args)
 
     runs = [read_run(client, j) for j in jobs if j.started is not None]
     import torch
 
     result = {"command": shlex.join(["python", "benchmarks/learn_gpu.py", *sys.argv[1:]]),
-              "job_command": shown(shared) + " --set rollout.max_policy_lag=LAG", "lags": lags,
+              "job_command": shown(shared) + f" --set {vary_key}=VALUE", "vary": {vary_key: values},
               "device": "cpu" if args.cpu else "cuda", "torch": torch.__version__, "budget_s": args.budget_s,
               "wall_s": time.monotonic() - START, "runs": runs,
               "gpu": {"samples": gpu, "max_memory_used_mib": max((g["memory_used_mib"] for g in gpu), default=None),

@@ -23,7 +23,8 @@ mkdir -p /tmp/pkg/k3rl && cp -r "$R"/k3rl/* /tmp/pkg/k3rl/
 for d in envs rollout learner kernels sandboxes; do ln -sfn "$R/$d" "/tmp/pkg/k3rl/$d"; done
 export PYTHONPATH=/tmp/pkg:/tmp/site OMP_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled \
   PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$R/.cache/triton"
-python3 -c "import k3rl.job, k3rl.learner.trainer, k3rl.rollout.engine, ray, mlflow, gymnasium; print('imports ok')"
+# from /tmp: in the repository root `k3rl` would be its source folder, which lacks the linked packages
+(cd /tmp && python3 -c "import k3rl.job, k3rl.learner.trainer, k3rl.rollout.engine, ray, mlflow, gymnasium; print('imports ok')")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rm -rf /tmp/learn_gpu  # a warm machine keeps the last run's
 python3 benchmarks/learn_gpu.py --out /tmp/learn_gpu "$@"
