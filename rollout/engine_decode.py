@@ -22,6 +22,8 @@ ids come from top-k, so the checks have nothing to catch here.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from k3rl.kernels._backend import resolve_backend
@@ -33,6 +35,7 @@ from .sampling import policy_logprobs, sample_tokens
 from .state_pool import StatePool
 
 BATCH_RUNGS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_CAPTURE_FAILURES = 3
 MIN_CONTEXT = 64
 
 
@@ -162,6 +165,8 @@ class DecodeRunner:
         self.graphs: dict[tuple, tuple] = {}
         self.graph_generation = pool.generation
         self.mempool = None
+        self.eager_keys: set[tuple] = set()  # shapes whose capture failed: decoded eagerly
+        self.capture_failures: list[str] = []
 
     def context_rung(self, longest: int) -> int:
         """Positions the attention covers: the next power of two >= longest + 1 (at least MIN_CONTEXT)."""
@@ -199,11 +204,44 @@ class DecodeRunner:
             self.mempool = None
             self.graph_generation = self.pool.generation
         key = (B, S, filtered)
+        if key in self.eager_keys:
+            return self._run(B, S, filtered, lengths + zeros)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(B, S, filtered)
+            try:
+                self.graphs[key] = self._capture(B, S, filtered)
+            except RuntimeError as e:  # e.g. cudaErrorStreamCaptureInvalidated: decode this shape eagerly
+                self._capture_failed(key, e)
+                return self._run(B, S, filtered, lengths + zeros)
         graph, outputs = self.graphs[key]
         graph.replay()
         return outputs
+
+    def _capture_failed(self, key: tuple, error: RuntimeError) -> None:
+        """A capture that failed must not stop the engine: nothing of it ran (the warm-up's state was
+        put back before the capture began), so the step is decoded eagerly. The capture context can
+        leave its stream current and the allocator still routing that stream's allocations to the
+        graphs' pool (every later capture then fails with "already recording to mempool"): both are
+        undone, and later captures get a new pool. The shape stays eager; after MAX_CAPTURE_FAILURES
+        failures the runner stops capturing."""
+        if self.pool.device.type == "cuda":
+            torch.cuda.set_stream(self._stream_before_capture)
+            end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)  # private: torch 2.11 and 2.13 have it
+            if self.mempool is not None and end_allocate is not None:
+                try:
+                    end_allocate(self.pool.device.index or 0, self.mempool)
+                except RuntimeError:
+                    pass  # capture_end had ended it
+        self.graphs.clear()  # their pool is abandoned (not released: a failed capture's count is unknown)
+        self.mempool = None
+        self.eager_keys.add(key)
+        self.capture_failures.append(f"{key}: {str(error).splitlines()[0][:300]}")
+        if len(self.capture_failures) >= MAX_CAPTURE_FAILURES:
+            self.use_graphs = False
+        warnings.warn(
+            f"engine: CUDA graph capture of decode shape (batch, context, filtered) = {key} failed ({error}); "
+            f"decoding that shape eagerly{'; graphs now off for this engine' if not self.use_graphs else ''}",
+            RuntimeWarning, stacklevel=2,
+        )  # fmt: skip
 
     def _run(self, B: int, S: int, filtered: bool, host_lengths: list[int]):
         ints, floats = self.ints[:, :B], self.floats[:, :B]
@@ -220,6 +258,7 @@ class DecodeRunner:
         """Capture one decode step at (B, S). A warm-up run first (kernel compilation, library
         handles) on saved copies of the state it changes, which are put back afterwards."""
         host_lengths = [S - 1] * B  # what the model's bookkeeping sees: not fresh, no growth past S
+        self._stream_before_capture = torch.cuda.current_stream()
         saved = [(e.state[:B].clone(), e.conv[:B].clone()) for e in self.pool.kda.values()]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -95,3 +97,46 @@ def test_the_decode_steps_queries_are_the_models_in_its_order():
     got = attnres_queries(model)
     assert len(got) == len(expected) == 2 * len(m.layers) + 1
     assert all(g.dtype == torch.float32 and torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_a_failed_graph_capture_decodes_that_shape_eagerly_and_the_engine_goes_on():
+    """A capture that fails (on the H200 a job's engine once hit cudaErrorStreamCaptureInvalidated, and
+    every later capture then failed too, killing every episode) leaves the step to the eager path:
+    the same tokens as an engine that never captures; the shape is not captured again, and after
+    MAX_CAPTURE_FAILURES failures the runner stops capturing. The capture is made to fail here (CPU)."""
+    from k3rl.rollout import engine_decode
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.types import SamplingParams
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    prompts = [[(5 * i + n) % 250 + 1 for i in range(n)] for n in (7, 19, 12)]
+    params = [SamplingParams(temperature=0, max_tokens=70), SamplingParams(temperature=0.9, max_tokens=9, seed=3),
+              SamplingParams(temperature=0.7, top_k=20, max_tokens=12, seed=8)]
+
+    def run(fail: bool):
+        eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
+        runner = eng._runner
+        attempts = []
+        if fail:
+            runner.use_graphs = runner.pad = True  # as on CUDA; every capture fails
+
+            def capture(B, S, filtered):
+                attempts.append((B, S, filtered))
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+            runner._capture = capture
+        futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+        with pytest.warns(RuntimeWarning, match="capture of decode shape") if fail else contextlib.nullcontext():
+            while not all(f.done() for f in futures):
+                eng.step()
+        return [f.result() for f in futures], runner, attempts
+
+    want, _, _ = run(fail=False)
+    got, runner, attempts = run(fail=True)
+    for a, b in zip(want, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
+    assert len(attempts) == len(set(attempts)) == engine_decode.MAX_CAPTURE_FAILURES  # no shape retried
+    assert runner.eager_keys == set(attempts) and not runner.use_graphs and not runner.graphs
+    assert len(runner.capture_failures) == 3 and "previous error during capture" in runner.capture_failures[0]
