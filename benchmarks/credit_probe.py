@@ -9,7 +9,8 @@ export; no Ray or MLflow): an SFT warm start (cosine over learner.sft_steps; WS_
 it, and loads it when the file exists, so several recipes start from the same policy), then
 learner.steps GRPO steps, each on rollout.prompts_per_step x group_size fresh episodes, and every
 EVAL_EVERY (default 10) steps a held-out eval on NEVAL (default 64) tasks of seeds training never draws, greedy and at
-the job's temperature. Writes NAME.jsonl (one line per SFT / step / eval event). The measurement
+the job's temperature. SFT_TARGET_NLL=x ends the warm start early, once the mean NLL of the
+last 5 SFT steps is below x (at most learner.sft_steps). Writes NAME.jsonl (one line per SFT / step / eval event). The measurement
 in docs/learning.md ("Per-turn credit") used it; its runs are in benchmarks/results/credit/.
 """
 
@@ -124,10 +125,15 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
         demos = collect_demonstrations(cfg, name, cfg.learner.sft_episodes)
         rng = random.Random(cfg.learner.seed)
         size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        target, recent = float(os.environ.get("SFT_TARGET_NLL", 0)), []
         for i in range(cfg.learner.sft_steps):
             m = trainer.sft_step(rng.sample(demos, k=min(size, len(demos))))
+            recent = (recent + [m["nll"]])[-5:]
             if (i + 1) % 25 == 0:
                 log(event="sft", step=i + 1, nll=m["nll"])
+            if target and len(recent) == 5 and sum(recent) / 5 < target:  # the warm start by its state
+                log(event="sft_stop", step=i + 1, nll_mean5=sum(recent) / 5)
+                break
         trainer.reset_reference()
         if cache:
             torch.save(trainer.model.state_dict(), cache)
