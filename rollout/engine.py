@@ -335,6 +335,14 @@ class EmbeddedEngine(InferenceEngine):
             self.step()
         return fut.result()
 
+    @property
+    def device_lock(self) -> threading.Lock:
+        """The lock the scheduler holds through every step. Other code of this process that works on
+        the GPU beside the engine (a weight transport's receive: IPC handles opened, copies, device
+        syncs) holds it too, so that nothing touches the device while a step captures a CUDA graph:
+        a device-wide sync from another thread invalidates the capture."""
+        return self._step_lock
+
     def abort(self, request_id: str) -> bool:
         with self._cv:
             if request_id not in self._live:

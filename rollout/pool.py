@@ -32,6 +32,7 @@ async methods.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import uuid
@@ -108,10 +109,17 @@ class EngineWorker:
                             f"got {type(message).__name__}")
         if kind not in self.receivers:
             self.receivers[kind] = TRANSPORTS[kind](device=self.device)
-        update = await asyncio.to_thread(self.receivers[kind].receive, message, self.name)
+        update = await asyncio.to_thread(self._receive, self.receivers[kind], message)
         if update.version <= self.engine.version:
             return self.engine.version
         return await self.engine.aupdate_weights(update)
+
+    def _receive(self, receiver, message):
+        """The transport's receive, never beside an engine step: it opens IPC handles, copies and
+        synchronises the device, which invalidates a CUDA graph the step may be capturing (a job's
+        engine lost every later capture to that)."""
+        with getattr(self.engine, "device_lock", None) or contextlib.nullcontext():
+            return receiver.receive(message, self.name)
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)

@@ -213,3 +213,36 @@ def _open_ipc(share, queue) -> None:
 
     upd = open_cuda_ipc(share)
     queue.put({k: v.cpu() for k, v in upd.state_dict().items()})
+
+
+def test_a_transport_receive_never_runs_beside_an_engine_step(ray_cluster):
+    """An engine worker receives a weight update (IPC handles opened, copies, device syncs) holding the
+    engine's device lock, the one every step holds: on the GPU a receive beside a step that captured a
+    CUDA graph invalidated the capture (a job's engine then lost every later capture)."""
+    import asyncio
+
+    import ray
+
+    from k3rl.rollout.pool import EngineSpec, EngineWorker
+    from k3rl.rollout.transport import TRANSPORTS
+    from k3rl.rollout.transport.object_store import PublishedUpdate
+
+    worker = EngineWorker(EngineSpec(preset="k3-tiny", engine_kwargs={"background": True}), "e0")
+    real = TRANSPORTS["object_store"](device="cpu")
+    held = []
+
+    class Watched:  # the real receive, and whether the engine's lock is held around it
+        def receive(self, message, member):
+            held.append(worker.engine.device_lock.locked())
+            return real.receive(message, member)
+
+    worker.receivers["object_store"] = Watched()
+    new = _model(3).lm_head.weight.clone()
+    update = WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": new})])
+    message = PublishedUpdate(1, False, ray.put(PackedUpdate.pack(update)))
+    try:
+        assert asyncio.run(worker.update_weights(message)) == 1
+        assert held == [True] and not worker.engine.device_lock.locked()
+        assert torch.equal(worker.engine.model.lm_head.weight, new)
+    finally:
+        worker.engine.close()
