@@ -164,21 +164,32 @@ def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, graph
             "replay_ms": replay_ms}
 
 
-def kernels_per_step(model) -> int:
-    """GPU kernels launched by one eager decode step at batch 1 (what a CUDA graph of it replays)."""
+def kernels_per_step(model, batch: int = 1) -> int:
+    """GPU kernels launched by one eager decode step at `batch` (what a CUDA graph of it replays);
+    prints the most frequent ones and, beside them, where the step's GPU time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = EmbeddedEngine(model, background=False, max_num_seqs=1, prefill_chunk=16, max_prefill_tokens=16,
+    eng = EmbeddedEngine(model, background=False, max_num_seqs=batch, prefill_chunk=16, max_prefill_tokens=16 * batch,
                          prefix_cache_size=0, enforce_eager=True)
-    eng.submit(list(range(1, 17)), SamplingParams(temperature=0.0, max_tokens=8))
+    for i in range(batch):
+        eng.submit(list(range(1 + i % 7, 17 + i % 7)), SamplingParams(temperature=0.0, max_tokens=8))
     eng.step(), eng.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step()
         torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name)
-    print("the step's most frequent GPU kernels (count, name):")
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name]
+    names = collections.Counter(e.name for e in kernels)
+    busy = collections.Counter()
+    for e in kernels:
+        busy[e.name] += e.device_time_total
+    total_us = sum(busy.values())
+    print(f"batch {batch}: the step's most frequent GPU kernels (count, name):")
     for name, n in names.most_common(25):
         print(f"  {n:5d}  {name[:110]}")
+    print(f"batch {batch}: GPU busy time {total_us / 1e3:.3f} ms over {sum(names.values())} kernels; the largest shares "
+          "(us, count, name):")
+    for name, us in busy.most_common(15):
+        print(f"  {us:8.1f}  {names[name]:5d}  {name[:100]}")
     return sum(names.values())
 
 
@@ -294,8 +305,10 @@ def main() -> None:
     ap.add_argument("--skip-sync", action="store_true", help="skip the weight-sync measurements")
     ap.add_argument("--norms", default="auto", choices=["auto", "torch"],
                     help="the RMSNorms' kernel backend (torch: eager PyTorch, the before of kernels/rmsnorm)")
+    ap.add_argument("--router", default="auto", choices=["auto", "torch"],
+                    help="the decode step's router top-k (torch: eager PyTorch, the before of kernels/moe/router.py)")
     ap.add_argument("--count-kernels", action="store_true",
-                    help="count the GPU kernels of one eager decode step at batch 1 (torch.profiler)")
+                    help="count the GPU kernels of one eager decode step at each batch, and their GPU time (torch.profiler)")
     args = ap.parse_args()
     if args.tests:
         import pytest
@@ -312,8 +325,13 @@ def main() -> None:
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.backend = args.norms
+    if args.router == "torch":
+        import k3rl.rollout.engine_decode as engine_decode
+        from k3rl.kernels.moe.router import route_topk_reference
+
+        engine_decode.route_topk = lambda *a, backend=None: route_topk_reference(*a)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
-    print(f"# engine benchmark: {args.preset} {dtype} on {name}")
+    print(f"# engine benchmark: {args.preset} {dtype} on {name} (norms: {args.norms}, router: {args.router})")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} timed decode steps after 3 warm-up steps, greedy")
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
     print(f"measured copy bandwidth: {bw:.1f} GB/s\n")
@@ -323,7 +341,9 @@ def main() -> None:
     with torch.no_grad():
         decode_throughput(model, 1, args.prompt_len, 2, graphs=False)  # compile the kernels outside the timings
         if args.count_kernels and device.type == "cuda":
-            print(f"GPU kernels per eager decode step at batch 1 (norms: {args.norms}): {kernels_per_step(model)}\n")
+            for b in batches:
+                print(f"GPU kernels per eager decode step at batch {b} (norms: {args.norms}): "
+                      f"{kernels_per_step(model, b)}\n", flush=True)
         for graphs in graph_modes:
             for b in batches:
                 r = decode_throughput(model, b, args.prompt_len, args.new_tokens, graphs)

@@ -60,7 +60,7 @@ import torch
 
 from k3rl.types import SamplingParams, WeightUpdate
 
-from .engine_decode import DecodeRunner
+from .engine_decode import DecodeRunner, keep_fp32_island_weights
 from .sampling import needs_filter, params_tensors, policy_logprobs, request_seed, sample_tokens, validate
 from .state_pool import StatePool
 
@@ -246,6 +246,7 @@ class EmbeddedEngine(InferenceEngine):
 
             tokenizer = ByteTokenizer()
         self.model = model.eval()
+        keep_fp32_island_weights(model)
         self.config = model.config
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device

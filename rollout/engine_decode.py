@@ -25,11 +25,16 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from k3rl.kernels._backend import resolve_backend
 from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
+from k3rl.kernels.moe.router import route_topk
 from k3rl.kernels.situ import situ_glu
 from k3rl.learner.model.attnres import aggregate
+from k3rl.learner.model.common import fp32_island
+from k3rl.learner.model.kda import KimiDeltaAttention
+from k3rl.learner.model.moe import MoEGate
 
 from .sampling import policy_logprobs, sample_tokens
 from .state_pool import StatePool
@@ -95,13 +100,37 @@ def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor
     return fn(z, idx, p, w1, w3, w2, experts.beta_gate, experts.beta_up)
 
 
+def _route(gate, flat: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoEGate.forward for inference: (p [N, k] fp32, idx [N, k]); s = sigmoid(x_fp32 W_r,fp32^T), the top-k
+    of s + b and their weights in one kernel on CUDA (kernels/moe/router.py)."""
+    with fp32_island(flat):
+        logits = F.linear(flat.float(), gate.weight.float())  # a no-op cast: the engine keeps W_r in fp32
+    return route_topk(logits, gate.e_score_correction_bias, gate.top_k, gate.renormalize, gate.scaling,
+                      backend=backend)
+
+
 def _moe(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """StableLatentMoE.forward (inference): (y, experts used [N, k])."""
     flat = x.reshape(-1, x.shape[-1])
-    p, routing = moe.gate(flat)
-    u = _routed_experts(moe.experts, moe.routed_expert_down_proj(flat), routing.topk_idx, p)
+    p, idx = _route(moe.gate, flat, moe.experts.backend)
+    u = _routed_experts(moe.experts, moe.routed_expert_down_proj(flat), idx, p)
     y = moe.shared_experts(flat) + moe.routed_expert_up_proj(moe.routed_expert_norm(u))
-    return y.reshape(x.shape), routing.topk_idx
+    return y.reshape(x.shape), idx
+
+
+def keep_fp32_island_weights(model) -> None:
+    """Hold the weights that the model only ever reads widened to fp32 (the router's W_r, KDA's W_beta:
+    `F.linear(x.float(), w.float())`) in fp32, so a step does not widen them again: the same values
+    (a weight update is copied in with a cast), two kernels fewer per layer."""
+    for module in model.modules():
+        if isinstance(module, MoEGate):
+            w = module.weight
+        elif isinstance(module, KimiDeltaAttention):
+            w = module.b_proj.weight
+        else:
+            continue
+        if w.dtype in (torch.bfloat16, torch.float16):
+            w.data = w.data.float()
 
 
 def attnres_queries(model) -> list[torch.Tensor]:

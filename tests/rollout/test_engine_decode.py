@@ -140,3 +140,39 @@ def test_a_failed_graph_capture_decodes_that_shape_eagerly_and_the_engine_goes_o
     assert len(attempts) == len(set(attempts)) == engine_decode.MAX_CAPTURE_FAILURES  # no shape retried
     assert runner.eager_keys == set(attempts) and not runner.use_graphs and not runner.graphs
     assert len(runner.capture_failures) == 3 and "previous error during capture" in runner.capture_failures[0]
+
+
+def test_the_fp32_island_weights_held_in_fp32_decode_bit_for_bit_the_same():
+    """keep_fp32_island_weights: W_r and W_beta widened once (the engine's model) give the decode step
+    of the bf16 model exactly, and only those two kinds of weight change dtype."""
+    import copy
+
+    from k3rl.learner.model.kda import KimiDeltaAttention
+    from k3rl.learner.model.moe import MoEGate
+    from k3rl.rollout.engine_decode import keep_fp32_island_weights
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    model.to_param_dtype(torch.bfloat16)
+    widened = copy.deepcopy(model)
+    keep_fp32_island_weights(widened)
+    kept = {id(m.weight) for m in widened.modules() if isinstance(m, MoEGate)}
+    kept |= {id(m.b_proj.weight) for m in widened.modules() if isinstance(m, KimiDeltaAttention)}
+    assert len(kept) >= 2
+    for (name, a), b in zip(model.named_parameters(), widened.parameters(), strict=True):
+        assert b.dtype == (torch.float32 if id(b) in kept else a.dtype), name
+        assert torch.equal(a.float(), b.float()), name
+
+    def decode(m):
+        ids = [[5, 9, 33, 2, 71, 8], [12, 4, 4, 100, 3, 17]]
+        pool = StatePool(m, num_slots=2, max_len=64, initial_capacity=16)
+        with torch.no_grad():
+            for slot, seq in enumerate(ids):
+                cache = m.new_cache(1)
+                m(torch.tensor([seq[:-1]]), cache=cache)
+                pool.load(slot, cache)
+            view = pool.view(2, 16, torch.tensor([5, 5]), [5, 5])
+            return decode_forward(m, torch.tensor([[s[-1]] for s in ids]), view)
+
+    (a, ea), (b, eb) = decode(model), decode(widened)
+    assert torch.equal(a, b) and torch.equal(ea, eb)

@@ -1,0 +1,49 @@
+"""The fused router kernel on the CPU under TRITON_INTERPRET=1, against the PyTorch reference and the
+learner's MoEGate. Run by test_router_kernel.py in a fresh process (TRITON_INTERPRET=1 must be set
+before triton is imported)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from k3rl.kernels.moe import triton_router  # noqa: E402
+from k3rl.kernels.moe.router import route_topk, route_topk_reference  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not isinstance(triton_router.route_topk_kernel, InterpretedFunction),
+    reason="Triton kernels were imported before TRITON_INTERPRET=1; run this file in its own process",
+)
+
+
+@pytest.mark.parametrize("N, E, k", [(1, 32, 4), (5, 32, 4), (3, 37, 5), (2, 896, 16), (4, 8, 1), (2, 6, 6)])
+@pytest.mark.parametrize("renormalize, scaling", [(True, 1.0), (False, 2.5)])
+def test_route_topk_kernel_matches_the_reference(N, E, k, renormalize, scaling):
+    gen = torch.Generator().manual_seed(N * 1000 + E + k)
+    logits = torch.randn(N, E, generator=gen) * 3
+    bias = torch.randn(E, generator=gen) * 0.1
+    p, idx = route_topk(logits, bias, k, renormalize, scaling, backend="triton")
+    p_ref, idx_ref = route_topk_reference(logits, bias, k, renormalize, scaling)
+    assert idx.dtype == torch.int64 and p.dtype == torch.float32
+    assert torch.equal(idx, idx_ref)  # same experts in the same order (highest biased score first)
+    torch.testing.assert_close(p, p_ref, rtol=2e-6, atol=1e-7)
+
+
+def test_the_bias_picks_the_experts_and_never_enters_the_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 5.0])  # expert 3 wins the selection on its bias alone
+    p, idx = route_topk(logits, bias, 2, False, 1.0, backend="triton")
+    assert idx.tolist() == [[3, 0]]
+    torch.testing.assert_close(p, torch.sigmoid(logits[:, [3, 0]]))
+
+
+def test_ties_go_to_the_lower_expert_id():
+    p, idx = route_topk(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0, backend="triton")
+    assert idx.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(p, torch.full((1, 3), 1 / 3))
