@@ -17,7 +17,9 @@ parameters in place is seen by every captured graph.
 model's own modules, leaving out the forward's host-side input checks (the media-placeholder
 test, the routed-expert range check of `latent_experts`, `torch.bincount`'s read of the
 largest id in its grouped path), which synchronise with the device and cannot be captured. Decode tokens are sampled tokens (never the placeholder) and routing
-ids come from top-k, so the checks have nothing to catch here.
+ids come from top-k, so the checks have nothing to catch here. With the Triton backend the router's
+top-k and weights are one kernel (kernels/moe/router.py) and the routed experts of a small batch two
+(kernels/moe/triton_decode_experts.py: the weights read in place); a larger batch takes grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from k3rl.kernels._backend import resolve_backend
 from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.kernels.moe.router import route_topk
+from k3rl.kernels.moe.triton_decode_experts import decode_experts_triton
 from k3rl.kernels.situ import situ_glu
 from k3rl.learner.model.attnres import aggregate
 from k3rl.learner.model.common import fp32_island
@@ -69,19 +72,6 @@ def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) ->
     return (h.float() * p.float()[..., None]).sum(1).to(z.dtype)
 
 
-def _gathered_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """The routed experts of a few routes (a small decode batch): each route's expert weights
-    gathered and applied as one batched product, h_r = W2_e SiTU-GLU(W1_e z, W3_e z); the k
-    outputs of a token summed in fp32 in routing order. Fewer kernels than the grouped GEMMs."""
-    N, dim = z.shape
-    k = idx.shape[1]
-    flat = idx.reshape(-1)
-    x = z.unsqueeze(1).expand(N, k, dim).reshape(-1, 1, dim)  # [R, 1, l]
-    a = situ_glu(torch.bmm(x, w1[flat].transpose(1, 2)), torch.bmm(x, w3[flat].transpose(1, 2)), beta_gate, beta_up)
-    h = torch.bmm(a, w2[flat].transpose(1, 2)).view(N, k, -1)
-    return (h.float() * p.float()[..., None]).sum(1).to(z.dtype)
-
-
 def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """RoutedExperts.forward without latent_experts' input checks (and without its syncs on CUDA)."""
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
@@ -89,12 +79,13 @@ def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor
         dt = torch.get_autocast_dtype(z.device.type)
         w1, w3, w2 = w1.to(dt), w3.to(dt), w2.to(dt)
     z = z.to(w1.dtype)
+    few = 4 * idx.numel() <= w1.shape[0]  # few routes: their experts read in place, two kernels
     grouped_ok = hasattr(torch, "_grouped_mm") and z.dtype == torch.bfloat16
-    path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=grouped_ok)
+    path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=few or grouped_ok)
     if path != "triton":
         fn = latent_experts_loop
-    elif 4 * idx.numel() <= w1.shape[0]:  # few routes: gathering their experts reads little
-        fn = _gathered_experts
+    elif few:
+        fn = decode_experts_triton
     else:
         fn = _grouped_experts
     return fn(z, idx, p, w1, w3, w2, experts.beta_gate, experts.beta_up)

@@ -7,8 +7,9 @@ For route r = (token t = r // k, slot j = r % k) with expert e = idx[t, j] (dt =
 
 The dots accumulate in fp32 and are rounded to dt (as bmm rounds its output), SiTU runs in fp32, and the
 k expert outputs of a token are summed in fp32 in routing order j = 0..k-1 (h never reaches memory).
-These are the roundings of engine_decode._gathered_experts (decode_experts_reference below), without its
-weight gathers: 2 launches a MoE layer instead of ~11, no host sync, capturable in a CUDA graph.
+These are the roundings of the batched products the engine's decode step used before
+(decode_experts_reference below: gathered weights, bmm, SiTU, an fp32 combine), without its weight
+gathers: 2 launches a MoE layer instead of ~11, no host sync, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def decode_experts_triton(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: floa
 
 
 def decode_experts_reference(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -> torch.Tensor:
-    """The kernels' formula in plain PyTorch with the same roundings (= engine_decode._gathered_experts)."""
+    """The kernels' formula in plain PyTorch with the same roundings: each route's expert weights gathered
+    and applied as one batched product."""
     N, L = z.shape
     K = idx.shape[1]
     flat = idx.reshape(-1)

@@ -47,3 +47,36 @@ def test_ties_go_to_the_lower_expert_id():
     p, idx = route_topk(torch.zeros(1, 8), torch.zeros(8), 3, True, 1.0, backend="triton")
     assert idx.tolist() == [[0, 1, 2]]
     torch.testing.assert_close(p, torch.full((1, 3), 1 / 3))
+
+
+def test_the_decode_step_through_its_kernels_is_the_torch_decode_step():
+    """k3-tiny's decode step (batch 1: the routed experts by the decode kernels) with every op on its Triton
+    kernel (the router's top-k, the experts, RMSNorm, AttnRes, the KDA islands and recurrence) equals
+    the same step by PyTorch ops: the wiring of engine_decode, not only each kernel alone."""
+    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.rollout.engine_decode import decode_forward
+    from k3rl.rollout.state_pool import StatePool
+
+    def step(backend):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(K3Config.preset("k3-tiny").model_copy(update={"kernel_backend": "torch"})).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # distinct AttnRes queries (zero at init)
+                if "_res_proj" in name or "_res_norm" in name:
+                    param.copy_(torch.randn_like(param) * 0.5 + ("_res_norm" in name))
+        seq = [5, 9, 33, 2, 71, 8]
+        pool = StatePool(model, num_slots=1, max_len=64, initial_capacity=16)
+        with torch.no_grad():
+            cache = model.new_cache(1)
+            model(torch.tensor([seq[:-1]]), cache=cache)  # the prefill by PyTorch ops (k3-tiny's chunk is 16)
+            pool.load(0, cache)
+            model.config.kernel_backend = backend  # then the decode step by `backend`
+            for m in model.modules():
+                if hasattr(m, "backend"):
+                    m.backend = backend
+            view = pool.view(1, 16, torch.tensor([5]), [5])
+            return decode_forward(model, torch.tensor([[seq[-1]]]), view)
+
+    (lt, et), (lr, er) = step("triton"), step("torch")
+    assert torch.equal(et, er)
+    torch.testing.assert_close(lt, lr, rtol=1e-4, atol=1e-4)

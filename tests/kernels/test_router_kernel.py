@@ -2,6 +2,10 @@
 process), the reference against the learner's MoEGate, the dispatcher's errors, and the kernel on a GPU."""
 
 import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +21,18 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 @has_triton
 def test_route_topk_kernel_under_the_interpreter():
     run_interpreted("router_interpret_cases.py")
+
+
+@has_triton
+def test_the_decode_kernels_compile_for_sm90():
+    """The router and the decode experts' kernels build for Hopper at k3-small's and K3's sizes."""
+    script = pathlib.Path(__file__).with_name("decode_sm90_check.py")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(shared) == sorted(f"{k}_{p}" for k in ("route_topk", "gate_up", "down_combine")
+                                    for p in ("k3-small", "k3"))
+    assert all(nbytes <= 232448 for nbytes in shared.values())  # the shared memory one block may use on sm_90
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from k3rl.kernels.moe import latent_experts_loop
+from k3rl.kernels.moe.triton_decode_experts import decode_experts_reference
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.attnres import query_vector
-from k3rl.rollout.engine_decode import _gathered_experts, _grouped_experts, attnres_queries, decode_forward
+from k3rl.rollout.engine_decode import _grouped_experts, attnres_queries, decode_forward
 from k3rl.rollout.state_pool import StatePool
 
 torch.set_num_threads(1)
@@ -28,7 +29,7 @@ def test_grouped_and_gathered_experts_match_the_reference_loop():
     ref = latent_experts_loop(z, idx, p, w1, w3, w2)
     got = _grouped_experts(z.bfloat16(), idx, p, w1.bfloat16(), w3.bfloat16(), w2.bfloat16(), 4.0, 25.0)
     torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(_gathered_experts(z, idx, p, w1, w3, w2, 4.0, 25.0), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_experts_reference(z, idx, p, w1, w3, w2, 4.0, 25.0), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_forward_over_the_pool_equals_the_model_forward():
