@@ -52,7 +52,8 @@ class KeyLookupEnv(ToolEnv):
 
     def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
                  partial_credit: bool = False, turn_rewards: bool = False, key_letters: str = string.ascii_lowercase, key_digit: bool = True,
-                 step_delay_s: float = 0.0, step_delay_sigma: float = 0.0, **kwargs: Any) -> None:
+                 step_delay_s: float = 0.0, step_delay_sigma: float = 0.0, oracle_wrong_key: float = 0.0,
+                 **kwargs: Any) -> None:
         if len(set(key_letters)) != len(key_letters) or not key_letters.isalpha():
             raise ValueError(f"key_letters must be distinct letters, got {key_letters!r}")
         if not 1 <= num_keys <= len(key_letters):
@@ -72,6 +73,12 @@ class KeyLookupEnv(ToolEnv):
             raise ValueError("step_delay_s and step_delay_sigma must be >= 0")
         self.step_delay_s = step_delay_s
         self.step_delay_sigma = step_delay_sigma
+        if not 0.0 <= oracle_wrong_key <= 1.0:
+            raise ValueError(f"oracle_wrong_key is a probability in [0, 1], got {oracle_wrong_key}")
+        if oracle_wrong_key > 0 and num_keys < 2:
+            raise ValueError("oracle_wrong_key needs num_keys >= 2 (another key to look up)")
+        self.oracle_wrong_key = oracle_wrong_key
+        self._oracle_key: str | None = None
         self._looked_up: list[str] = []
         super().__init__(**kwargs)
 
@@ -99,6 +106,7 @@ class KeyLookupEnv(ToolEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._looked_up = []
+        self._oracle_key = None  # the key this episode's oracle looks up (drawn at its first call)
         self._key_credit = 0.0  # what the lookup turns have earned so far (turn_rewards)
         return super().reset(seed=seed, options=options)
 
@@ -138,9 +146,20 @@ class KeyLookupEnv(ToolEnv):
         return self._key_score() + 0.5 * correct
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
-        """Call lookup on the requested key; once the value came back, answer with it."""
+        """Call lookup on the requested key; once the value came back, answer with it.
+
+        With `oracle_wrong_key` = q, a careless demonstrator: with probability q (drawn once per
+        episode from its seeded RNG) it looks up another of the task's keys instead, then answers
+        with the value that came back, consistently. A policy imitating it succeeds on about 1 - q
+        of the tasks while it has every skill the task needs (calling the tool, copying a key,
+        copying the answer): what RL can improve on its warm start is the choice of key."""
         messages = self._messages(history)
         last = messages[-1] if messages else None
         if last is not None and last.role == "tool" and last.tool_name == "lookup" and not last.content.startswith("Error"):
             return self.say(last.content)
-        return self.say(tool_calls=[{"name": "lookup", "arguments": {"key": self.task.key}}])
+        if self._oracle_key is None:
+            self._oracle_key = self.task.key
+            if self.oracle_wrong_key > 0 and self.np_random.random() < self.oracle_wrong_key:
+                others = [k for k in self.task.keys if k != self.task.key]
+                self._oracle_key = others[int(self.np_random.integers(len(others)))]
+        return self.say(tool_calls=[{"name": "lookup", "arguments": {"key": self._oracle_key}}])

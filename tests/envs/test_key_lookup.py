@@ -59,3 +59,32 @@ def test_oracle_demonstration_tokens_are_the_rendered_conversation():
     body = base.template.assistant_body
     calls = ep.turns[1].tool_calls
     assert trained == body("", calls, None) + body(base.task.value, [], None)
+
+
+def test_a_careless_oracle_looks_up_another_key_at_its_rate_and_answers_consistently():
+    """oracle_wrong_key = q: about q of the demonstrations look up another key (a seeded draw, the same
+    for the same seed), then answer that key's value; with partial credit they earn the valid key's 0.25."""
+    env = gym.make("k3rl/KeyLookup-v0", num_keys=2, value_digits=1, key_letters="abcd", key_digit=False,
+                   partial_credit=True, oracle_wrong_key=0.5)
+    wrong, n = 0, 200
+    for seed in range(n):
+        ep = run_oracle_episode(env, seed=seed)
+        task = env.unwrapped.task
+        looked_up = env.unwrapped._looked_up
+        assert len(looked_up) == 1 and looked_up[0] in task.keys and ep.terminated
+        answer = task.values[task.keys.index(looked_up[0])]
+        assert ep.turns[-1].text == answer  # consistent: the value that came back
+        if looked_up[0] != task.key:
+            wrong += 1
+            assert ep.reward == (0.25 if answer != task.value else 0.75)
+        else:
+            assert ep.reward == 1.0
+        again = run_oracle_episode(env, seed=seed)  # the draw is the episode seed's
+        assert env.unwrapped._looked_up == looked_up and again.reward == ep.reward
+    assert 0.4 * n <= wrong <= 0.6 * n, wrong
+    careful = gym.make("k3rl/KeyLookup-v0", num_keys=2, oracle_wrong_key=0.0)
+    assert all(run_oracle_episode(careful, seed=s).reward == 1.0 for s in range(20))
+    with pytest.raises(ValueError, match=r"oracle_wrong_key is a probability in \[0, 1\], got 1.5"):
+        gym.make("k3rl/KeyLookup-v0", oracle_wrong_key=1.5)
+    with pytest.raises(ValueError, match="oracle_wrong_key needs num_keys >= 2"):
+        gym.make("k3rl/KeyLookup-v0", num_keys=1, oracle_wrong_key=0.5)
