@@ -11,7 +11,9 @@ the embedded engine, the learner's Trainer, its weight export):
 1. a teacher: a k3-tiny trained on KeyLookup by SFT on oracle demonstrations (100 steps at 3e-3:
    it copies the key and the value), saved as an HF-layout checkpoint;
 2. a student: a fresh k3-tiny with a short SFT warm start at 1e-2 (it learns the message format,
-   not the content: docs/learning.md, "The warm start must copy");
+   not the content: docs/learning.md, "The warm start must copy"), or (--student-wrong-key q) a
+   longer one on a careless oracle's demonstrations, which look up another key with probability q:
+   the student then has every skill and picks the requested key only about 1 - q of the time;
 3. from that same student, the same RL budget twice: the demo's RL (per-turn GRPO,
    `turn_grpo_no_std`, on KeyLookup's per-turn rewards) on the env's reward alone, and the same
    plus the teacher's per-token reverse-KL advantage (`learner.distill.teachers`, the teacher
@@ -186,6 +188,9 @@ def main() -> None:
                                       "written there (default: a temporary directory)")
     ap.add_argument("--student-sft-steps", type=int, default=20)
     ap.add_argument("--student-sft-lr", type=float, default=1e-2)
+    ap.add_argument("--student-wrong-key", type=float, default=0.0,
+                    help="the student's demonstrations from a careless oracle (KeyLookup oracle_wrong_key): "
+                         "it learns every skill and picks the requested key only about 1 - q of the time")
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
@@ -216,6 +221,11 @@ def main() -> None:
 
     print(f"student: {args.student_sft_steps} SFT steps at {args.student_sft_lr}", flush=True)
     student = build_model("k3-tiny", seed=args.seed)
+    if args.student_wrong_key:
+        careless = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set,
+                                         f"envs.train.0.kwargs.oracle_wrong_key={args.student_wrong_key}"])
+        print(f"student: demonstrations by a careless oracle (wrong key {args.student_wrong_key})", flush=True)
+        demos = collect_demonstrations(careless, "distill", cfg.learner.sft_episodes)
     student_info = {"sft_nll": sft(student, cfg, demos, args.student_sft_steps, args.student_sft_lr, args.seed)}
     student_info.update(evaluate_model(student, cfg, args.eval_tasks))
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)

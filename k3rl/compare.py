@@ -1,8 +1,8 @@
 """`k3rl compare`: the reward curves of several runs side by side, read from MLflow — one PNG
 with a curve per run and a table of final / best / mean reward and steps per run. When the runs
 have a held-out evaluation (`envs.eval`: metrics `eval/<env>/success` and `eval/<env>/pass_at_<k>`),
-the PNG gets a second panel with those curves (a colour per run, solid: greedy success, dashed:
-pass@k) and a second table with their last values."""
+the PNG gets a second panel with those curves (a colour per run, solid: greedy success, dotted:
+pass@1, dashed: pass@k) and a second table with their last values."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def plot_runs(curves: list[RunCurve], labels: dict[str, str], metric: str) -> by
         for key, points in c.evals.items():
             env, kind = EVAL_CURVE.fullmatch(key).group("env", "kind")
             name = "success" if kind == "success" else kind.replace("pass_at_", "pass@")
-            _line(axes[-1], points, f"{labels[c.run_id]}: {env} {name}", colour, "-" if kind == "success" else "--")
+            _line(axes[-1], points, f"{labels[c.run_id]}: {env} {name}", colour, "-" if kind == "success" else ":" if kind == "pass_at_1" else "--")
     axes[0].set(title=f"{metric} by run", xlabel="step", ylabel=metric)
     if with_eval:
         axes[1].set(title="held-out evaluation (greedy success, pass@k)", xlabel="RL steps done", ylabel="rate",

@@ -103,12 +103,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def eval_metrics(name: str, k: int, tasks: list[list[dict[str, Any]]], version: int) -> dict[str, float]:
     """The held-out metrics of one eval env. `tasks`: per task, the stats of its greedy episode first,
     then of its n sampled ones. A failed episode counts as reward 0, no success. pass@k is logged as
-    `pass_at_<k>`: MLflow allows no '@' in a metric's name."""
+    `pass_at_<k>`: MLflow allows no '@' in a metric's name; pass@1 (the success rate at the policy's
+    temperature, which RL raises when the greedy policy already succeeds) always, beside it."""
     greedy = [t[0] for t in tasks]
+
+    def pass_at(j: int) -> float:
+        return sum(pass_at_k(len(t) - 1, sum(success(s["reward"]) for s in t[1:]), j) for t in tasks) / len(tasks)
+
     return {f"eval/{name}/success": sum(success(s["reward"]) for s in greedy) / len(tasks),
             f"eval/{name}/reward": sum(s["reward"] for s in greedy) / len(tasks),
-            f"eval/{name}/pass_at_{k}": sum(pass_at_k(len(t) - 1, sum(success(s["reward"]) for s in t[1:]), k)
-                                         for t in tasks) / len(tasks),
+            # pass@1 = the sampled policy's own success rate (c / n per task), beside pass@k
+            f"eval/{name}/pass_at_1": pass_at(1),
+            f"eval/{name}/pass_at_{k}": pass_at(k),
             f"eval/{name}/failed": float(sum(bool(s.get("error")) for t in tasks for s in t)),
             "eval/policy_version": float(version)}
 

@@ -38,6 +38,7 @@ def test_eval_metrics_greedy_success_reward_and_pass_at_k():
     assert m["eval/KeyLookup-v0/success"] == pytest.approx(1 / 3)
     assert m["eval/KeyLookup-v0/reward"] == pytest.approx(1.5 / 3)
     assert m["eval/KeyLookup-v0/pass_at_2"] == pytest.approx((pass_at_k(4, 1, 2) + 0 + 1) / 3)
+    assert m["eval/KeyLookup-v0/pass_at_1"] == pytest.approx((1 / 4 + 0 + 1) / 3)  # the samples' success rate
     assert m["eval/KeyLookup-v0/failed"] == 2 and m["eval/policy_version"] == 7
 
 
