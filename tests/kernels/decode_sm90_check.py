@@ -3,15 +3,13 @@ Hopper (sm_90) on the CPU at k3-small's and K3's sizes with their launch setting
 shared memory in bytes (JSON). Run as a script by test_router_kernel.py, so that TRITON_INTERPRET=1
 elsewhere does not matter; catches what the interpreter cannot (a construct the compiler refuses)."""
 
-import inspect
 import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "0"
 
+import sm90_compile  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from k3rl.kernels.moe import triton_decode_experts as de  # noqa: E402
 from k3rl.kernels.moe import triton_router as tr  # noqa: E402
@@ -26,12 +24,7 @@ TYPES = {  # argument -> Triton type: bf16 activations and weights, fp32 router 
 
 
 def shared_bytes(kernel, constexprs, num_warps=4, num_stages=3):
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: "constexpr" if n in constexprs else TYPES[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return sm90_compile.shared_bytes(kernel, constexprs, TYPES, num_warps, num_stages)
 
 
 def main():

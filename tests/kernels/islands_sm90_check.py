@@ -3,15 +3,12 @@ each one's shared memory in bytes (JSON). Run as a script by test_kda_islands.py
 TRITON_INTERPRET=1 elsewhere does not matter; catches what the interpreter cannot (a construct the
 compiler refuses)."""
 
-import inspect
 import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "0"
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import sm90_compile  # noqa: E402
 
 from k3rl.kernels.kda import triton_output_gate as tg  # noqa: E402
 from k3rl.kernels.kda import triton_short_conv as tc  # noqa: E402
@@ -26,12 +23,7 @@ TYPES = {  # argument -> Triton type; bf16 activations, fp32 weights and partial
 
 
 def shared_bytes(kernel, constexprs, num_warps=4, num_stages=3):
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig = {n: "constexpr" if n in constexprs else TYPES[n] for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    return sm90_compile.shared_bytes(kernel, constexprs, TYPES, num_warps, num_stages)
 
 
 def main():
