@@ -15,14 +15,7 @@
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-  .whl/annotated_types*.whl .whl/pydantic*.whl .whl/typing_insp*.whl .whl_rl/*.whl 2>&1 | tail -2
-tar xJf .whl_rl/ray-slim.tar.xz -C /tmp/site
-# the installed layout (pyproject's package-dir): k3rl/ with envs, rollout, learner, kernels, sandboxes inside
-mkdir -p /tmp/pkg/k3rl && cp -r "$R"/k3rl/* /tmp/pkg/k3rl/
-for d in envs rollout learner kernels sandboxes; do ln -sfn "$R/$d" "/tmp/pkg/k3rl/$d"; done
-export PYTHONPATH=/tmp/pkg:/tmp/site OMP_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled \
-  PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="$R/.cache/triton"
+source benchmarks/device_env.sh
 # from /tmp: in the repository root `k3rl` would be its source folder, which lacks the linked packages
 (cd /tmp && python3 -c "import k3rl.job, k3rl.learner.trainer, k3rl.rollout.engine, ray, mlflow, gymnasium; print('imports ok')")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
