@@ -22,6 +22,11 @@ One scheduler step (`EmbeddedEngine.step`), always in this order:
      finished sequence keeps its slot for one more decode step (its last token is fed once,
      see below), then it is finished and its slot is refilled from the last occupied one.
 
+Overlap (on CUDA by default): step 5 of the next iteration is launched before step 6 reads this
+one's tokens, which it takes on the device, so the host's work of 1-4 and 6 runs while the GPU
+decodes; results are the same as without it (`_decode_and_sample` says why). A step in flight when
+a weight update arrives finishes with the weights it started with, and its tokens say so.
+
 Because logits are computed and sampled within the same step, every token is produced by
 exactly one weight version, reported per token in `GenerationResult.versions`. The states of
 tokens processed before an update are kept (as in partial rollouts); the prefix cache is
@@ -211,6 +216,16 @@ class _Seq:
         return (tuple(self.prompt), self.digests)
 
 
+@dataclass(eq=False)
+class _Launch:
+    """A decode step on the device: its rows are the sequences in `seqs` (slot order at launch)."""
+
+    seqs: list[_Seq]
+    out: torch.Tensor  # [B, 2 + n_moe k] fp64 (the runner's buffers under CUDA graphs)
+    logits: torch.Tensor  # [B, V]
+    version: int
+
+
 class EmbeddedEngine(InferenceEngine):
     """Continuous-batching engine on `K3ForCausalLM` (CPU or CUDA).
 
@@ -226,6 +241,9 @@ class EmbeddedEngine(InferenceEngine):
                      `agenerate` drive `step()` themselves (single-threaded, deterministic),
                      and `abort` / `update_weights` run the steps they need to take effect.
     enforce_eager    never capture CUDA graphs (they are used on CUDA only, by default)
+    overlap          launch decode step t+1 before step t's tokens reach the host (they are fed on the
+                     device), so the scheduler's Python runs while the GPU decodes (default: on CUDA).
+                     Every result is the same as without it (see `_decode_and_sample`)
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -236,7 +254,7 @@ class EmbeddedEngine(InferenceEngine):
     def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
                  max_prefill_tokens: int = 2048, prefix_cache_size: int = 32, max_model_len: int | None = None,
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, overlap: bool | None = None):
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
@@ -275,8 +293,11 @@ class EmbeddedEngine(InferenceEngine):
                                     use_graphs=not enforce_eager)
         self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
         self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._inflight: _Launch | None = None  # a decode step launched ahead, its rows not yet read
         self._step_lock = threading.Lock()
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
+                      "launched_ahead": 0}
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._loop, name=f"{name}-scheduler", daemon=True)
@@ -433,6 +454,7 @@ class EmbeddedEngine(InferenceEngine):
         self._waiting.clear()
         self._prefilling.clear()
         self._pending_ready.clear()
+        self._inflight = None
         for s in self._decoding:
             self._pool.free(s.slot)
         self._decoding.clear()
@@ -457,7 +479,7 @@ class EmbeddedEngine(InferenceEngine):
                 self._abort(aborts)
             self._admit()
             ready = self._prefill()
-            if ready or self._decoding:
+            if ready or self._decoding or self._inflight:
                 self._decode_and_sample(ready)
             self.stats["steps"] += 1
 
@@ -692,18 +714,25 @@ class EmbeddedEngine(InferenceEngine):
 
     # 5-6. decode and sampling
     def _decode_and_sample(self, ready: list[_Seq]) -> None:
-        """Decode the pool's sequences and sample the ready ones; one transfer of the step's results."""
-        n = len(self._decoding)
-        want_routing = any(s.params.return_routed_experts for s in self._decoding)
-        parts, logits = [], None
-        if n:
-            seqs = self._decoding
-            out, logits = self._runner.step(
-                n, [s.out_ids[-1] for s in seqs], [s.seed for s in seqs], [len(s.out_ids) for s in seqs],
-                [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
-                needs_filter([s.params for s in seqs if not s.flushing]))
-            parts.append(out[:n] if want_routing else out[:n, :2])
-            self.stats["decode_tokens"] += n
+        """Decode the pool's sequences and sample the ready ones; one transfer of the step's results.
+
+        Overlap: the decode step of the next iteration is launched before this one's rows are read,
+        with this step's sampled tokens fed on the device (`_launch_ahead`): the GPU decodes while the
+        host checks stops and schedules. A sequence that stops in this step is then fed its last token
+        by the step launched ahead, which is exactly its flush step (below), or, if it needs no flush,
+        an extra step whose row is ignored (its slot is freed). No step is launched ahead while any
+        sequence is flushing or the pool's order differs from the step in flight, so every token,
+        log-prob, routed expert and cached state is the one the engine without overlap gives."""
+        launched, self._inflight = self._inflight, None
+        if launched is None and self._decoding:
+            launched = self._launch(self._decoding, [len(s.out_ids) for s in self._decoding])
+        n = len(launched.seqs) if launched else 0
+        want_routing = any(s.params.return_routed_experts for s in (launched.seqs if launched else ()))
+        parts = []
+        if launched:
+            parts.append(launched.out[:n] if want_routing else launched.out[:n, :2])
+        ahead = self.overlap and launched is not None and self._decoding == launched.seqs \
+            and not any(s.flushing for s in self._decoding)
         if ready:  # after the decode step on the stream: a graph's padding rows may cover these slots
             for s in ready:
                 s.slot = len(self._decoding)
@@ -711,27 +740,51 @@ class EmbeddedEngine(InferenceEngine):
                 s.cache = None
                 self._decoding.append(s)
             parts.append(self._sample_ready(ready, parts[0].shape[1] if parts else 2))
-        rows = torch.cat(parts).tolist()  # the step's only wait for the device
+        rows_dev = torch.cat(parts)
+        if ahead or (self.overlap and launched is None and ready):
+            rows_host = rows_dev.to("cpu", non_blocking=True)  # before the next step overwrites the buffers
+            done = torch.cuda.Event() if rows_dev.is_cuda else None
+            if done is not None:
+                done.record()
+            self._inflight = self._launch(self._decoding, [len(s.out_ids) + 1 for s in self._decoding],
+                                          rows_dev[:, 0].long())
+            self.stats["launched_ahead"] += 1
+            if done is not None:
+                done.synchronize()
+            rows = rows_host.tolist()
+        else:
+            rows = rows_dev.tolist()  # the step's only wait for the device
         fed: list[_Seq] = []  # flushing sequences whose last token this step fed
         stopped: list[_Seq] = []
         k = self.config.num_experts_per_token
-        for i, (s, row) in enumerate(zip(self._decoding, rows, strict=True)):
+        for i, (s, row) in enumerate(zip([*(launched.seqs if launched else ()), *ready], rows, strict=True)):
+            if s.future.done():  # finished while its step ran (an abort that needed no flush)
+                continue
             if i < n and s.params.return_routed_experts:
                 experts = [int(e) for e in row[2:]]
                 s.out_routed.append([experts[m : m + k] for m in range(0, len(experts), k)])
             if s.flushing:  # its last token is now fed: offer the state covering the whole sequence
                 if self._offers_prefix(s):
-                    self._remember(s, s.prompt + s.out_ids, self._pool.extract(s.slot), logits[i])
+                    self._remember(s, s.prompt + s.out_ids, self._pool.extract(s.slot), launched.logits[i])
                 fed.append(s)
                 continue
             s.logits = None
             s.out_ids.append(int(row[0]))
             s.out_logprobs.append(row[1])
-            s.out_versions.append(self._version)
+            s.out_versions.append(launched.version if i < n else self._version)
             if self._check_stop(s):
                 stopped.append(s)
         self._release(fed)
         self._finish_decoding(stopped)
+
+    def _launch(self, seqs: list[_Seq], counters: list[int], tokens: torch.Tensor | None = None) -> _Launch:
+        """Decode the pool's leading len(seqs) slots; `tokens` on the device, or each sequence's last token."""
+        out, logits = self._runner.step(
+            len(seqs), [s.out_ids[-1] for s in seqs] if tokens is None else tokens, [s.seed for s in seqs], counters,
+            [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
+            needs_filter([s.params for s in seqs if not s.flushing]))
+        self.stats["decode_tokens"] += len(seqs)
+        return _Launch(list(seqs), out, logits, self._version)
 
     def _sample_ready(self, ready: list[_Seq], width: int) -> torch.Tensor:
         """Sample the first token of sequences whose prompt is in the cache; rows of `width` fp64."""

@@ -195,9 +195,10 @@ class DecodeRunner:
             S *= 2
         return min(S, self.pool.max_len)
 
-    def step(self, n: int, tokens: list[int], seeds: list[int], counters: list[int], params: list[tuple],
-             filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode slots [0, n): feed `tokens`, sample with `params` [(temperature, top_k, top_p)].
+    def step(self, n: int, tokens: list[int] | torch.Tensor, seeds: list[int], counters: list[int],
+             params: list[tuple], filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode slots [0, n): feed `tokens` (a list, or a tensor on the device: an earlier step's samples,
+        read there without a sync), sample with `params` [(temperature, top_k, top_p)].
 
         Returns (out [B, 2 + n_moe * k] fp64 rows: token, logprob, routed experts; logits [B, V]) for the
         padded batch B >= n; rows >= n are padding."""
@@ -207,13 +208,17 @@ class DecodeRunner:
         B = rung(n, self.batch_rungs) if self.pad else n
         pad = B - n
         zeros = [0] * pad
-        ints = torch.tensor(tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros,  # flat: fast
+        on_device = isinstance(tokens, torch.Tensor)
+        host_tokens = [0] * n if on_device else tokens
+        ints = torch.tensor(host_tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros,  # flat: fast
                             dtype=torch.int64).view(4, B)
         params = params + [(0.0, 0, 1.0)] * pad  # padding rows: greedy, unfiltered
         floats = torch.tensor([x for column in zip(*params, strict=True) for x in column],
                               dtype=torch.float64).view(3, B)
         self.ints[:, :B].copy_(ints, non_blocking=True)
         self.floats[:, :B].copy_(floats, non_blocking=True)
+        if on_device:
+            self.ints[0, :n].copy_(tokens)  # after the host rows, in stream order
         self.pool.lengths[:n] = [x + 1 for x in lengths]
         if not self.use_graphs:
             return self._run(B, S, filtered, lengths + zeros)

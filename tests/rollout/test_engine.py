@@ -28,8 +28,21 @@ def model():
     return _model()
 
 
+OVERLAP = [False]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def overlap(request):
+    """Every engine test runs twice: steps one after another, and the next step launched before the
+    last one's tokens are read (the CUDA default, forced here on the CPU)."""
+    OVERLAP[0] = request.param
+    yield request.param
+    OVERLAP[0] = False
+
+
 def _engine(model, **kw) -> EmbeddedEngine:
     kw.setdefault("background", False)
+    kw.setdefault("overlap", OVERLAP[0])
     return EmbeddedEngine(model, **kw)
 
 
@@ -262,7 +275,7 @@ def test_second_turn_with_a_new_image_reuses_the_first_turn(model):
 
 
 def test_many_coroutines_share_one_background_engine(model):
-    eng = EmbeddedEngine(model)  # scheduler thread
+    eng = EmbeddedEngine(model, overlap=OVERLAP[0])  # scheduler thread
     try:
         prompts = [_prompt(8 + i, i) for i in range(6)]
 
@@ -373,3 +386,74 @@ def test_state_pool_growth_and_slot_moves_keep_every_sequence_exact(model):
         alone = _engine(model).generate(p, s)
         assert f.result().token_ids == alone.token_ids
         assert f.result().logprobs == pytest.approx(alone.logprobs, rel=1e-4, abs=1e-4)
+
+
+def _mixed_workload(eng, model) -> tuple[dict, dict]:
+    """Requests that join, stop (token, string, length), abort, fork a group, return routed experts and
+    reuse the prefix cache, over staggered steps: their results by id, and the engine's counters."""
+    sampled = [SamplingParams(temperature=0.8, top_k=50, max_tokens=n, seed=s) for s, n in ((1, 9), (2, 14), (3, 5))]
+    futures = {f"s{i}": eng.submit(_prompt(11 + 3 * i, i), p, request_id=f"s{i}") for i, p in enumerate(sampled)}
+    futures["routed"] = eng.submit(_prompt(9, 30), SamplingParams(temperature=0, max_tokens=7, return_routed_experts=True),
+                                   request_id="routed")
+    for _ in range(3):
+        eng.step()
+    group = SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=[101, 102, 103])
+    for g in range(3):
+        futures[f"g{g}"] = eng.submit(_prompt(17, 50), group.model_copy(update={"seed": 10 + g}), request_id=f"g{g}")
+    futures["stop"] = eng.submit(_prompt(6, 70), SamplingParams(temperature=0.9, max_tokens=30, seed=5,
+                                                                stop_strings=["e", "a", "o"]), request_id="stop")
+    futures["long"] = eng.submit(_prompt(12, 90), SamplingParams(temperature=0, max_tokens=40), request_id="long")
+    for _ in range(4):
+        eng.step()
+    eng.abort("long")
+    while not futures["s0"].done():
+        eng.step()
+    first = futures["s0"].result()
+    turn2 = _prompt(11) + first.token_ids + _prompt(5, 7)  # the next turn of s0: its conversation is cached
+    futures["turn2"] = eng.submit(turn2, SamplingParams(temperature=0, max_tokens=5), request_id="turn2")
+    while not all(f.done() for f in futures.values()):
+        eng.step()
+    return {k: f.result() for k, f in futures.items()}, dict(eng.stats)
+
+
+def test_overlap_gives_what_steps_one_after_another_give(model):
+    """The next decode step launched before this one's tokens are read (tokens fed on the device) gives
+    every request the same tokens, versions, finish, routed experts and prefix-cache hits as the
+    serial engine; log-probs to float rounding (a finished sequence's extra row changes a batch's shape)."""
+    serial, s_stats = _mixed_workload(_engine(model, overlap=False), model)
+    ahead, a_stats = _mixed_workload(_engine(model, overlap=True), model)
+    assert serial.keys() == ahead.keys()
+    for k in serial:
+        a, b = serial[k], ahead[k]
+        assert (b.token_ids, b.versions, b.finish_reason, b.stop_reason, b.cached_prompt_tokens, b.routed_experts) == \
+            (a.token_ids, a.versions, a.finish_reason, a.stop_reason, a.cached_prompt_tokens, a.routed_experts), k
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-5, abs=1e-5), k
+    assert serial["long"].finish_reason == "abort" and serial["turn2"].cached_prompt_tokens > 0
+    assert {r.finish_reason for r in serial.values()} >= {"stop", "length", "abort"}
+    assert a_stats["prefill_tokens"] == s_stats["prefill_tokens"]
+    assert a_stats["prefix_hit_tokens"] == s_stats["prefix_hit_tokens"]
+    assert a_stats["steps"] <= s_stats["steps"]
+    assert s_stats["launched_ahead"] == 0 and a_stats["launched_ahead"] >= a_stats["steps"] // 2
+
+
+def test_a_step_in_flight_during_a_weight_update_keeps_its_version():
+    """With overlap a step launched before an update arrives finishes on the old weights: its tokens
+    are labelled with the old version (one per sequence), every later token with the new one."""
+    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.types import WeightUpdate
+
+    model, other = _model(0), _model(1)
+    eng = _engine(model, overlap=True)
+    futures = [eng.submit(_prompt(10, i), SamplingParams(temperature=0, max_tokens=12)) for i in range(3)]
+    for _ in range(5):
+        eng.step()
+    assert eng._inflight is not None
+    eng.update_weights(WeightUpdate.from_state_dict(1, {k: v.detach() for k, v in to_hf(other.state_dict()).items()}))
+    while not all(f.done() for f in futures):
+        eng.step()
+    for f in futures:
+        v = f.result().versions
+        assert v == sorted(v) and v[-1] == 1
+        # step 1 samples the first token from the prefill, steps 2-5 read 4 decode steps, and a 6th was in
+        # flight when the update came: made by version 0, and labelled so
+        assert v.count(0) == 6
