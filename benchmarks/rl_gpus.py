@@ -21,6 +21,7 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends, forwarded to every R
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -32,7 +33,8 @@ from pathlib import Path
 
 for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ[k] = v
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if importlib.util.find_spec("k3rl") is None:  # a checkout without an install (not the device's installed layout)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYOUTS = {
     "1gpu": ["learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5", "rollout.weight_transport=cuda_ipc"],
