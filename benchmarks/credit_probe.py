@@ -9,8 +9,9 @@ export; no Ray or MLflow): an SFT warm start (cosine over learner.sft_steps; WS_
 it, and loads it when the file exists, so several recipes start from the same policy), then
 learner.steps GRPO steps, each on rollout.prompts_per_step x group_size fresh episodes, and every
 EVAL_EVERY (default 10) steps a held-out eval on NEVAL (default 64) tasks of seeds training never draws, greedy and at
-the job's temperature. SFT_SWITCH=k (with CARELESS_Q=q) trains SFT steps k.. on a careless oracle's
-demonstrations (KeyLookup oracle_wrong_key). SFT_TARGET_NLL=x ends the warm start early, once the mean NLL of the
+the job's temperature. The SFT follows learner.sft_phases as the job does (e.g. careful demonstrations, then
+a careless oracle's: `'learner.sft_phases=[{from_step: 100, env_kwargs: {oracle_wrong_key: 0.5}}]'`, what
+session 11's SFT_SWITCH=100 CARELESS_Q=0.5 did). SFT_TARGET_NLL=x ends the warm start early, once the mean NLL of the
 last 5 SFT steps is below x (at most learner.sft_steps). Writes NAME.jsonl (one line per SFT / step / eval event). The measurement
 in docs/learning.md ("Per-turn credit") used it; its runs are in benchmarks/results/credit/.
 """
@@ -69,7 +70,7 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.episode import (
         EpisodeSpec,
-        collect_demonstrations,
+        collect_demonstration_sets,
         job_sampling,
         make_env,
         make_template,
@@ -123,19 +124,13 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
         trainer.reset_reference()
         log(event="warm_start_loaded", path=cache)
     elif cfg.learner.sft_steps:
-        demos = collect_demonstrations(cfg, name, cfg.learner.sft_episodes)
-        # SFT_SWITCH=k CARELESS_Q=q: from SFT step k on, demonstrations of a careless oracle (KeyLookup
-        # oracle_wrong_key q): careful ones teach the copying, careless ones then the sub-optimal key choice
-        switch, careless = int(os.environ.get("SFT_SWITCH", 0)), None
-        if switch:
-            q = float(os.environ.get("CARELESS_Q", 0.5))
-            careless = collect_demonstrations(JobConfig.load(config, [*overrides, f"envs.train.0.kwargs.oracle_wrong_key={q}"]),
-                                              name, cfg.learner.sft_episodes)
+        demo_sets = collect_demonstration_sets(cfg, name, cfg.learner.sft_episodes)  # learner.sft_phases: later sets
+        starts = [p.from_step for p in cfg.learner.sft_phases]
         rng = random.Random(cfg.learner.seed)
         size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         target, recent = float(os.environ.get("SFT_TARGET_NLL", 0)), []
         for i in range(cfg.learner.sft_steps):
-            pool = careless if careless is not None and i >= switch else demos
+            pool = demo_sets[sum(i >= s for s in starts)]
             m = trainer.sft_step(rng.sample(pool, k=min(size, len(pool))))
             recent = (recent + [m["nll"]])[-5:]
             if (i + 1) % 25 == 0:

@@ -213,7 +213,7 @@ class Job:
         collected in a Ray task so the driver never holds their tokens."""
         import ray
 
-        from k3rl.rollout.episode import collect_demonstrations
+        from k3rl.rollout.episode import collect_demonstration_sets
 
         cfg, P = self.cfg, self.cfg.rollout.prompts_per_step
         if self.resumed:
@@ -223,11 +223,13 @@ class Job:
             self.tracker.log_metrics(m0, step=0)
             console.log(f"untrained policy: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
         if cfg.learner.sft_steps > 0:
-            demos = ray.remote(num_cpus=0)(collect_demonstrations).remote(cfg, self.run_dir.name, cfg.learner.sft_episodes)
+            demos = ray.remote(num_cpus=0)(collect_demonstration_sets).remote(cfg, self.run_dir.name,
+                                                                              cfg.learner.sft_episodes)
             sft = await within(self.learner.call("sft", demos, cfg.learner.sft_steps), 4 * TRAIN_STEP_S, "the SFT warm start")
             for i, m in enumerate(sft):
                 self.tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
-            console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes, {len(sft)} steps, loss "
+            phases = f" ({len(cfg.learner.sft_phases) + 1} phases)" if cfg.learner.sft_phases else ""
+            console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes{phases}, {len(sft)} steps, loss "
                         f"{sft[0].get('loss', float('nan')):.3f} -> {sft[-1].get('loss', float('nan')):.3f}")
 
     async def push(self, version: int, admit: bool = True) -> dict[str, float]:

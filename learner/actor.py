@@ -85,12 +85,20 @@ class LearnerActor:
             self.transport = make_transport(self.cfg, self.device)
 
     # ----- training -----------------------------------------------------------------------------
-    def sft(self, demos: list[Trajectory], steps: int) -> list[dict[str, float]]:
-        """`steps` SFT steps, each on one RL batch worth of demonstrations; then the KL term's
-        reference becomes the warm-started policy."""
+    def sft(self, demo_sets: list[list[Trajectory]], steps: int) -> list[dict[str, float]]:
+        """`steps` SFT steps, each on one RL batch worth of demonstrations: of demo_sets[0], and from
+        learner.sft_phases[k].from_step on of demo_sets[k + 1]; then the KL term's reference becomes the
+        warm-started policy."""
+        starts = [p.from_step for p in self.cfg.learner.sft_phases]
+        if len(demo_sets) != len(starts) + 1:
+            raise ValueError(f"sft: {len(demo_sets)} demonstration sets for {len(starts)} learner.sft_phases; "
+                             "pass one set, then one per phase")
         rng = random.Random(self.cfg.learner.seed)
-        size = min(len(demos), self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size)
-        out = [self.trainer.sft_step(rng.sample(demos, k=size)) for _ in range(steps)]
+        batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        out = []
+        for i in range(steps):
+            demos = demo_sets[sum(i >= s for s in starts)]
+            out.append(self.trainer.sft_step(rng.sample(demos, k=min(len(demos), batch))))
         self.trainer.reset_reference()  # collective under FSDP
         return out
 

@@ -472,6 +472,15 @@ def preflight(cfg: JobConfig) -> None:
                                  f"rollout.max_context_tokens={limit}; raise it or shorten the env's opening")
         if cfg.learner.sft_steps > 0:
             _check_oracle(spec, cfg, template)
+            for i, phase in enumerate(cfg.learner.sft_phases):  # its kwargs reach the env: a typo fails here
+                kwargs = {**e.kwargs, **phase.env_kwargs}
+                try:
+                    _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=cfg.learner.seed,
+                                              env_kwargs=kwargs), cfg, template)
+                except Exception as err:  # noqa: BLE001 - the env's own error, named by the phase it came from
+                    why = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
+                    raise PreflightError(f"learner.sft_phases.{i}.env_kwargs: {e.id} with kwargs {kwargs} cannot "
+                                         f"play an oracle episode: {why}") from err
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:
@@ -575,6 +584,19 @@ def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajec
         return out
 
     return run_sync(collect())
+
+
+def phase_config(cfg: JobConfig, env_kwargs: dict) -> JobConfig:
+    """`cfg` with `env_kwargs` merged into every envs.train entry's kwargs (an SFT phase's demonstrations)."""
+    train = [e.model_copy(update={"kwargs": {**e.kwargs, **env_kwargs}}) for e in cfg.envs.train]
+    return cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
+
+
+def collect_demonstration_sets(cfg: JobConfig, run_name: str, n: int) -> list[list[Trajectory]]:
+    """The SFT warm start's demonstrations: `n` oracle episodes of envs.train, then `n` for each of
+    learner.sft_phases (the same tasks, the phase's env kwargs)."""
+    return [collect_demonstrations(c, run_name, n)
+            for c in [cfg, *(phase_config(cfg, p.env_kwargs) for p in cfg.learner.sft_phases)]]
 
 
 def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:

@@ -112,6 +112,18 @@ def test_sft_warm_start_needs_demonstrations():
     JobConfig.load(None, ["learner.sft_steps=0", "learner.sft_episodes=0"])
 
 
+def test_sft_phases_start_in_order_inside_the_warm_start():
+    phase = "{from_step: %d, env_kwargs: {oracle_wrong_key: 0.5}}"
+    cfg = JobConfig.load(None, ["learner.sft_steps=130", f"learner.sft_phases=[{phase % 100}]"])
+    assert cfg.learner.sft_phases[0].env_kwargs == {"oracle_wrong_key": 0.5}
+    msg = refusal("learner.sft_steps=50", f"learner.sft_phases=[{phase % 100}]")
+    assert "learner.sft_phases.0.from_step: 100 must be below sft_steps=50" in msg
+    msg = refusal("learner.sft_steps=50", f"learner.sft_phases=[{phase % 20}, {phase % 10}]")
+    assert "learner.sft_phases.1.from_step: 10 must be below sft_steps=50 and above the phase before it" in msg
+    assert "learner.sft_phases.0.env_kwargs: Field required" in refusal("learner.sft_steps=5",
+                                                                        "learner.sft_phases=[{from_step: 2}]")
+
+
 def test_fsdp_with_a_kl_reference_after_an_sft_warm_start_is_accepted():
     # Trainer.reset_reference gathers the sharded weights (tests/learner/test_learner_reference.py)
     cfg = JobConfig.load(None, ["learner.data_parallel=fsdp", "learner.world_size=2", "learner.kl_coef=0.1",

@@ -21,6 +21,7 @@ from .learner import (
     LearnerSection,
     LoraSection,
     MoonEPSection,
+    SftPhase,
     TeacherSpec,
 )
 from .model import ModelSection
@@ -32,5 +33,5 @@ __all__ = [
     "IMAGE_ENVS", "LORA_GROUPS", "POST_TRAINING_LR", "ConfigError", "ContextSection", "DistillSection", "EnvSpec",
     "EnvsSection", "EvalSpec", "FieldProblems", "GuardSection", "JobConfig", "LearnerSection", "LoraSection",
     "ModelSection", "MoonEPSection", "RaySection", "RolloutSection", "SamplingSection", "SandboxSection",
-    "TeacherSpec", "TrackingSection", "apply_override",
+    "SftPhase", "TeacherSpec", "TrackingSection", "apply_override",
 ]

@@ -123,6 +123,16 @@ class GuardSection(_Section):
     max_rollbacks: int = Field(3, ge=1, description="one more collapse ends the job with an error")
 
 
+class SftPhase(_Section):
+    """A later part of the SFT warm start on other demonstrations: from SFT step `from_step` on, the
+    oracle episodes of envs.train with `env_kwargs` merged into each env's kwargs (the same tasks; e.g.
+    KeyLookup's `oracle_wrong_key: 0.5`, a careless demonstrator, after careful demonstrations taught
+    the message format and the copying). One cosine of sft_lr runs over all sft_steps."""
+
+    from_step: int = Field(ge=1, description="the first SFT step (0-based) on this phase's demonstrations")
+    env_kwargs: dict[str, Any] = Field(description="merged into every envs.train entry's kwargs for these demonstrations")
+
+
 class LearnerSection(_Section):
     algorithm: Literal["grpo", "cispo", "ppo"] = "grpo"
     advantage: Literal["grpo", "grpo_no_std", "rloo", "turn_grpo", "turn_grpo_no_std"] = Field(
@@ -177,6 +187,8 @@ class LearnerSection(_Section):
     sft_lr: float = Field(3e-3, gt=0, description="SFT warm-start peak learning rate; in a job left unset it is "
                                                    "the preset's (POST_TRAINING_LR)")
     sft_episodes: int = Field(64, ge=0)
+    sft_phases: list[SftPhase] = Field(default_factory=list, description="later SFT steps on other "
+                                       "demonstrations (SftPhase); [] = every step on envs.train's oracle")
     eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")
     data_parallel: Literal["none", "fsdp"] = "none"
     world_size: int = Field(1, ge=1)
@@ -223,6 +235,12 @@ class LearnerSection(_Section):
         if self.sft_steps > 0 and self.sft_episodes == 0:
             problems.append(("sft_episodes", f"is 0, but sft_steps={self.sft_steps} needs oracle demonstrations to "
                                              f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
+        starts = [p.from_step for p in self.sft_phases]
+        for i, start in enumerate(starts):
+            if start >= self.sft_steps or (i and start <= starts[i - 1]):
+                problems.append((f"sft_phases.{i}.from_step", f"{start} must be below sft_steps={self.sft_steps} and "
+                                                              f"above the phase before it; phases start in order, "
+                                                              f"each inside the warm start"))
         _refuse(problems)
         return self
 

@@ -23,6 +23,22 @@ def _cfg(*extra: str) -> JobConfig:
                                  "rollout.group_size=2", *extra])
 
 
+def test_sft_trains_each_phase_on_its_own_demonstrations(tmp_path):
+    """learner.sft_phases: steps before from_step sample demo_sets[0], later ones demo_sets[1] (told
+    apart here by their loss tokens: the later set's completions are 8 times as long)."""
+    cfg = _cfg("learner.sft_steps=5", "learner.sft_phases=[{from_step: 3, env_kwargs: {x: 1}}]")
+    actor = LearnerActor(cfg.to_dict(), str(tmp_path))
+    actor.setup(None)
+    short = make_trajectories(0, n=4, max_completion=4)
+    long = [t.model_copy(update={"completion_ids": t.completion_ids * 8, "logprobs": t.logprobs * 8,
+                                 "loss_mask": t.loss_mask * 8, "versions": t.versions * 8}) for t in short]
+    out = actor.sft([short, long], 5)
+    S = sum(sum(t.loss_mask) for t in short)  # a step's batch is all 4 (prompts_per_step x group_size)
+    assert [m["loss_tokens"] for m in out] == [S] * 3 + [8 * S] * 2
+    with pytest.raises(ValueError, match=r"sft: 1 demonstration sets for 1 learner.sft_phases"):
+        actor.sft([short], 2)
+
+
 def test_interrupted_save_leaves_latest_at_the_previous_step(tmp_path):
     actor = LearnerActor(_cfg().to_dict(), str(tmp_path))
     actor.setup(None)
@@ -82,7 +98,7 @@ def test_group_of_two_fsdp_ranks_trains_pushes_and_checkpoints(ray_cluster, tmp_
 
     async def main():
         await asyncio.gather(group.start(), pool.wait_ready.remote())
-        sft = await group.call("sft", make_trajectories(0, n=4), 2)  # then the KL reference is reset (collective)
+        sft = await group.call("sft", [make_trajectories(0, n=4)], 2)  # then the KL reference is reset (collective)
         assert len(sft) == 2 and sft[1]["nll"] < sft[0]["nll"]
         metrics = await group.call("train_step", ray.put(make_trajectories(1, n=4)))  # by reference
         assert metrics["step"] == 1 and abs(metrics["kl"]) < 1e-6  # the step starts at the reference

@@ -11,6 +11,7 @@ from k3rl.envs.key_lookup import KeyLookupEnv
 from k3rl.rollout.episode import (
     EpisodeSpec,
     PreflightError,
+    collect_demonstration_sets,
     collect_demonstrations,
     make_env,
     make_template,
@@ -118,3 +119,22 @@ def test_preflight_refuses_a_checkpoint_that_is_missing_or_of_another_architectu
     with pytest.raises(PreflightError, match=r"was written for another architecture than model.preset='k3-tiny' "
                                              r"with model.overrides: .*hidden_size \(checkpoint 128, model 96\)"):
         preflight(job(model={"checkpoint": str(tmp_path / "tiny"), "overrides": {"hidden_size": 96}}))
+
+
+def test_sft_phases_demonstrate_the_same_tasks_with_their_env_kwargs_and_preflight_checks_them():
+    """learner.sft_phases: each phase's demonstrations are envs.train's tasks (same seeds) with the phase's
+    kwargs merged in: here KeyLookup's careless oracle, which looks up the other key in some episodes."""
+    phases = [{"from_step": 2, "env_kwargs": {"oracle_wrong_key": 1.0}}]
+    cfg = job(envs__train=[{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
+              learner__sft_steps=4, learner__sft_phases=phases, rollout__sampling={"max_tokens_per_turn": 128})
+    careful, careless = collect_demonstration_sets(cfg, "run", 4)
+    assert [d.metadata["env_kwargs"] for d in careless] == [{"num_keys": 2, "oracle_wrong_key": 1.0}] * 4
+    assert [d.prompt_ids for d in careless] == [d.prompt_ids for d in careful]  # the same tasks
+    assert all(d.reward == 1.0 for d in careful) and all(d.reward < 1.0 for d in careless)
+    preflight(cfg)
+    bad = job(learner__sft_steps=4, learner__sft_phases=[{"from_step": 1, "env_kwargs": {"no_such_kwarg": 1}}],
+              rollout__sampling={"max_tokens_per_turn": 128})
+    with pytest.raises(PreflightError, match=r"^learner.sft_phases.0.env_kwargs: k3rl/KeyLookup-v0 with kwargs "
+                                             r"\{'no_such_kwarg': 1\} cannot play an oracle episode: .*unexpected keyword "
+                                             r"argument 'no_such_kwarg'"):
+        preflight(bad)
