@@ -81,15 +81,17 @@ def run(layout: str, args, root: Path) -> dict:
         "gen_tokens_per_s": sum(m["throughput/rollout_tokens_per_s"] * m["time/step_s"] for m in h) / step_s,
         "train_tokens_per_s": statistics.median(m["throughput/train_tokens_per_s"] for m in h),
         "train_s": statistics.median(m["time/train_s"] for m in h),
-        "weight_sync_s": statistics.median(m["time/weight_sync_s"] for m in h),
+        # the last step pushes no weights (nothing samples from them) unless an eval follows it
+        "weight_sync_s": statistics.median(m["time/weight_sync_s"] for m in h if "time/weight_sync_s" in m),
         "learner_idle": sum(m["time/wait_for_rollouts_s"] for m in h) / step_s,
         "step_s": step_s / len(h),
         "reward": h[-1]["reward/mean"],
     }
-    if "weight_sync/broadcast_gbps" in h[-1]:
-        out["broadcast_gbps"] = statistics.median(m["weight_sync/broadcast_gbps"] for m in h)
-        out["update_mb"] = h[-1]["weight_sync/bytes"] / 1e6
-        out["wait_for_engines_s"] = statistics.median(m["weight_sync/wait_for_engines_s"] for m in h)
+    synced = [m for m in h if "weight_sync/broadcast_gbps" in m]
+    if synced:
+        out["broadcast_gbps"] = statistics.median(m["weight_sync/broadcast_gbps"] for m in synced)
+        out["update_mb"] = synced[-1]["weight_sync/bytes"] / 1e6
+        out["wait_for_engines_s"] = statistics.median(m["weight_sync/wait_for_engines_s"] for m in synced)
     return out
 
 
