@@ -717,8 +717,8 @@ class EmbeddedEngine(InferenceEngine):
         """Decode the pool's sequences and sample the ready ones; one transfer of the step's results.
 
         Overlap: the decode step of the next iteration is launched before this one's rows are read,
-        with this step's sampled tokens fed on the device (`_launch_ahead`): the GPU decodes while the
-        host checks stops and schedules. A sequence that stops in this step is then fed its last token
+        with this step's sampled tokens fed on the device (`_launch(..., tokens)`): the GPU decodes while
+        the host checks stops and schedules. A sequence that stops in this step is then fed its last token
         by the step launched ahead, which is exactly its flush step (below), or, if it needs no flush,
         an extra step whose row is ignored (its slot is freed). No step is launched ahead while any
         sequence is flushing or the pool's order differs from the step in flight, so every token,
