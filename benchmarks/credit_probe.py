@@ -127,7 +127,7 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
         demo_sets = collect_demonstration_sets(cfg, name, cfg.learner.sft_episodes)  # learner.sft_phases: later sets
         starts = [p.from_step for p in cfg.learner.sft_phases]
         rng = random.Random(cfg.learner.seed)
-        size = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        size = cfg.learner.sft_batch or cfg.rollout.prompts_per_step * cfg.rollout.group_size
         target, recent = float(os.environ.get("SFT_TARGET_NLL", 0)), []
         for i in range(cfg.learner.sft_steps):
             pool = demo_sets[sum(i >= s for s in starts)]

@@ -86,7 +86,7 @@ class LearnerActor:
 
     # ----- training -----------------------------------------------------------------------------
     def sft(self, demo_sets: list[list[Trajectory]], steps: int) -> list[dict[str, float]]:
-        """`steps` SFT steps, each on one RL batch worth of demonstrations: of demo_sets[0], and from
+        """`steps` SFT steps, each on learner.sft_batch demonstrations (one RL batch unless set): of demo_sets[0], and from
         learner.sft_phases[k].from_step on of demo_sets[k + 1]; then the KL term's reference becomes the
         warm-started policy."""
         starts = [p.from_step for p in self.cfg.learner.sft_phases]
@@ -94,7 +94,7 @@ class LearnerActor:
             raise ValueError(f"sft: {len(demo_sets)} demonstration sets for {len(starts)} learner.sft_phases; "
                              "pass one set, then one per phase")
         rng = random.Random(self.cfg.learner.seed)
-        batch = self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
+        batch = self.cfg.learner.sft_batch or self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         out = []
         for i in range(steps):
             demos = demo_sets[sum(i >= s for s in starts)]

@@ -187,6 +187,8 @@ class LearnerSection(_Section):
     sft_lr: float = Field(3e-3, gt=0, description="SFT warm-start peak learning rate; in a job left unset it is "
                                                    "the preset's (POST_TRAINING_LR)")
     sft_episodes: int = Field(64, ge=0)
+    sft_batch: int | None = Field(None, ge=1, description="demonstrations per SFT step; None = one RL batch "
+                                                          "(rollout.prompts_per_step x group_size)")
     sft_phases: list[SftPhase] = Field(default_factory=list, description="later SFT steps on other "
                                        "demonstrations (SftPhase); [] = every step on envs.train's oracle")
     eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")

@@ -37,6 +37,11 @@ def test_sft_trains_each_phase_on_its_own_demonstrations(tmp_path):
     assert [m["loss_tokens"] for m in out] == [S] * 3 + [8 * S] * 2
     with pytest.raises(ValueError, match=r"sft: 1 demonstration sets for 1 learner.sft_phases"):
         actor.sft([short], 2)
+    # learner.sft_batch: demonstrations per step apart from the RL batch (here 1 of the 4)
+    actor = LearnerActor(_cfg("learner.sft_steps=2", "learner.sft_batch=1").to_dict(), str(tmp_path))
+    actor.setup(None)
+    one = {8 * sum(t.loss_mask) for t in short}
+    assert all(m["loss_tokens"] in one for m in actor.sft([long], 2))
 
 
 def test_interrupted_save_leaves_latest_at_the_previous_step(tmp_path):
