@@ -195,6 +195,8 @@ class _Seq:
     future: concurrent.futures.Future
     submitted: float = field(default_factory=time.monotonic)
     cache: Any = None  # K3Cache (batch 1) while prefilling
+    feed: list[int] = field(default_factory=list)  # prompt tokens still to feed by decode steps (decode_append)
+    split_at: int = 0  # a prefix other prompts share: a prefill chunk ends here and its state is cached
     slot: int = -1  # its slot in the state pool while decoding
     flushing: bool = False  # finished: its last token is fed once more, then the result goes out
     computed: int = 0  # prompt tokens already in the cache
@@ -224,6 +226,8 @@ class _Launch:
     out: torch.Tensor  # [B, 2 + n_moe k] fp64 (the runner's buffers under CUDA graphs)
     logits: torch.Tensor  # [B, V]
     version: int
+    fed: list[int]  # per row: 0 it fed a sampled token; 1 the prompt's last token (it samples the
+    #                 first one); 2 a prompt token with more to feed (its row is no sample)
 
 
 class EmbeddedEngine(InferenceEngine):
@@ -234,13 +238,24 @@ class EmbeddedEngine(InferenceEngine):
     max_num_seqs     sequences decoded together at most; more requests wait. Their decode state is
                      preallocated (one slot each: KDA states, conv windows, MLA latents)
     prefill_chunk    prompt tokens per prefill forward (chunked prefill)
-    max_prefill_tokens  prompt tokens processed per step over all prefilling sequences
-    prefix_cache_size   cached prefix states kept (LRU); 0 disables cross-request reuse
+    max_prefill_tokens  prompt tokens processed per step over all prefilling sequences (default 8192 on
+                     CUDA, 2048 on the CPU)
+    prefix_cache_size   cached prefix states kept (LRU; default on CUDA 2 x max_num_seqs, at least 32, so
+                     every running conversation keeps its last turn's; 32 on the CPU); 0 disables reuse
                      (groups submitted together still prefill once)
     background       run the scheduler in a thread (default). Without it, `generate` and
                      `agenerate` drive `step()` themselves (single-threaded, deterministic),
                      and `abort` / `update_weights` run the steps they need to take effect.
     enforce_eager    never capture CUDA graphs (they are used on CUDA only, by default)
+    decode_append    a prompt that extends a cached prefix by at most this many tokens (a later turn: the
+                     tool's output and the next header) joins the decoding batch at once and is fed one
+                     token per decode step, instead of waiting for a prefill forward of its own (default
+                     64 on CUDA, where an eager forward costs ~100 ms of launches and a graph step a few,
+                     and 0, off, on the CPU). Results are the prefill path's, to float rounding
+    share_prefix     a new prompt whose first tokens (at least this many beyond its cached prefix) an
+                     earlier prompt shares, e.g. a system prompt and tool schemas that differ only in the
+                     task, is prefilled up to the shared part, whose state is cached, and prompts that
+                     arrive meanwhile wait for it, then extend it (default 64 on CUDA, 0, off, on the CPU)
     overlap          launch decode step t+1 before step t's tokens reach the host (they are fed on the
                      device), so the scheduler's Python runs while the GPU decodes (default: on CUDA).
                      Every result is the same as without it (see `_decode_and_sample`)
@@ -252,9 +267,12 @@ class EmbeddedEngine(InferenceEngine):
     """
 
     def __init__(self, model, *, tokenizer=None, version: int = 0, max_num_seqs: int = 64, prefill_chunk: int = 512,
-                 max_prefill_tokens: int = 2048, prefix_cache_size: int = 32, max_model_len: int | None = None,
+                 max_prefill_tokens: int | None = None, prefix_cache_size: int | None = None, max_model_len: int | None = None,
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
-                 autocast_dtype: torch.dtype | None = None, overlap: bool | None = None):
+                 autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
+                 decode_append: int | None = None, share_prefix: int | None = None):
+        if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
+            max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
@@ -273,6 +291,8 @@ class EmbeddedEngine(InferenceEngine):
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk = prefill_chunk
         self.max_prefill_tokens = max_prefill_tokens
+        if prefix_cache_size is None:
+            prefix_cache_size = max(32, 2 * max_num_seqs) if self.device.type == "cuda" else 32
         self.prefix_cache_size = prefix_cache_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.name = name
@@ -294,10 +314,15 @@ class EmbeddedEngine(InferenceEngine):
         self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
         self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
+        self._feeders: list[_Seq] = []  # admitted to decode_append: join the pool this step
+        self.share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
+        self._anchors: OrderedDict[tuple, list[int]] = OrderedDict()  # first ANCHOR tokens -> the last such prompt
         self._inflight: _Launch | None = None  # a decode step launched ahead, its rows not yet read
         self._step_lock = threading.Lock()
+        # host seconds per phase of `step` (a CUDA phase's time is its launches plus what it waits for)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
-                      "launched_ahead": 0}
+                      "launched_ahead": 0, "fed_prompt_tokens": 0, "prefill_forwards": 0, "prefill_s": 0.0, "decode_s": 0.0, "admit_s": 0.0}
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._loop, name=f"{name}-scheduler", daemon=True)
@@ -442,11 +467,11 @@ class EmbeddedEngine(InferenceEngine):
                 self._fail_all(e)
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._prefilling or self._decoding)
+        return bool(self._waiting or self._prefilling or self._decoding or self._feeders)
 
     def _fail_all(self, error: BaseException) -> None:
         followers = [f for p in self._prefilling for f in p.followers]
-        for seq in [*self._waiting, *self._prefilling, *followers, *self._decoding, *self._pending_ready]:
+        for seq in [*self._waiting, *self._prefilling, *followers, *self._decoding, *self._pending_ready, *self._feeders]:
             if not seq.future.done():
                 seq.future.set_exception(error)
         with self._cv:
@@ -454,6 +479,7 @@ class EmbeddedEngine(InferenceEngine):
         self._waiting.clear()
         self._prefilling.clear()
         self._pending_ready.clear()
+        self._feeders.clear()
         self._inflight = None
         for s in self._decoding:
             self._pool.free(s.slot)
@@ -477,11 +503,18 @@ class EmbeddedEngine(InferenceEngine):
                     fut.set_exception(e)
             if aborts:
                 self._abort(aborts)
+            t0 = time.perf_counter()
             self._admit()
+            t1 = time.perf_counter()
             ready = self._prefill()
-            if ready or self._decoding or self._inflight:
+            t2 = time.perf_counter()
+            if ready or self._decoding or self._inflight or self._feeders:
                 self._decode_and_sample(ready)
-            self.stats["steps"] += 1
+            st = self.stats
+            st["steps"] += 1
+            st["admit_s"] += t1 - t0
+            st["prefill_s"] += t2 - t1
+            st["decode_s"] += time.perf_counter() - t2
 
     # 1. weights
     def _apply_update(self, update: WeightUpdate) -> int:
@@ -537,9 +570,10 @@ class EmbeddedEngine(InferenceEngine):
 
     # 2. aborts
     def _abort(self, ids: set[str]) -> None:
-        for s in [s for s in self._waiting if s.id in ids]:
-            self._waiting.remove(s)
-            self._finish(s, "abort")
+        for queue in (self._waiting, self._feeders):
+            for s in [s for s in queue if s.id in ids]:
+                queue.remove(s)
+                self._finish(s, "abort")
         for leader in list(self._prefilling):
             for f in [f for f in leader.followers if f.id in ids]:
                 leader.followers.remove(f)
@@ -564,7 +598,9 @@ class EmbeddedEngine(InferenceEngine):
 
     # 3. admission
     def _admit(self) -> None:
-        active = len(self._prefilling) + len(self._decoding) + sum(len(s.followers) for s in self._prefilling)
+        active = len(self._prefilling) + len(self._decoding) + len(self._feeders) \
+            + sum(len(s.followers) for s in self._prefilling)
+        deferred: list[_Seq] = []  # sharing a prefix another prompt is prefilling: admitted once it is cached
         while self._waiting and active < self.max_num_seqs:
             seq = self._waiting.popleft()
             seq.state_version = self._version
@@ -576,18 +612,53 @@ class EmbeddedEngine(InferenceEngine):
                 leader.followers.append(seq)
                 continue
             entry = self._lookup_prefix(seq)
+            seq.cache = None
             if entry is not None:
-                seq.cache = entry.cache.clone()
                 seq.computed = seq.cached_prompt_tokens = len(entry.ids)
                 seq.image_cursor = len(entry.images)
                 self.stats["prefix_hit_tokens"] += len(entry.ids)
-                if seq.computed == len(seq.prompt):
-                    seq.logits = entry.logits.clone()
+                rest = len(seq.prompt) - seq.computed
+                if rest == 0:  # the pool copies the cache
+                    seq.cache, seq.logits = entry.cache, entry.logits.clone()
                     self._pending_ready.append(seq)
                     continue
-            else:
+                if rest <= self.decode_append and seq.image_cursor == len(seq.images):
+                    seq.cache, seq.feed = entry.cache, seq.prompt[seq.computed:]  # the pool copies the cache
+                    seq.computed = len(seq.prompt)
+                    self.stats["fed_prompt_tokens"] += rest
+                    self._feeders.append(seq)
+                    continue
+                seq.cache = entry.cache.clone()
+            if self.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
+                                         and p.split_at - seq.computed >= self.share_prefix
+                                         and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
+                self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
+                seq.cache, seq.computed, seq.cached_prompt_tokens, seq.image_cursor = None, 0, 0, 0
+                deferred.append(seq)
+                active -= 1
+                continue
+            seq.split_at = self._split_point(seq, seq.computed)
+            if seq.cache is None:
                 seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
             self._prefilling.append(seq)
+        self._waiting.extendleft(reversed(deferred))
+
+    ANCHOR = 32  # prompts are compared for a shared prefix when their first ANCHOR tokens agree
+
+    def _split_point(self, seq: _Seq, cached: int) -> int:
+        """The length of the prefix `seq` shares with the last prompt that began as it does, when that is
+        at least `share_prefix` tokens beyond what is cached and short of the whole prompt; else 0."""
+        if not self.share_prefix or seq.images or len(seq.prompt) <= self.ANCHOR:
+            return 0
+        key = tuple(seq.prompt[: self.ANCHOR])
+        other = self._anchors.pop(key, None)
+        self._anchors[key] = seq.prompt
+        if len(self._anchors) > 4 * self.prefix_cache_size:
+            self._anchors.popitem(last=False)
+        if other is None:
+            return 0
+        shared = next((i for i, (a, b) in enumerate(zip(other, seq.prompt)) if a != b), min(len(other), len(seq.prompt)))
+        return shared if shared - cached >= self.share_prefix and shared < len(seq.prompt) else 0
 
     def _lookup_prefix(self, seq: _Seq) -> _PrefixEntry | None:
         best = None
@@ -595,7 +666,7 @@ class EmbeddedEngine(InferenceEngine):
         pad = self.config.media_placeholder_token_id
         for e in self._prefix.values():
             m = len(e.ids)
-            if m > n or (best is not None and m <= len(best.ids)):
+            if m > n or (best is not None and m <= len(best.ids)) or (m and e.ids[-1] != seq.prompt[m - 1]):
                 continue
             if e.images != seq.digests[: len(e.images)] or tuple(seq.prompt[:m]) != e.ids:
                 continue
@@ -643,15 +714,28 @@ class EmbeddedEngine(InferenceEngine):
 
     def _prefill(self) -> list[_Seq]:
         """Run this step's prefill chunks. Chunks of the same length (and without images) run as
-        one batched forward on stacked caches; the others run alone."""
+        one batched forward on stacked caches; the others run alone. With decode_append, chunks
+        within decode_append tokens of each other are cut to the shortest, so they batch, and what
+        is left of each prompt is fed by decode steps."""
         ready: list[_Seq] = self._pending_ready
         self._pending_ready = []
         budget = self.max_prefill_tokens
         plan: list[tuple[_Seq, int, int, int]] = []  # (seq, start, end, images in the chunk)
+        limits = {}
+        for seq in self._prefilling:
+            room = seq.split_at - seq.computed if seq.split_at > seq.computed else self.prefill_chunk
+            limits[seq.id] = min(self.prefill_chunk, room, len(seq.prompt) - seq.computed)
+        if self.decode_append:
+            plain = sorted((s for s in self._prefilling if s.image_cursor == len(s.images)), key=lambda s: limits[s.id])
+            shortest = None
+            for seq in plain:  # ascending: a chunk within decode_append of the group's shortest joins it
+                if shortest is None or limits[seq.id] - shortest > self.decode_append:
+                    shortest = limits[seq.id]
+                limits[seq.id] = shortest
         for seq in self._prefilling:
             if budget <= 0:
                 break
-            end, n_img = self._chunk_end(seq, seq.computed, min(self.prefill_chunk, budget))
+            end, n_img = self._chunk_end(seq, seq.computed, min(limits[seq.id], budget))
             plan.append((seq, seq.computed, end, n_img))
             budget -= end - seq.computed
         groups: dict[int, list[tuple[_Seq, int, int, int]]] = {}
@@ -659,12 +743,31 @@ class EmbeddedEngine(InferenceEngine):
             _, start, end, n_img = item
             groups.setdefault(-1 - len(groups) if n_img else end - start, []).append(item)
         for items in groups.values():
+            self.stats["prefill_forwards"] += 1
             for (seq, start, end, n_img), logits in self._prefill_forward(items):
                 seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
                 self.stats["prefill_tokens"] += end - start
                 if end == len(seq.prompt):
                     ready += self._prefill_done(seq, logits)
+                    continue
+                if end == seq.split_at:  # the shared prefix: cached for the prompts that wait for it
+                    self._remember(seq, seq.prompt[:end], seq.cache.clone(), logits)
+                if len(seq.prompt) - end <= self.decode_append and seq.image_cursor == len(seq.images):
+                    self._feed_rest(seq)
         return ready
+
+    def _feed_rest(self, seq: _Seq) -> None:
+        """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt
+        is fed by decode steps, each member from its own copy of the state."""
+        self._prefilling.remove(seq)
+        rest = seq.prompt[seq.computed :]
+        for s in [seq, *seq.followers]:
+            s.cache, s.feed, s.leader = seq.cache, list(rest), None
+            s.computed, s.image_cursor = len(s.prompt), seq.image_cursor
+            s.cached_prompt_tokens = seq.cached_prompt_tokens if s is seq else len(s.prompt) - len(rest)
+            self.stats["fed_prompt_tokens"] += len(rest)
+            self._feeders.append(s)
+        seq.followers = []
 
     def _prefill_forward(self, items):
         """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
@@ -722,8 +825,13 @@ class EmbeddedEngine(InferenceEngine):
         by the step launched ahead, which is exactly its flush step (below), or, if it needs no flush,
         an extra step whose row is ignored (its slot is freed). No step is launched ahead while any
         sequence is flushing or the pool's order differs from the step in flight, so every token,
-        log-prob, routed expert and cached state is the one the engine without overlap gives."""
+        log-prob, routed expert and cached state is the one the engine without overlap gives.
+
+        decode_append: sequences admitted with a short prompt tail (`_feeders`) take a slot now and get
+        a dummy row; the next steps feed their tail (`_launch`), the row of the tail's last token samples
+        their first token."""
         launched, self._inflight = self._inflight, None
+        feeders, self._feeders = self._feeders, []
         if launched is None and self._decoding:
             launched = self._launch(self._decoding, [len(s.out_ids) for s in self._decoding])
         n = len(launched.seqs) if launched else 0
@@ -740,14 +848,25 @@ class EmbeddedEngine(InferenceEngine):
                 s.cache = None
                 self._decoding.append(s)
             parts.append(self._sample_ready(ready, parts[0].shape[1] if parts else 2))
+        if feeders:
+            for s in feeders:
+                s.slot = len(self._decoding)
+                self._pool.load(s.slot, s.cache)
+                s.cache = None
+                self._decoding.append(s)
+            parts.append(torch.zeros(len(feeders), parts[0].shape[1] if parts else 2, dtype=torch.float64,
+                                     device=self.device))
         rows_dev = torch.cat(parts)
-        if ahead or (self.overlap and launched is None and ready):
+        if ahead or (self.overlap and launched is None and (ready or feeders)):
             rows_host = rows_dev.to("cpu", non_blocking=True)  # before the next step overwrites the buffers
             done = torch.cuda.Event() if rows_dev.is_cuda else None
             if done is not None:
                 done.record()
-            self._inflight = self._launch(self._decoding, [len(s.out_ids) + 1 for s in self._decoding],
-                                          rows_dev[:, 0].long())
+            # the n-th sampled token is drawn with uniform(seed, n): count the token this step samples
+            sampling = {id(s) for s, f in zip(launched.seqs, launched.fed, strict=True) if f < 2} if launched else set()
+            sampling |= {id(s) for s in ready}
+            self._inflight = self._launch(self._decoding, [len(s.out_ids) + (id(s) in sampling)
+                                                           for s in self._decoding], rows_dev[:, 0].long())
             self.stats["launched_ahead"] += 1
             if done is not None:
                 done.synchronize()
@@ -757,10 +876,13 @@ class EmbeddedEngine(InferenceEngine):
         fed: list[_Seq] = []  # flushing sequences whose last token this step fed
         stopped: list[_Seq] = []
         k = self.config.num_experts_per_token
-        for i, (s, row) in enumerate(zip([*(launched.seqs if launched else ()), *ready], rows, strict=True)):
+        for i, (s, row) in enumerate(zip([*(launched.seqs if launched else ()), *ready, *feeders], rows,
+                                         strict=True)):
             if s.future.done():  # finished while its step ran (an abort that needed no flush)
                 continue
-            if i < n and s.params.return_routed_experts:
+            if i >= n + len(ready) or (i < n and launched.fed[i] == 2):  # no sample: a prompt token goes in
+                continue
+            if i < n and s.params.return_routed_experts and not launched.fed[i]:  # a prompt token's are not kept
                 experts = [int(e) for e in row[2:]]
                 s.out_routed.append([experts[m : m + k] for m in range(0, len(experts), k)])
             if s.flushing:  # its last token is now fed: offer the state covering the whole sequence
@@ -778,13 +900,24 @@ class EmbeddedEngine(InferenceEngine):
         self._finish_decoding(stopped)
 
     def _launch(self, seqs: list[_Seq], counters: list[int], tokens: torch.Tensor | None = None) -> _Launch:
-        """Decode the pool's leading len(seqs) slots; `tokens` on the device, or each sequence's last token."""
+        """Decode the pool's leading len(seqs) slots; `tokens` on the device, or each sequence's last token.
+        A sequence with a prompt tail to feed (decode_append) is fed its next tail token instead."""
+        feeding = [i for i, s in enumerate(seqs) if s.feed]
+        if tokens is None:
+            tokens = [s.feed[0] if s.feed else s.out_ids[-1] for s in seqs]
+        elif feeding:
+            tokens = tokens.clone()
+            tokens[torch.tensor(feeding, device=tokens.device)] = torch.tensor([seqs[i].feed[0] for i in feeding],
+                                                                                device=tokens.device)
+        fed = [(1 if len(s.feed) == 1 else 2) if s.feed else 0 for s in seqs]
+        for i in feeding:
+            seqs[i].feed.pop(0)
         out, logits = self._runner.step(
-            len(seqs), [s.out_ids[-1] for s in seqs] if tokens is None else tokens, [s.seed for s in seqs], counters,
+            len(seqs), tokens, [s.seed for s in seqs], counters,
             [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
             needs_filter([s.params for s in seqs if not s.flushing]))
         self.stats["decode_tokens"] += len(seqs)
-        return _Launch(list(seqs), out, logits, self._version)
+        return _Launch(list(seqs), out, logits, self._version, fed)
 
     def _sample_ready(self, ready: list[_Seq], width: int) -> torch.Tensor:
         """Sample the first token of sequences whose prompt is in the cache; rows of `width` fp64."""
@@ -805,7 +938,8 @@ class EmbeddedEngine(InferenceEngine):
         """Sequences of the pool that are done (finish set): fed once more when the result or the prefix
         cache needs it (`flushing`, finished by the next decode step), finished now otherwise."""
         for s in seqs:
-            s.flushing = self.prefix_cache_size > 0 or s.params.return_routed_experts
+            # one aborted before its first token (fed or not) has nothing to flush
+            s.flushing = (self.prefix_cache_size > 0 or s.params.return_routed_experts) and bool(s.out_ids)
         self._release([s for s in seqs if not s.flushing])
 
     def _release(self, done: list[_Seq]) -> None:
