@@ -113,3 +113,28 @@ def test_overlap_on_the_gpu_gives_the_serial_engines_results():
             (a.token_ids, a.versions, a.finish_reason, a.routed_experts, a.cached_prompt_tokens)
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
     assert serial[-1].cached_prompt_tokens > 0
+
+
+def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results():
+    """decode_append and share_prefix (on by default on CUDA) against an engine that prefills every
+    prompt token: a shared 80-token start, tails of 3-30 tokens, a second turn; an fp32 model, so the
+    chunk kernel and the decode kernel agree to float rounding."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    model = model.to("cuda")
+    system = _prompt(80, 7)
+    prompts = [system + _prompt(n, n) for n in (3, 30, 12, 20)]
+
+    def run(eng):
+        first = _run(eng, prompts, PARAMS)
+        turn2 = [p + r.token_ids + _prompt(9, 60) for p, r in zip(prompts, first, strict=True)]
+        return first + _run(eng, turn2, PARAMS), eng.stats
+
+    ref, ref_stats = run(EmbeddedEngine(model, background=False, decode_append=0, share_prefix=0))
+    got, stats = run(EmbeddedEngine(model, background=False))
+    assert stats["fed_prompt_tokens"] > 0 and stats["prefill_forwards"] < ref_stats["prefill_forwards"]
+    for a, b in zip(ref, got, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
