@@ -22,6 +22,14 @@ One scheduler step (`EmbeddedEngine.step`), always in this order:
      finished sequence keeps its slot for one more decode step (its last token is fed once,
      see below), then it is finished and its slot is refilled from the last occupied one.
 
+On CUDA an eager forward costs its ~2,500 launches (~100 ms of host time for k3-small) whatever
+its tokens, and a decode step is one graph: so there (by default) a prompt that extends a cached
+prefix by a short tail joins the decoding batch at once and is fed its tail one token per step
+(`decode_append`), prefill chunks within that many tokens of each other are cut to the shortest so
+they batch (the rest of each is fed), and a prompt that shares a long start with an earlier one (a
+system prompt) is prefilled up to the shared part, cached, and the prompts that share it wait for it
+(`share_prefix`). Results are the prefill path's, to float rounding.
+
 Overlap (on CUDA by default): step 5 of the next iteration is launched before step 6 reads this
 one's tokens, which it takes on the device, so the host's work of 1-4 and 6 runs while the GPU
 decodes; results are the same as without it (`_decode_and_sample` says why). A step in flight when
