@@ -12,7 +12,9 @@ episodes, MLflow on SQLite, the Parquet store), the same work in every layout:
   2gpu       learner on GPU 0, one engine on GPU 1; weights by an NCCL broadcast in buckets
   2gpu-2eng  learner and engine 0 share GPU 0, engine 1 on GPU 1; weights by the object store
 
-Reported per layout, over the steps after the first (which compiles the Triton kernels):
+Reported per layout, over the steps after the first `--skip-steps` (which compile and autotune the
+learner's Triton kernels for each new packed length: 30, 13, 4, 4 s of training in the first four
+steps on a fresh H200, 0.8-1.1 s after):
 episodes/s and generated tokens/s of the whole loop, the learner's train tokens/s, the time
 to bring the engines to new weights, and the learner's idle fraction (waiting for rollouts).
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends, forwarded to every Ray actor).
@@ -73,7 +75,8 @@ def run(layout: str, args, root: Path) -> dict:
     finally:
         ray.shutdown()
     wall = time.monotonic() - t0
-    h = summary["history"][1:] or summary["history"]  # step 1 compiles the kernels
+    # the first steps compile and autotune the learner's kernels for new packed lengths (seconds each)
+    h = summary["history"][args.skip_steps:] or summary["history"]
     step_s = sum(m["time/step_s"] for m in h)
     out = {
         "layout": layout, "steps": len(summary["history"]), "job_seconds": wall,
@@ -86,6 +89,10 @@ def run(layout: str, args, root: Path) -> dict:
         "learner_idle": sum(m["time/wait_for_rollouts_s"] for m in h) / step_s,
         "step_s": step_s / len(h),
         "reward": h[-1]["reward/mean"],
+        # every step's times: medians above hide a slow step (a new shape compiling, an eval)
+        "history": [{k: round(v, 3) for k, v in m.items() if k.startswith(("time/", "weight_sync/wait"))
+                     or k in ("learner/idle_fraction", "throughput/episodes_per_s", "loss_tokens")}
+                    for m in summary["history"]],
     }
     synced = [m for m in h if "weight_sync/broadcast_gbps" in m]
     if synced:
@@ -104,6 +111,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--lag", type=int, default=1)
+    ap.add_argument("--skip-steps", type=int, default=1,
+                    help="steps left out of the summary (kernels compiling; 4 reach the steady state on a fresh GPU)")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--cpu", action="store_true", help="smoke run on CPUs (gloo for the broadcast)")
     args = ap.parse_args()
