@@ -81,10 +81,12 @@ def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor
     z = z.to(w1.dtype)
     few = 4 * idx.numel() <= w1.shape[0]  # few routes: their experts read in place, two kernels
     grouped_ok = hasattr(torch, "_grouped_mm") and z.dtype == torch.bfloat16
-    path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=few or grouped_ok)
+    # the decode kernel takes any dtype and batch (the loop syncs on its counts: no CUDA graph); grouped
+    # GEMMs (bf16 only) pay for many routes
+    path = resolve_backend(experts.backend, "latent_experts", z, w1, has_triton=True)
     if path != "triton":
         fn = latent_experts_loop
-    elif few:
+    elif few or not grouped_ok:
         fn = decode_experts_triton
     else:
         fn = _grouped_experts
