@@ -1,8 +1,6 @@
-"""The inference-engine contract and the embedded K3 engine.
-
-`InferenceEngine` is what rollout workers talk to: token ids in, token ids plus
-per-token log-probs (plus, on request, routed experts) out, versioned weight updates.
-`EmbeddedEngine` implements it on our own `K3ForCausalLM` with continuous batching.
+"""The embedded K3 engine: `EmbeddedEngine` implements the inference-engine contract
+(`engine_contract.py`: `InferenceEngine`, `GenerationResult`, `EngineLoad`, re-exported here) on our
+own `K3ForCausalLM` with continuous batching.
 
 One scheduler step (`EmbeddedEngine.step`), always in this order:
   1. apply a pending weight update (only here, between steps: the switch is atomic),
@@ -64,101 +62,18 @@ import hashlib
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from k3rl.types import SamplingParams, WeightUpdate
 
+from .engine_contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
 from .engine_decode import DecodeRunner, keep_fp32_island_weights
 from .sampling import needs_filter, params_tensors, policy_logprobs, request_seed, sample_tokens, validate
 from .state_pool import StatePool
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class GenerationResult:
-    """What one `generate` call returns. Lists run over the generated tokens only."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: FinishReason
-    prompt_tokens: int
-    routed_experts: list[list[list[int]]] | None = None
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    cached_prompt_tokens: int = 0  # prompt tokens whose state came from the prefix cache / a group fork
-    worker: str | None = None  # set by InferencePool: which worker served it
-
-    @property
-    def version(self) -> int:
-        """The newest version that produced a token (-1 when no token was produced)."""
-        return max(self.versions, default=-1)
-
-
-@dataclass
-class EngineLoad:
-    running: int
-    waiting: int
-    version: int
-
-    @property
-    def total(self) -> int:
-        return self.running + self.waiting
-
-
-class InferenceEngine(ABC):
-    """Token in, token out, versioned weights.
-
-    Implementations provide `submit` (non-blocking, returns a concurrent Future);
-    `generate` (blocking) and `agenerate` (asyncio: many coroutines share one engine) are
-    built on it.
-    """
-
-    @property
-    @abstractmethod
-    def version(self) -> int: ...
-
-    @abstractmethod
-    def submit(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
-               request_id: str | None = None) -> concurrent.futures.Future: ...
-
-    @abstractmethod
-    def update_weights(self, update: WeightUpdate) -> int:
-        """Apply `update` between two scheduler steps; returns the new version once applied."""
-
-    @abstractmethod
-    def abort(self, request_id: str) -> bool:
-        """Finish a request early (finish_reason 'abort'); False when it is unknown or already done."""
-
-    @abstractmethod
-    def load(self) -> EngineLoad: ...
-
-    def generate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
-                 request_id: str | None = None) -> GenerationResult:
-        return self.submit(token_ids, sampling, images, request_id).result()
-
-    async def agenerate(self, token_ids: list[int], sampling: SamplingParams | None = None, images: list | None = None,
-                        request_id: str | None = None) -> GenerationResult:
-        return await asyncio.wrap_future(self.submit(token_ids, sampling, images, request_id))
-
-    async def aupdate_weights(self, update: WeightUpdate) -> int:
-        return await asyncio.get_running_loop().run_in_executor(None, self.update_weights, update)
-
-    def close(self) -> None:  # noqa: B027 - engines without resources need nothing
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 # ----------------------------------------------------------------------------------------------
 # embedded engine
@@ -665,7 +580,8 @@ class EmbeddedEngine(InferenceEngine):
             self._anchors.popitem(last=False)
         if other is None:
             return 0
-        shared = next((i for i, (a, b) in enumerate(zip(other, seq.prompt)) if a != b), min(len(other), len(seq.prompt)))
+        shared = next((i for i, (a, b) in enumerate(zip(other, seq.prompt, strict=False)) if a != b),
+                      min(len(other), len(seq.prompt)))
         return shared if shared - cached >= self.share_prefix and shared < len(seq.prompt) else 0
 
     def _lookup_prefix(self, seq: _Seq) -> _PrefixEntry | None:
