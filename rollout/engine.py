@@ -546,10 +546,7 @@ class EmbeddedEngine(InferenceEngine):
                     self._pending_ready.append(seq)
                     continue
                 if rest <= self.decode_append and seq.image_cursor == len(seq.images):
-                    seq.cache, seq.feed = entry.cache, seq.prompt[seq.computed:]  # the pool copies the cache
-                    seq.computed = len(seq.prompt)
-                    self.stats["fed_prompt_tokens"] += rest
-                    self._feeders.append(seq)
+                    self._feed(seq, entry.cache, seq.prompt[seq.computed:])  # the pool copies the cache
                     continue
                 seq.cache = entry.cache.clone()
             if self.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
@@ -686,12 +683,16 @@ class EmbeddedEngine(InferenceEngine):
         self._prefilling.remove(seq)
         rest = seq.prompt[seq.computed :]
         for s in [seq, *seq.followers]:
-            s.cache, s.feed, s.leader = seq.cache, list(rest), None
-            s.computed, s.image_cursor = len(s.prompt), seq.image_cursor
+            s.image_cursor = seq.image_cursor
             s.cached_prompt_tokens = seq.cached_prompt_tokens if s is seq else len(s.prompt) - len(rest)
-            self.stats["fed_prompt_tokens"] += len(rest)
-            self._feeders.append(s)
+            self._feed(s, seq.cache, rest)
         seq.followers = []
+
+    def _feed(self, seq: _Seq, cache, tail: list[int]) -> None:
+        """`seq` joins the decoding batch from `cache` (copied into its slot) and is fed `tail` first."""
+        seq.cache, seq.feed, seq.leader, seq.computed = cache, list(tail), None, len(seq.prompt)
+        self.stats["fed_prompt_tokens"] += len(tail)
+        self._feeders.append(seq)
 
     def _prefill_forward(self, items):
         """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
