@@ -245,9 +245,12 @@ SWEEP = [
     ("gate", {"warps_gate": 2}),
     ("state_bwd", {"BV_bwd": 32}),
     ("state_bwd", {"BV_bwd": 128, "warps_state_bwd": 8}),
-    ("grads", {"BKS": 32}),
-    ("grads", {"stages_grads": 1}),
-    ("tiles", {"BKS_tiles": 64, "warps_subtiles": 4}),
+    # ("grads", {"stages_grads": 1}) faults with an illegal address on the H200 (Triton 3.6, 2026-12-02) and
+    # poisons the process's CUDA context: not swept
+    ("grads", {"BKS": 16}),
+    ("grads", {"BKS": 64, "warps_grads": 8}),
+    ("tiles", {"BKS_tiles": 32, "warps_subtiles": 2}),
+    ("tiles", {"BKS_tiles": 128, "warps_subtiles": 8}),
 ]
 FWD_KERNELS = ("intra", "state_fwd", "gate")
 
@@ -600,6 +603,9 @@ def main():
     p.add_argument(
         "--adopt-best", action="store_true", help="the sections after 'sweep' use its best settings"
     )
+    p.add_argument(
+        "--shape", default="1x4096x96", help="B x T x H of the profile and sweep sections (e.g. 1x16384x96)"
+    )
     p.add_argument("--sweep-groups", default="", help="sweep only these kernels' rows, e.g. intra,state_fwd")
     p.add_argument(
         "--watchdog", type=float, default=0, help="dump all Python stacks every N seconds (0: off)"
@@ -621,15 +627,16 @@ def main():
     print(f"# kernels benchmark {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {platform.python_version()}, fla-core {'present' if fla_chunk_kda else 'absent'}")  # fmt: skip
+    shape = tuple(int(n) for n in args.shape.split("x"))
     tflops, bw = peak() if "peak" in which else (args.peak_tflops, args.copy_gbs)
     sections = dict(
         kda=lambda: kda(args.kda_shapes),
         kda_long=lambda: kda("1x16384x96,1x65536x96"),
         sweep=lambda: sweep(
-            adopt=args.adopt_best, groups=args.sweep_groups.split(",") if args.sweep_groups else None
+            *shape, adopt=args.adopt_best, groups=args.sweep_groups.split(",") if args.sweep_groups else None
         ),
-        profile=profile,
-        profile_ours=lambda: profile(with_fla=False),
+        profile=lambda: profile(*shape),
+        profile_ours=lambda: profile(*shape, with_fla=False),
         agree=agree,
         recurrent=lambda: recurrent(bw),
         recurrent_quick=lambda: recurrent(bw, sweep_configs=False),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -36,7 +37,8 @@ from collections import Counter
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if importlib.util.find_spec("k3rl") is None:  # not installed: the source tree (an installed k3rl wins,
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # as on the GPU image)
 
 from k3rl.config import LearnerSection  # noqa: E402
 from k3rl.learner.model import K3Config, K3ForCausalLM, count_parameters  # noqa: E402
@@ -94,7 +96,9 @@ def bench_training(args, device: torch.device) -> dict:
     )  # fmt: skip
     trainer = Trainer(model, cfg, device=device)
     n_seq = max(1, args.batch_tokens // args.seq_len)
-    batches = [synthetic_batch(n_seq, args.seq_len, args.prompt_len, s) for s in range(args.warmup + args.steps)]
+    batches = [
+        synthetic_batch(n_seq, args.seq_len, args.prompt_len, s) for s in range(args.warmup + args.steps)
+    ]
     times, opt_times, tokens = [], [], 0
     original_step = trainer.optimizer.step
 
@@ -119,6 +123,8 @@ def bench_training(args, device: torch.device) -> dict:
             tokens = m["tokens"]
     step_s = statistics.median(times)
     tok_s = tokens / step_s
+    if args.profile:
+        profile_step(trainer, batches[-1], device, args.profile)
     fpt = flops_per_token(config, args.seq_len)
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
@@ -137,6 +143,42 @@ def bench_training(args, device: torch.device) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "final_loss": m["loss"],
     }  # fmt: skip
+
+
+def profile_step(trainer, batch, device: torch.device, path: str) -> None:
+    """One more train step under torch.profiler: where its time goes, by op and kernel (tables to `path`).
+    GPU busy = the sum of kernel time; wall - GPU busy is the host's share (launches, syncs, Python)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        trainer.train_step(batch)
+        sync(device)
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3  # kernels
+    launches = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    )
+    copies = sum(e.count for e in events if e.key == "cudaMemcpyAsync")
+    syncs = sum(e.count for e in events if "Synchronize" in e.key)
+    head = (
+        f"profiled step: wall {wall * 1e3:.0f} ms (under the profiler), GPU busy {busy:.0f} ms, "
+        f"{launches} kernel launches, {copies} cudaMemcpyAsync, {syncs} synchronizations"
+    )
+    print("  " + head)
+    with open(path, "w") as f:
+        f.write(head + "\n\n")
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            f.write(events.table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n")
+        f.write(
+            prof.key_averages(group_by_input_shape=False).table(
+                sort_by="cpu_time_total", row_limit=60, max_name_column_width=70
+            )
+        )
 
 
 def muon_block_shapes(config: K3Config) -> Counter:
@@ -172,8 +214,15 @@ def bench_newton_schulz(args, device: torch.device) -> list[dict]:
                 sync(device)
                 reps.append(time.perf_counter() - t)
             timings[name] = statistics.median(reps)
-        out.append({"shape": [r, c], "blocks": n, "batched_ms": timings["batched"] * 1e3,
-                    "loop_ms": timings["loop"] * 1e3, "speedup": timings["loop"] / timings["batched"]})
+        out.append(
+            {
+                "shape": [r, c],
+                "blocks": n,
+                "batched_ms": timings["batched"] * 1e3,
+                "loop_ms": timings["loop"] * 1e3,
+                "speedup": timings["loop"] / timings["batched"],
+            }
+        )
     return out
 
 
@@ -181,20 +230,29 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="k3-tiny", choices=["k3-tiny", "k3-small"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--seq-len", type=int, default=None, help="tokens per trajectory (default 512 cpu, 4096 cuda)")
+    ap.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per trajectory (default 512 cpu, 4096 cuda)"
+    )
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 2048 cpu, 65536 cuda)")
+    ap.add_argument(
+        "--batch-tokens", type=int, default=None, help="tokens per step (default 2048 cpu, 65536 cuda)"
+    )
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="default 1024 cpu, 16384 cuda")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
-    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for cuda")
+    ap.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for cuda"
+    )
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=None)
-    ap.add_argument("--ns-max-blocks", type=int, default=512, help="cap on blocks per shape in the NS benchmark")
+    ap.add_argument(
+        "--ns-max-blocks", type=int, default=512, help="cap on blocks per shape in the NS benchmark"
+    )
     ap.add_argument("--ns-reps", type=int, default=3)
     ap.add_argument("--skip-ns", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--profile", default=None, help="profile one more step; its op tables to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -205,27 +263,44 @@ def main(argv=None) -> dict:
         ap.error("--seq-len must exceed --prompt-len")
 
     train = bench_training(args, device)
-    print(f"\n== training step: {train['preset']} on {train['device_name']} "
-          f"({train['params_total'] / 1e6:.1f}M params, {train['params_active_no_embed'] / 1e6:.1f}M active) ==")
-    print(f"  bf16={train['bf16']} optimizer={train['optimizer']} seq_len={train['seq_len']} "
-          f"tokens/step={train['tokens_per_step']} micro_batch_tokens={train['micro_batch_tokens']}")
-    print(f"  step {train['step_s_median'] * 1e3:.1f} ms (optimizer {train['optimizer_s_median'] * 1e3:.1f} ms)")
-    print(f"  {train['tokens_per_s']:,.0f} tokens/s, {train['model_tflops_per_s']:.3f} model TFLOP/s, "
-          + (f"MFU {100 * train['mfu']:.1f}% of {train['peak_tflops']} TFLOP/s" if train["mfu"] is not None
-             else "MFU n/a (no peak for this device; pass --peak-tflops)"))
+    print(
+        f"\n== training step: {train['preset']} on {train['device_name']} "
+        f"({train['params_total'] / 1e6:.1f}M params, {train['params_active_no_embed'] / 1e6:.1f}M active) =="
+    )
+    print(
+        f"  bf16={train['bf16']} optimizer={train['optimizer']} seq_len={train['seq_len']} "
+        f"tokens/step={train['tokens_per_step']} micro_batch_tokens={train['micro_batch_tokens']}"
+    )
+    print(
+        f"  step {train['step_s_median'] * 1e3:.1f} ms (optimizer {train['optimizer_s_median'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"  {train['tokens_per_s']:,.0f} tokens/s, {train['model_tflops_per_s']:.3f} model TFLOP/s, "
+        + (
+            f"MFU {100 * train['mfu']:.1f}% of {train['peak_tflops']} TFLOP/s"
+            if train["mfu"] is not None
+            else "MFU n/a (no peak for this device; pass --peak-tflops)"
+        )
+    )
     if train["peak_mem_gib"] is not None:
         print(f"  peak memory {train['peak_mem_gib']:.1f} GiB")
     results = {"training": train}
     if not args.skip_ns:
         ns = bench_newton_schulz(args, device)
-        print(f"\n== Newton-Schulz (5 steps), Muon block shapes of {args.preset}: batched vs per-matrix loop ==")
+        print(
+            f"\n== Newton-Schulz (5 steps), Muon block shapes of {args.preset}: batched vs per-matrix loop =="
+        )
         print(f"  {'block':>12} {'blocks':>7} {'batched ms':>11} {'loop ms':>9} {'speedup':>8}")
         for row in ns:
-            print(f"  {str(tuple(row['shape'])):>12} {row['blocks']:>7} {row['batched_ms']:>11.2f} "
-                  f"{row['loop_ms']:>9.2f} {row['speedup']:>7.1f}x")
+            print(
+                f"  {str(tuple(row['shape'])):>12} {row['blocks']:>7} {row['batched_ms']:>11.2f} "
+                f"{row['loop_ms']:>9.2f} {row['speedup']:>7.1f}x"
+            )
         total_b = sum(r["batched_ms"] for r in ns)
         total_l = sum(r["loop_ms"] for r in ns)
-        print(f"  {'all':>12} {sum(r['blocks'] for r in ns):>7} {total_b:>11.2f} {total_l:>9.2f} {total_l / total_b:>7.1f}x")
+        print(
+            f"  {'all':>12} {sum(r['blocks'] for r in ns):>7} {total_b:>11.2f} {total_l:>9.2f} {total_l / total_b:>7.1f}x"
+        )
         results["newton_schulz"] = ns
     if args.json:
         with open(args.json, "w") as f:

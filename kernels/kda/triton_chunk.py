@@ -97,8 +97,11 @@ CONFIG = {
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1,  # state_bwd
-    "BKS": 16, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
-    "BKS_tiles": 32, "warps_subtiles": 2,  # grads_subtiles
+    # grads_chunk and grads_subtiles: K slices of 32 and 64 since the 2026-12-02 17:35 sweep at 1 x 16384 x 96
+    # (fwd + bwd 21.47 -> 18.45 ms; grads_chunk 6.21 -> 4.82 ms, grads_subtiles 7.21 -> 5.60 ms, whose TF32
+    # products had made it slower). stages_grads 1 faults (illegal address; Triton 3.6), so 2 stays.
+    "BKS": 32, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
+    "BKS_tiles": 64, "warps_subtiles": 4,  # grads_subtiles
 }  # fmt: skip
 
 
