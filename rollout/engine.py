@@ -62,7 +62,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,7 @@ from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine_contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
 from .engine_decode import DecodeRunner, keep_fp32_island_weights
+from .prefix_cache import PrefixCache
 from .sampling import needs_filter, params_tensors, policy_logprobs, request_seed, sample_tokens, validate
 from .state_pool import StatePool
 
@@ -94,16 +95,6 @@ def _as_pil(image):
     from k3rl.images import from_png
 
     return from_png(bytes(image)) if isinstance(image, (bytes, bytearray)) else image
-
-
-@dataclass
-class _PrefixEntry:
-    """A cached decoding state: `cache` covers `ids` (with `images` in order), `logits` follow them."""
-
-    ids: tuple[int, ...]
-    images: tuple[str, ...]
-    cache: Any  # K3Cache, batch 1
-    logits: torch.Tensor  # [V], the logits after the last id
 
 
 @dataclass(eq=False)
@@ -234,13 +225,12 @@ class EmbeddedEngine(InferenceEngine):
         self._pool = StatePool(model, max_num_seqs, self.max_model_len, dtype=autocast_dtype)
         self._runner = DecodeRunner(model, self._pool, banned=self.config.media_placeholder_token_id,
                                     use_graphs=not enforce_eager)
-        self._prefix: OrderedDict[tuple, _PrefixEntry] = OrderedDict()
         self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
         self._feeders: list[_Seq] = []  # admitted to decode_append: join the pool this step
         self.share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
-        self._anchors: OrderedDict[tuple, list[int]] = OrderedDict()  # first ANCHOR tokens -> the last such prompt
+        self._prefix = PrefixCache(prefix_cache_size, self.share_prefix, self.config.media_placeholder_token_id)
         self._inflight: _Launch | None = None  # a decode step launched ahead, its rows not yet read
         self._step_lock = threading.Lock()
         # host seconds per phase of `step` (a CUDA phase's time is its launches plus what it waits for)
@@ -534,7 +524,7 @@ class EmbeddedEngine(InferenceEngine):
                 seq.leader = leader
                 leader.followers.append(seq)
                 continue
-            entry = self._lookup_prefix(seq)
+            entry = self._prefix.lookup(seq.prompt, seq.digests)
             seq.cache = None
             if entry is not None:
                 seq.computed = seq.cached_prompt_tokens = len(entry.ids)
@@ -557,61 +547,21 @@ class EmbeddedEngine(InferenceEngine):
                 deferred.append(seq)
                 active -= 1
                 continue
-            seq.split_at = self._split_point(seq, seq.computed)
+            seq.split_at = self._prefix.split_point(seq.prompt, bool(seq.images), seq.computed)
             if seq.cache is None:
                 seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
             self._prefilling.append(seq)
         self._waiting.extendleft(reversed(deferred))
-
-    ANCHOR = 32  # prompts are compared for a shared prefix when their first ANCHOR tokens agree
-
-    def _split_point(self, seq: _Seq, cached: int) -> int:
-        """The length of the prefix `seq` shares with the last prompt that began as it does, when that is
-        at least `share_prefix` tokens beyond what is cached and short of the whole prompt; else 0."""
-        if not self.share_prefix or seq.images or len(seq.prompt) <= self.ANCHOR:
-            return 0
-        key = tuple(seq.prompt[: self.ANCHOR])
-        other = self._anchors.pop(key, None)
-        self._anchors[key] = seq.prompt
-        if len(self._anchors) > 4 * self.prefix_cache_size:
-            self._anchors.popitem(last=False)
-        if other is None:
-            return 0
-        shared = next((i for i, (a, b) in enumerate(zip(other, seq.prompt, strict=False)) if a != b),
-                      min(len(other), len(seq.prompt)))
-        return shared if shared - cached >= self.share_prefix and shared < len(seq.prompt) else 0
-
-    def _lookup_prefix(self, seq: _Seq) -> _PrefixEntry | None:
-        best = None
-        n = len(seq.prompt)
-        pad = self.config.media_placeholder_token_id
-        for e in self._prefix.values():
-            m = len(e.ids)
-            if m > n or (best is not None and m <= len(best.ids)) or (m and e.ids[-1] != seq.prompt[m - 1]):
-                continue
-            if e.images != seq.digests[: len(e.images)] or tuple(seq.prompt[:m]) != e.ids:
-                continue
-            if m < n and seq.prompt[m] == pad and seq.prompt[m - 1] == pad:
-                continue  # the cached state would end inside an image's pad run
-            best = e
-        if best is not None:
-            self._prefix.move_to_end((best.ids, best.images))
-        return best
 
     def _offers_prefix(self, seq: _Seq) -> bool:
         """Only states computed entirely by the current weights are offered for reuse."""
         return self.prefix_cache_size > 0 and seq.state_version == self._version
 
     def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
-        if not self._offers_prefix(seq):
-            return
-        key = (tuple(ids), seq.digests[: seq.image_cursor])
-        # `cache` is never written again (a prefilled cache is only copied into slots; a pool state
-        # is extracted as a copy); a hit clones it before extending it. The logits may be a graph's buffer
-        self._prefix[key] = _PrefixEntry(key[0], key[1], cache, logits.clone())
-        self._prefix.move_to_end(key)
-        while len(self._prefix) > self.prefix_cache_size:
-            self._prefix.popitem(last=False)
+        # `cache` is never written again (a prefilled cache is only copied into slots; a pool state is
+        # extracted as a copy)
+        if self._offers_prefix(seq):
+            self._prefix.remember(ids, seq.digests[: seq.image_cursor], cache, logits)
 
     # 4. chunked prefill
     def _chunk_end(self, seq: _Seq, start: int, budget: int) -> tuple[int, int]:

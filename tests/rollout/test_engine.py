@@ -518,12 +518,12 @@ def test_abort_while_feeding_frees_the_slot_and_offers_no_half_fed_state(model):
     for _ in range(3):
         eng.step()
     assert eng._decoding and eng._decoding[0].feed  # mid-tail
-    cached = set(eng._prefix)
+    cached = set(eng._prefix.entries)
     assert eng.abort("x")
     r = fut.result()
     assert r.finish_reason == "abort" and r.token_ids == []
     assert not eng._decoding and eng._pool.lengths == [0] * len(eng._pool.lengths)
-    assert set(eng._prefix) == cached  # the half-fed state is not offered as a prefix
+    assert set(eng._prefix.entries) == cached  # the half-fed state is not offered as a prefix
     # the engine goes on: the same second turn, fed whole, equals a fresh engine's prefill
     again = eng.generate(p + r1.token_ids + tail, SamplingParams(temperature=0.0, max_tokens=6))
     fresh = EmbeddedEngine(model, background=False, decode_append=0).generate(
