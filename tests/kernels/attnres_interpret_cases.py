@@ -101,8 +101,8 @@ def test_one_row_per_program_at_the_default_launch_settings():
 
 @pytest.mark.parametrize("first", [torch.float32, torch.bfloat16], ids=["fp32-first", "bf16-first"])
 def test_sources_of_mixed_dtypes_as_under_autocast(first):
-    """Under bf16 autocast the embeddings' block is fp32 and the layers' outputs bf16: the kernel reads
-    them all in fp32 (as the reference does), h comes back in the first source's dtype and each
+    """Under bf16 autocast the embeddings' block is fp32 and the layers' outputs bf16: the kernel takes
+    them as they are and widens each to fp32 as it reads it (as the reference does), h comes back in the first source's dtype and each
     source's gradient in its own."""
     sources, proj, norm, dh = case(3, (2, 11, 96), torch.float32, seed=7)
     sources = [sources[0].to(first)] + [v.bfloat16() for v in sources[1:]]

@@ -1,5 +1,6 @@
 """Compile the Block AttnRes kernels for Hopper (sm_90) on the CPU at K3 width (d = 7168, bf16 sources,
-the model's launch settings) for 2, 4 and 9 sources, and print each one's shared memory in bytes (JSON).
+the model's launch settings) for 2, 4 and 9 sources, and 4 of mixed dtypes (fp32 first, as under
+autocast), and print each one's shared memory in bytes (JSON).
 Run as a script by test_attnres_kernel.py, so that TRITON_INTERPRET=1 elsewhere does not matter; catches
 what the interpreter cannot (a construct the compiler refuses, the tuple of source pointers).
 ``--ptx DIR`` also writes each kernel's PTX there (for ``ptxas -v``: registers and spills)."""
@@ -21,12 +22,13 @@ from k3rl.kernels.attnres import triton_aggregate as ta  # noqa: E402
 D = 7168
 
 
-def compile_kernel(kernel, S):
+def compile_kernel(kernel, S, first="bf16"):
+    """first="fp32": the sources under autocast (an fp32 embedding block, then bf16 layer outputs)."""
     BD, BR, warps = ta.launch_settings(D)
     consts = dict(S=S, D=D, BD=BD, BR=BR)
     types = {
-        **dict.fromkeys(["srcs", "dsrcs"], ("*bf16",) * S),
-        **dict.fromkeys(["h", "dh"], "*bf16"),
+        **dict.fromkeys(["srcs", "dsrcs"], (f"*{first}",) + ("*bf16",) * (S - 1)),
+        **dict.fromkeys(["h", "dh"], f"*{first}"),
         **dict.fromkeys(["q", "logit", "rstd", "dq_part"], "*fp32"),
         **dict.fromkeys(["n_rows", "per_prog"], "i32"),
         "eps": "fp32",
@@ -48,12 +50,13 @@ def compile_kernel(kernel, S):
 def main():
     ptx_dir = pathlib.Path(sys.argv[sys.argv.index("--ptx") + 1]) if "--ptx" in sys.argv else None
     shared = {}
-    for S in (2, 4, 9):
+    for S, first in ((2, "bf16"), (4, "bf16"), (9, "bf16"), (4, "fp32")):
         for name, kernel in (("fwd", ta.aggregate_fwd_kernel), ("bwd", ta.aggregate_bwd_kernel)):
-            compiled = compile_kernel(kernel, S)
-            shared[f"{name}_S{S}"] = compiled.metadata.shared
+            compiled = compile_kernel(kernel, S, first)
+            tag = f"{name}_S{S}" + ("_mixed" if first == "fp32" else "")
+            shared[tag] = compiled.metadata.shared
             if ptx_dir:
-                (ptx_dir / f"{name}_S{S}.ptx").write_text(compiled.asm["ptx"])
+                (ptx_dir / f"{tag}.ptx").write_text(compiled.asm["ptx"])
     print(json.dumps(shared))
 
 
