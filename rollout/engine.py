@@ -207,7 +207,6 @@ class EmbeddedEngine(InferenceEngine):
         self.max_prefill_tokens = max_prefill_tokens
         if prefix_cache_size is None:
             prefix_cache_size = max(32, 2 * max_num_seqs) if self.device.type == "cuda" else 32
-        self.prefix_cache_size = prefix_cache_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.name = name
         self._version = version
@@ -229,8 +228,8 @@ class EmbeddedEngine(InferenceEngine):
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
         self._feeders: list[_Seq] = []  # admitted to decode_append: join the pool this step
-        self.share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
-        self._prefix = PrefixCache(prefix_cache_size, self.share_prefix, self.config.media_placeholder_token_id)
+        share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
+        self._prefix = PrefixCache(prefix_cache_size, share_prefix, self.config.media_placeholder_token_id)
         self._inflight: _Launch | None = None  # a decode step launched ahead, its rows not yet read
         self._step_lock = threading.Lock()
         # host seconds per phase of `step` (a CUDA phase's time is its launches plus what it waits for)
@@ -539,9 +538,9 @@ class EmbeddedEngine(InferenceEngine):
                     self._feed(seq, entry.cache, seq.prompt[seq.computed:])  # the pool copies the cache
                     continue
                 seq.cache = entry.cache.clone()
-            if self.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
-                                         and p.split_at - seq.computed >= self.share_prefix
-                                         and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
+            if self._prefix.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
+                                                 and p.split_at - seq.computed >= self._prefix.share_prefix
+                                                 and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
                 self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
                 seq.cache, seq.computed, seq.cached_prompt_tokens, seq.image_cursor = None, 0, 0, 0
                 deferred.append(seq)
@@ -555,7 +554,7 @@ class EmbeddedEngine(InferenceEngine):
 
     def _offers_prefix(self, seq: _Seq) -> bool:
         """Only states computed entirely by the current weights are offered for reuse."""
-        return self.prefix_cache_size > 0 and seq.state_version == self._version
+        return self._prefix.size > 0 and seq.state_version == self._version
 
     def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
         # `cache` is never written again (a prefilled cache is only copied into slots; a pool state is
@@ -814,7 +813,7 @@ class EmbeddedEngine(InferenceEngine):
         cache needs it (`flushing`, finished by the next decode step), finished now otherwise."""
         for s in seqs:
             # one aborted before its first token (fed or not) has nothing to flush
-            s.flushing = (self.prefix_cache_size > 0 or s.params.return_routed_experts) and bool(s.out_ids)
+            s.flushing = (self._prefix.size > 0 or s.params.return_routed_experts) and bool(s.out_ids)
         self._release([s for s in seqs if not s.flushing])
 
     def _release(self, done: list[_Seq]) -> None:
