@@ -130,12 +130,12 @@ def bytes_per_decode_step(model: K3ForCausalLM, batch: int, context: int) -> flo
 
 
 def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, graphs: bool, warmup: int = 3,
-                      overlap: bool | None = None) -> dict:
+                      overlap: bool | None = None, compile_decode: bool = False) -> dict:
     """Greedy decode of `batch` sequences; the first warm-up step captures the CUDA graph."""
     device = model.lm_head.weight.device
     eng = EmbeddedEngine(model, background=False, max_num_seqs=batch, prefill_chunk=prompt_len,
                          max_prefill_tokens=prompt_len * batch, prefix_cache_size=0, enforce_eager=not graphs,
-                         overlap=overlap)
+                         overlap=overlap, compile_decode=compile_decode)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens + warmup + 2)
     futures = [eng.submit([(i * 7 + j * 13) % 250 + 1 for j in range(prompt_len)], params) for i in range(batch)]
     sync(device)
@@ -311,6 +311,8 @@ def main() -> None:
                     help="the decode step's router top-k (torch: eager PyTorch, the before of kernels/moe/router.py)")
     ap.add_argument("--overlap", default="auto", choices=["auto", "off"],
                     help="the engine's overlap of step t+1's launch with step t's read (off: one after another, the before)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the engine's compile_decode: each decode step's layers through torch.compile")
     ap.add_argument("--count-kernels", action="store_true",
                     help="count the GPU kernels of one eager decode step at each batch, and their GPU time (torch.profiler)")
     args = ap.parse_args()
@@ -336,7 +338,7 @@ def main() -> None:
         engine_decode.route_topk = lambda *a, backend=None: route_topk_reference(*a)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({args.threads} thread(s))"
     print(f"# engine benchmark: {args.preset} {dtype} on {name} (norms: {args.norms}, router: {args.router}, "
-          f"overlap: {args.overlap})")
+          f"overlap: {args.overlap}, compile: {args.compile})")
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} timed decode steps after 3 warm-up steps, greedy")
     bw = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28))
     print(f"measured copy bandwidth: {bw:.1f} GB/s\n")
@@ -345,6 +347,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
         decode_throughput(model, 1, args.prompt_len, 2, graphs=False)  # compile the kernels outside the timings
+        if args.compile:  # and the compiled layers' first variants
+            decode_throughput(model, batches[0], args.prompt_len, 2, graphs=False, compile_decode=True)
         if args.count_kernels and device.type == "cuda":
             for b in batches:
                 print(f"GPU kernels per eager decode step at batch {b} (norms: {args.norms}): "
@@ -352,7 +356,7 @@ def main() -> None:
         for graphs in graph_modes:
             for b in batches:
                 r = decode_throughput(model, b, args.prompt_len, args.new_tokens, graphs,
-                                      overlap=False if args.overlap == "off" else None)
+                                      overlap=False if args.overlap == "off" else None, compile_decode=args.compile)
                 nbytes = bytes_per_decode_step(model, b, r["context"])
                 limit = b / (nbytes / (bw * 1e9))
                 replay = f"{r['replay_ms']:.2f}" if r["replay_ms"] is not None else "-"

@@ -89,6 +89,8 @@ def bench_training(args, device: torch.device) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = K3ForCausalLM(config)
+    if args.compile:
+        model.compile_layers()  # regional: each decoder layer; compiled in the warm-up step
     bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
     cfg = LearnerSection(
         micro_batch_tokens=args.micro_batch_tokens, steps=args.steps + args.warmup + 1, bf16=bf16,
@@ -118,6 +120,8 @@ def bench_training(args, device: torch.device) -> dict:
         t = time.perf_counter()
         m = trainer.train_step(batch)
         sync(device)
+        if i == 0:
+            first_step_s = time.perf_counter() - t  # with --compile: the compilation
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
             tokens = m["tokens"]
@@ -136,6 +140,7 @@ def bench_training(args, device: torch.device) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "params_total": total, "params_active_no_embed": active,
         "bf16": bf16, "optimizer": args.optimizer, "activation_checkpointing": args.activation_checkpointing,
+        "compile": args.compile, "first_step_s": first_step_s,
         "seq_len": args.seq_len, "tokens_per_step": int(tokens), "micro_batch_tokens": args.micro_batch_tokens,
         "step_s_median": step_s, "optimizer_s_median": statistics.median(opt_times[args.warmup:]),
         "tokens_per_s": tok_s, "model_tflops_per_s": tok_s * fpt / 1e12, "flops_per_token": fpt,
@@ -245,6 +250,7 @@ def main(argv=None) -> dict:
         "--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for cuda"
     )
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="regional torch.compile of every decoder layer")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument(
         "--ns-max-blocks", type=int, default=512, help="cap on blocks per shape in the NS benchmark"
@@ -272,7 +278,8 @@ def main(argv=None) -> dict:
         f"tokens/step={train['tokens_per_step']} micro_batch_tokens={train['micro_batch_tokens']}"
     )
     print(
-        f"  step {train['step_s_median'] * 1e3:.1f} ms (optimizer {train['optimizer_s_median'] * 1e3:.1f} ms)"
+        f"  step {train['step_s_median'] * 1e3:.1f} ms (optimizer {train['optimizer_s_median'] * 1e3:.1f} ms); "
+        f"first step {train['first_step_s']:.1f} s, compile={train['compile']}"
     )
     print(
         f"  {train['tokens_per_s']:,.0f} tokens/s, {train['model_tflops_per_s']:.3f} model TFLOP/s, "

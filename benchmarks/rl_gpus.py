@@ -67,7 +67,7 @@ def run(layout: str, args, root: Path) -> dict:
         f"learner.steps={args.steps}", "learner.checkpoint_every=0", "learner.sft_steps=0",
         "learner.micro_batch_tokens=16384", "tracking.sample_episodes=0",
         f"tracking.runs_dir={root}/runs", f"tracking.uri=sqlite:///{root}/runs/mlflow.db",
-        *place,
+        *place, *args.set,
     ])
     t0 = time.monotonic()
     try:
@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--skip-steps", type=int, default=1,
                     help="steps left out of the summary (kernels compiling; 4 reach the steady state on a fresh GPU)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another config override, e.g. rollout.compile_decode=true (repeatable)")
     ap.add_argument("--cpu", action="store_true", help="smoke run on CPUs (gloo for the broadcast)")
     args = ap.parse_args()
     import torch

@@ -173,6 +173,10 @@ class EmbeddedEngine(InferenceEngine):
     overlap          launch decode step t+1 before step t's tokens reach the host (they are fed on the
                      device), so the scheduler's Python runs while the GPU decodes (default: on CUDA).
                      Every result is the same as without it (see `_decode_and_sample`)
+    compile_decode   run each decode step's layers through `torch.compile` (regional; DecodeRunner): fewer,
+                     fused kernels a step (k3-small on an H200 at batch 64: 3.93 -> 3.11 ms a step, BENCHMARKS.md).
+                     Off by default: each new shape's first step compiles (about a minute on a GPU the first
+                     time, longer on a CPU)
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -184,7 +188,7 @@ class EmbeddedEngine(InferenceEngine):
                  max_prefill_tokens: int | None = None, prefix_cache_size: int | None = None, max_model_len: int | None = None,
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
-                 decode_append: int | None = None, share_prefix: int | None = None):
+                 decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
@@ -223,7 +227,7 @@ class EmbeddedEngine(InferenceEngine):
         self._decoding: list[_Seq] = []  # in the state pool, seq i in slot i; each has a token to feed
         self._pool = StatePool(model, max_num_seqs, self.max_model_len, dtype=autocast_dtype)
         self._runner = DecodeRunner(model, self._pool, banned=self.config.media_placeholder_token_id,
-                                    use_graphs=not enforce_eager)
+                                    use_graphs=not enforce_eager, compile=compile_decode)
         self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append

@@ -37,6 +37,7 @@ from k3rl.kernels.situ import situ_glu
 from k3rl.learner.model.attnres import aggregate
 from k3rl.learner.model.common import fp32_island
 from k3rl.learner.model.kda import KimiDeltaAttention
+from k3rl.learner.model.model import allow_layer_recompiles
 from k3rl.learner.model.moe import MoEGate
 
 from .sampling import policy_logprobs, sample_tokens
@@ -153,13 +154,14 @@ def _layer(layer, bank: list, partial: torch.Tensor, entry, step, queries):
     return bank, partial + f, experts
 
 
-def decode_forward(model, ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits [B, V] of ids [B, 1] appended to `cache`, and the experts used [B, n_moe, k] (None without MoE)."""
+def decode_forward(model, ids: torch.Tensor, cache, layer_fn=_layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits [B, V] of ids [B, 1] appended to `cache`, and the experts used [B, n_moe, k] (None without MoE).
+    `layer_fn`: `_layer` or a compiled `_layer` (DecodeRunner's `compile`)."""
     step = cache.decode_step(1)
     queries = iter(attnres_queries(model))
     bank, partial, routes = [], model.model.embed_tokens(ids), []
     for layer in model.model.layers:
-        bank, partial, experts = _layer(layer, bank, partial, cache.layer(layer.layer_idx), step, queries)
+        bank, partial, experts = layer_fn(layer, bank, partial, cache.layer(layer.layer_idx), step, queries)
         if experts is not None:
             routes.append(experts)
     m = model.model
@@ -173,10 +175,18 @@ def rung(n: int, rungs) -> int:
 
 
 class DecodeRunner:
-    """Runs decode steps over the first rows of a StatePool, eagerly or through CUDA graphs."""
+    """Runs decode steps over the first rows of a StatePool, eagerly or through CUDA graphs.
 
-    def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool):
+    `compile`: each layer's step through `torch.compile(_layer)` (regional: layers of one shape share a
+    compiled graph), fusing the small elementwise kernels between the Triton kernels and GEMVs, which
+    stay as they are. A shape's first step compiles (in the warm-up before its graph capture)."""
+
+    def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool, compile: bool = False):
         self.model, self.pool, self.banned = model, pool, banned
+        self.layer_fn = _layer
+        if compile:
+            allow_layer_recompiles(len(model.model.layers))
+            self.layer_fn = torch.compile(_layer)
         self.use_graphs = use_graphs and pool.device.type == "cuda"
         self.pad = self.use_graphs  # pad the batch to its rung (graphs need it; settable to test the padding)
         N = pool.num_slots
@@ -273,7 +283,7 @@ class DecodeRunner:
     def _run(self, B: int, S: int, filtered: bool, host_lengths: list[int]):
         ints, floats = self.ints[:, :B], self.floats[:, :B]
         cache = self.pool.view(B, S, ints[3], host_lengths)
-        logits, routes = decode_forward(self.model, ints[0][:, None], cache)
+        logits, routes = decode_forward(self.model, ints[0][:, None], cache, self.layer_fn)
         self.pool.write_back(cache)
         tokens = sample_tokens(logits, floats[0], floats[1], floats[2], ints[1], ints[2], self.banned, filtered)
         cols = [tokens[:, None].double(), policy_logprobs(logits, tokens, floats[0])[:, None].double()]

@@ -49,6 +49,9 @@ class RolloutSection(_Section):
     max_context_tokens: int = Field(2048, ge=16)
     context: ContextSection = Field(default_factory=ContextSection)
     max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")
+    compile_decode: bool = Field(
+        False, description="embedded engine: torch.compile each decode step's layers (fewer, fused kernels; "
+                           "the first step of each new shape compiles, about a minute on a GPU)")
     gpus_per_inference_worker: float = Field(0.0, ge=0.0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     weight_sync_timeout_s: float = Field(

@@ -141,6 +141,7 @@ class Aggregate(torch.autograd.Function):
         return dq_part.sum(0), None, *dsrcs
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def aggregate_triton(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
     """h = sum_i softmax_i(RMSNorm(v_i) . query) v_i by the kernels: sources of one shape [..., d], each
     fp32 / bf16 / fp16 (2 <= S <= 16, d <= MAX_D), query fp32 [d]; h in the first source's dtype, each

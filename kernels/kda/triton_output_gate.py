@@ -98,6 +98,7 @@ class OutputNormGate(torch.autograd.Function):
         return do, dg, dw_part.sum(0).to(weight.dtype), None, None
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def output_norm_gate_triton(
     o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
 ) -> torch.Tensor:

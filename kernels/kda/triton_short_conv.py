@@ -144,6 +144,7 @@ class ShortConvSiLU(torch.autograd.Function):
         return dx, dw, None, None
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def short_conv_triton(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None, left: torch.Tensor | None = None
 ) -> torch.Tensor:

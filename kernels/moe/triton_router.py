@@ -32,6 +32,7 @@ def route_topk_kernel(l_ptr, b_ptr, p_ptr, i_ptr, E, scaling, TOP_K: tl.constexp
     tl.store(i_ptr + t * TOP_K + j, idx, mask=j < TOP_K)
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     N, E = logits.shape

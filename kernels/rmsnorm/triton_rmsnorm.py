@@ -94,6 +94,7 @@ class RMSNormFn(torch.autograd.Function):
         return dx, dw_part.sum(0).to(weight.dtype), None
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x's rows (fp32 statistic) times weight, in x's dtype, by the kernels."""
     return RMSNormFn.apply(x, weight, eps)

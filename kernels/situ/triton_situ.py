@@ -72,5 +72,6 @@ class SiTUGLUTriton(torch.autograd.Function):
         return dg, du, None, None
 
 
+@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
 def situ_glu_triton(gate, up, beta_gate=4.0, beta_up=25.0):
     return SiTUGLUTriton.apply(gate, up, float(beta_gate), float(beta_up))

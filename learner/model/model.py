@@ -32,6 +32,14 @@ from .vision_preprocess import MediaBatch, preprocess_media
 FP32_PARAM_SUFFIXES = KDA_FP32_PARAMS + ("gate.e_score_correction_bias",)
 
 
+def allow_layer_recompiles(num_layers: int) -> None:
+    """Raise dynamo's recompile limits so that a compiled per-layer function holds a guard set for each
+    layer variant (mixer, FFN, AttnRes bank length, shapes) instead of falling back to eager at 8."""
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, 4 * num_layers)  # alias of recompile_limit
+    dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, 16 * num_layers)
+
+
 class K3DecoderLayer(nn.Module):
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
@@ -175,6 +183,17 @@ class K3ForCausalLM(nn.Module):
             else:
                 kda[layer.layer_idx] = attn.new_cache(batch_size, dtype, device)
         return K3Cache(kda, mla, torch.zeros(batch_size, dtype=torch.int64, device=device))
+
+    def compile_layers(self, **options) -> K3ForCausalLM:
+        """Regional `torch.compile`: each decoder layer compiled in place (`nn.Module.compile`, so
+        parameter names and state dicts are unchanged), fusing the many small elementwise kernels
+        between the layer's matmuls and Triton kernels. Layers of one shape (mixer, FFN, AttnRes
+        bank length) share a compiled graph; the recompile limit is raised to hold every variant.
+        The first forward of each variant compiles (minutes on a CPU, less on a GPU)."""
+        allow_layer_recompiles(len(self.model.layers))
+        for layer in self.model.layers:
+            layer.compile(**options)
+        return self
 
     def moe_layers(self) -> list[StableLatentMoE]:
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
