@@ -102,6 +102,9 @@ def test_vllm_needs_a_checkpoint_and_no_routing_replay():
     assert "learner.routing_replay: rollout.engine 'vllm' does not return the routed experts" in msg
     assert "set learner.routing_replay: false" in msg
     assert "model.checkpoint: rollout.engine 'vllm' serves an HF-layout checkpoint directory" in msg
+    assert "rollout.compile_decode" not in msg
+    assert "rollout.compile_decode: compiles the embedded engine's decode step" in refusal(
+        "rollout.engine=vllm", "rollout.compile_decode=true")
     cfg = JobConfig.load(None, ["rollout.engine=vllm", "learner.routing_replay=false", "model.checkpoint=/ckpt"])
     assert cfg.rollout.engine == "vllm"
 

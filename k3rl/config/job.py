@@ -123,6 +123,9 @@ class JobConfig(_Section):
             problems.append(("learner.routing_replay", "rollout.engine 'vllm' does not return the routed experts "
                                                        "that routing replay trains with; set "
                                                        "learner.routing_replay: false (or rollout.engine: embedded)"))
+        if self.rollout.compile_decode:
+            problems.append(("rollout.compile_decode", "compiles the embedded engine's decode step; vLLM compiles "
+                                                       "its own: set false with rollout.engine: vllm"))
         if not self.model.checkpoint:
             problems.append(("model.checkpoint", "rollout.engine 'vllm' serves an HF-layout checkpoint directory; "
                                                  "set model.checkpoint to one (save_hf writes it), or use "
