@@ -242,7 +242,8 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--batch-tokens", type=int, default=None, help="tokens per step (default 2048 cpu, 65536 cuda)"
     )
-    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="default 1024 cpu, 16384 cuda")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="default 1024 cpu; on cuda the whole step (65536: one micro-batch, 87 GiB for k3-small)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
     gpu = device.type == "cuda"
     args.seq_len = args.seq_len or (4096 if gpu else 512)
     args.batch_tokens = args.batch_tokens or (65536 if gpu else 2048)
-    args.micro_batch_tokens = args.micro_batch_tokens or (16384 if gpu else 1024)
+    args.micro_batch_tokens = args.micro_batch_tokens or (args.batch_tokens if gpu else 1024)
     if args.seq_len <= args.prompt_len:
         ap.error("--seq-len must exceed --prompt-len")
 
