@@ -31,6 +31,7 @@ from k3rl.metrics import eval_metrics, rollout_metrics, step_metrics, step_table
 
 console = Console()
 LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
+SFT_PIECE = 10  # SFT steps per call to the learner: the warm start reports its loss every SFT_PIECE steps
 
 
 async def within(awaitable, seconds: float, what: str):
@@ -226,9 +227,16 @@ class Job:
         if cfg.learner.sft_steps > 0:
             demos = ray.remote(num_cpus=0)(collect_demonstration_sets).remote(cfg, self.run_dir.name,
                                                                               cfg.learner.sft_episodes)
-            sft = await within(self.learner.call("sft", demos, cfg.learner.sft_steps), 4 * TRAIN_STEP_S, "the SFT warm start")
-            for i, m in enumerate(sft):
-                self.tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
+            sft, total, t0 = [], cfg.learner.sft_steps, time.monotonic()
+            while len(sft) < total:  # in pieces: the loss shows up (console, MLflow) while the warm start runs
+                n = min(SFT_PIECE, total - len(sft))
+                piece = await within(self.learner.call("sft", demos, n, len(sft)), TRAIN_STEP_S,
+                                     f"SFT steps {len(sft) + 1}-{len(sft) + n}")
+                for i, m in enumerate(piece, start=len(sft)):
+                    self.tracker.log_metrics({f"sft/{k}": v for k, v in m.items()}, step=i)
+                sft += piece
+                console.log(f"SFT step {len(sft)}/{total}: loss {piece[-1].get('loss', float('nan')):.4f} "
+                            f"({time.monotonic() - t0:.0f}s)")
             phases = f" ({len(cfg.learner.sft_phases) + 1} phases)" if cfg.learner.sft_phases else ""
             console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes{phases}, {len(sft)} steps, loss "
                         f"{sft[0].get('loss', float('nan')):.3f} -> {sft[-1].get('loss', float('nan')):.3f}")

@@ -55,6 +55,7 @@ class LearnerActor:
         self.cfg = JobConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = rank, world_size
+        self._sft_rng, self._sft_next = random.Random(self.cfg.learner.seed), 0  # the warm start's draws, its next step
         self.pool = pool  # the PoolActor the weights go to (used by rank 0)
         self.device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
         self.trainer = None
@@ -85,21 +86,28 @@ class LearnerActor:
             self.transport = make_transport(self.cfg, self.device)
 
     # ----- training -----------------------------------------------------------------------------
-    def sft(self, demo_sets: list[list[Trajectory]], steps: int) -> list[dict[str, float]]:
-        """`steps` SFT steps, each on learner.sft_batch demonstrations (one RL batch unless set): of demo_sets[0], and from
-        learner.sft_phases[k].from_step on of demo_sets[k + 1]; then the KL term's reference becomes the
-        warm-started policy."""
+    def sft(self, demo_sets: list[list[Trajectory]], steps: int, start: int = 0) -> list[dict[str, float]]:
+        """SFT steps start .. start + steps - 1, each on learner.sft_batch demonstrations (one RL batch unless
+        set): of demo_sets[0], and from learner.sft_phases[k].from_step on of demo_sets[k + 1]. The driver
+        calls it in pieces to show progress; the demonstrations drawn do not depend on the pieces (one RNG
+        from step 0). After step learner.sft_steps - 1 the KL term's reference becomes the warm-started policy."""
         starts = [p.from_step for p in self.cfg.learner.sft_phases]
         if len(demo_sets) != len(starts) + 1:
             raise ValueError(f"sft: {len(demo_sets)} demonstration sets for {len(starts)} learner.sft_phases; "
                              "pass one set, then one per phase")
-        rng = random.Random(self.cfg.learner.seed)
+        if start == 0:
+            self._sft_rng = random.Random(self.cfg.learner.seed)
+        elif start != self._sft_next:
+            raise ValueError(f"sft: asked to start at step {start}, but the warm start is at step "
+                             f"{self._sft_next}; SFT steps run in order from 0")
         batch = self.cfg.learner.sft_batch or self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         out = []
-        for i in range(steps):
+        for i in range(start, start + steps):
             demos = demo_sets[sum(i >= s for s in starts)]
-            out.append(self.trainer.sft_step(rng.sample(demos, k=min(len(demos), batch))))
-        self.trainer.reset_reference()  # collective under FSDP
+            out.append(self.trainer.sft_step(self._sft_rng.sample(demos, k=min(len(demos), batch))))
+        self._sft_next = start + steps
+        if self._sft_next >= self.cfg.learner.sft_steps:
+            self.trainer.reset_reference()  # collective under FSDP
         return out
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:

@@ -44,6 +44,24 @@ def test_sft_trains_each_phase_on_its_own_demonstrations(tmp_path):
     assert all(m["loss_tokens"] in one for m in actor.sft([long], 2))
 
 
+def test_sft_in_pieces_trains_as_one_call(tmp_path):
+    """The driver runs the warm start in pieces (k3rl/job.py, SFT_PIECE) to report its loss as it goes:
+    the same demonstrations, phases and weights as one call; a piece out of order is refused."""
+    cfg = _cfg("learner.sft_steps=5", "learner.sft_phases=[{from_step: 2, env_kwargs: {x: 1}}]")
+    sets = [make_trajectories(0, n=4), make_trajectories(1, n=4, max_completion=12)]
+    whole = LearnerActor(cfg.to_dict(), str(tmp_path / "a"))
+    whole.setup(None)
+    one = whole.sft(sets, 5)
+    pieces = LearnerActor(cfg.to_dict(), str(tmp_path / "b"))
+    pieces.setup(None)
+    with pytest.raises(ValueError, match="asked to start at step 3, but the warm start is at step 0"):
+        pieces.sft(sets, 2, 3)
+    parts = pieces.sft(sets, 3) + pieces.sft(sets, 2, 3)
+    assert [m["loss"] for m in parts] == [m["loss"] for m in one]
+    for (name, a), b in zip(whole.trainer.model.state_dict().items(), pieces.trainer.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_interrupted_save_leaves_latest_at_the_previous_step(tmp_path):
     actor = LearnerActor(_cfg().to_dict(), str(tmp_path))
     actor.setup(None)
