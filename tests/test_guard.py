@@ -85,7 +85,7 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
     from k3rl.job import run_job
 
     cfg = JobConfig.load(DEMO, [
-        "learner.sft_steps=20", "learner.sft_episodes=128", "learner.sft_lr=0.01", "learner.lr=0.05",
+        "learner.sft_steps=20", "learner.sft_phases=[]", "learner.sft_batch=null", "learner.sft_episodes=128", "learner.sft_lr=0.01", "learner.lr=0.05",
         "learner.steps=2", "learner.checkpoint_every=1", "learner.eval_before_training=false",
         "learner.guard.enabled=true", "learner.guard.baseline_steps=1", "learner.guard.patience=1",
         "learner.guard.max_rise=0.2",

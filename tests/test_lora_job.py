@@ -25,7 +25,7 @@ def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_pat
 
     runs, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/runs/mlflow.db"
     sets = ["name=lora", "tracking.run_name=lora", "rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_policy_lag=0",
-            "learner.steps=2", "learner.checkpoint_every=1", "learner.sft_steps=2", "learner.sft_episodes=4",
+            "learner.steps=2", "learner.checkpoint_every=1", "learner.sft_steps=2", "learner.sft_phases=[]", "learner.sft_episodes=4",
             "learner.sft_lr=0.05", "learner.lr=0.05", "learner.eval_before_training=false", "tracking.eval_every=0",
             "learner.lora.rank=4", "learner.lora.alpha=8", "learner.lora.sync=adapters",
             "learner.lora.targets=[attention,shared_experts,routed_experts,latent]",
