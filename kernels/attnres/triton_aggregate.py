@@ -3,7 +3,7 @@
 Per token row, S sources v_i [d] in their dtype, the query q = gamma * w [d] in fp32:
     r_i = 1 / sqrt(mean_d v_i^2 + eps),  l_i = r_i (v_i . q),  a = softmax_i(l),  h = sum_i a_i v_i
 Backward, given dh (g_i = dh . v_i):
-    dl_i = a_i (g_i - sum_j a_j g_j)
+    dl_i = a_i (g_i - sum_j a_j g_j),    sum_j a_j g_j = dh . h  (h before its rounding)
     dv_i = a_i dh + dl_i (r_i q - r_i^2 l_i v_i / d)      (r_i^3 (v_i . q) = r_i^2 l_i)
     dq   = sum_rows sum_i dl_i r_i v_i
 
@@ -12,8 +12,10 @@ source once: an online softmax over the sources (running max m, normaliser z, nu
 no second pass. Only l and r (fp32, S per row) are kept for backward; no [S, T, d] tensor is made in
 fp32 or stacked. The sources reach the kernels as a tuple of pointers (S is a compile-time constant,
 one specialisation per source count), the source gradients leave as a tuple of separate tensors.
-Backward reads the sources twice (g_i for sum_j a_j g_j, then dv_i); dq is summed per program in
-fp32, then over the programs.
+Backward reads the sources once when h is fp32 (the learner under autocast: an fp32 embedding block
+first), taking sum_j a_j g_j = dh . h from the saved output; otherwise (h rounded to bf16 / fp16 would
+carry its rounding into a difference that can cancel) twice: sum_j a_j g_j first, then dv_i. dq is summed
+per program in fp32, then over the programs.
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 8192  # elements per row block (rows x padded d): d = 7168 is one row per program
+# elements per row block (rows x padded d): one row per program from d = 513 on. H200, 65,536 rows of
+# d = 768, an fp32 source then bf16 ones: 3 / 6 / 9 sources forward 212 / 451 / 827 us, backward 392 /
+# 750 / 1,205 us, against 354 / 625 / 1,639 and 1,190 / 2,205 / 3,536 us with 8 rows (8192) a block
+ROWS = 1024
 MAX_D = 16384  # widest row a program holds in registers
-MAX_PROGRAMS = 512  # backward programs at most, each over consecutive row blocks
+MAX_PROGRAMS = 8192  # backward programs at most, each over consecutive row blocks ...
+DQ_PARTIALS = 2**23  # ... and at most this many fp32 dq partials (programs x padded d): d = 7168, 1,024
+# programs 1,144 us, 8,192 programs 1,303 us (16,384 rows, 4 sources), the partials' sum grows
 
 
 @triton.jit
@@ -60,8 +67,8 @@ def softmax_weight(logit, rows, mr, n_rows, i, run_max, z):
 
 
 @triton.jit
-def aggregate_bwd_kernel(srcs, q, logit, rstd, dh, dsrcs, dq_part, n_rows, per_prog, S: tl.constexpr,
-                         D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):  # fmt: skip
+def aggregate_bwd_kernel(srcs, q, h, logit, rstd, dh, dsrcs, dq_part, n_rows, per_prog, S: tl.constexpr,
+                         D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, H_SAVED: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     md = cols < D
@@ -82,11 +89,14 @@ def aggregate_bwd_kernel(srcs, q, logit, rstd, dh, dsrcs, dq_part, n_rows, per_p
         z = tl.zeros([BR], dtype=tl.float32)
         for i in tl.static_range(S):
             z += tl.exp(tl.load(logit + i * n_rows + rows, mask=mr, other=0.0) - run_max)
-        # gbar = sum_j a_j g_j
-        gbar = tl.zeros([BR], dtype=tl.float32)
-        for i in tl.static_range(S):
-            v = tl.load(srcs[i] + off, mask=m, other=0.0).to(tl.float32)
-            gbar += softmax_weight(logit, rows, mr, n_rows, i, run_max, z) * tl.sum(b_dh * v, axis=1)
+        # gbar = sum_j a_j g_j = dh . h: from the fp32 output when it was saved, else over the sources
+        if H_SAVED:
+            gbar = tl.sum(b_dh * tl.load(h + off, mask=m, other=0.0), axis=1)
+        else:
+            gbar = tl.zeros([BR], dtype=tl.float32)
+            for i in tl.static_range(S):
+                v = tl.load(srcs[i] + off, mask=m, other=0.0).to(tl.float32)
+                gbar += softmax_weight(logit, rows, mr, n_rows, i, run_max, z) * tl.sum(b_dh * v, axis=1)
         # dv_i and this block's share of dq
         for i in tl.static_range(S):
             v = tl.load(srcs[i] + off, mask=m, other=0.0).to(tl.float32)
@@ -121,22 +131,23 @@ class Aggregate(torch.autograd.Function):
         aggregate_fwd_kernel[(triton.cdiv(n, BR),)](
             srcs, q, h, logit, rstd, n, float(eps), S=len(srcs), D=d, BD=BD, BR=BR, num_warps=warps
         )  # fmt: skip
-        ctx.save_for_backward(q, logit, rstd, *srcs)
+        # an fp32 h is kept for the backward's dh . h (the next layer's norm keeps the same tensor)
+        ctx.save_for_backward(q, logit, rstd, h if h.dtype == torch.float32 else None, *srcs)
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        q, logit, rstd, *srcs = ctx.saved_tensors
+        q, logit, rstd, h, *srcs = ctx.saved_tensors
         S, n = logit.shape
         d = q.shape[0]
         BD, BR, warps = launch_settings(d)
-        per_prog = triton.cdiv(triton.cdiv(n, BR), MAX_PROGRAMS)
+        per_prog = triton.cdiv(triton.cdiv(n, BR), min(MAX_PROGRAMS, max(1, DQ_PARTIALS // BD)))
         grid = triton.cdiv(n, BR * per_prog)
         dsrcs = tuple(torch.empty_like(s) for s in srcs)
         dq_part = torch.empty(grid, d, dtype=torch.float32, device=q.device)
         aggregate_bwd_kernel[(grid,)](
-            tuple(srcs), q, logit, rstd, dh.contiguous(), dsrcs, dq_part, n, per_prog,
-            S=S, D=d, BD=BD, BR=BR, num_warps=warps,
+            tuple(srcs), q, h if h is not None else q, logit, rstd, dh.contiguous(), dsrcs, dq_part, n, per_prog,
+            S=S, D=d, BD=BD, BR=BR, H_SAVED=h is not None, num_warps=warps,
         )  # fmt: skip
         return dq_part.sum(0), None, *dsrcs
 

@@ -25,7 +25,8 @@ D = 7168
 def compile_kernel(kernel, S, first="bf16"):
     """first="fp32": the sources under autocast (an fp32 embedding block, then bf16 layer outputs)."""
     BD, BR, warps = ta.launch_settings(D)
-    consts = dict(S=S, D=D, BD=BD, BR=BR)
+    names = list(inspect.signature(kernel.fn).parameters)
+    consts = dict(S=S, D=D, BD=BD, BR=BR, **({"H_SAVED": first == "fp32"} if "H_SAVED" in names else {}))
     types = {
         **dict.fromkeys(["srcs", "dsrcs"], (f"*{first}",) + ("*bf16",) * (S - 1)),
         **dict.fromkeys(["h", "dh"], f"*{first}"),
@@ -33,7 +34,6 @@ def compile_kernel(kernel, S, first="bf16"):
         **dict.fromkeys(["n_rows", "per_prog"], "i32"),
         "eps": "fp32",
     }
-    names = list(inspect.signature(kernel.fn).parameters)
     sig = {n: "constexpr" if n in consts else types[n] for n in names}
     attrs = {}  # every pointer 16-byte aligned, as the launcher specialises torch's allocations
     for i, n in enumerate(names):
