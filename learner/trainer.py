@@ -419,7 +419,7 @@ class Trainer:
         (LR: cosine over `sft_steps` peaking at `sft_lr`)."""
         t0 = time.perf_counter()
         mbs, total_positions = self._micro_batches(trajectories, None)
-        lr = lr_at(self.sft_step_count, max(1, self.cfg.sft_steps), self.cfg.sft_lr, self.cfg.warmup_ratio,
+        lr = lr_at(self.sft_step_count, max(1, self.cfg.sft_steps), self.cfg.sft_lr, self.cfg.sft_warmup_ratio,
                    self.cfg.min_lr_ratio)
         self.model.train()
         sums: dict[str, torch.Tensor] = {}

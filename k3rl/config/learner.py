@@ -144,7 +144,7 @@ class LearnerSection(_Section):
     lr: float = Field(3e-3, gt=0, description="RL peak learning rate; in a job left unset it is the preset's "
                                                "post-training rate (POST_TRAINING_LR)")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_ratio: float = Field(0.01, ge=0, lt=1)
+    warmup_ratio: float = Field(0.01, ge=0, lt=1, description="linear warmup of the RL steps' rate, as a share of learner.steps")
     weight_decay: float = Field(0.1, ge=0)
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.28, ge=0)
@@ -184,6 +184,8 @@ class LearnerSection(_Section):
     steps: int = Field(20, ge=0)
     checkpoint_every: int = Field(10, ge=0)
     sft_steps: int = Field(0, ge=0, description="SFT warm start on oracle demonstrations")
+    sft_warmup_ratio: float = Field(0.01, ge=0, lt=1, description="linear warmup of the SFT rate (sft_lr), as a share "
+                                    "of sft_steps; apart from warmup_ratio, which is the RL steps'")
     sft_lr: float = Field(3e-3, gt=0, description="SFT warm-start peak learning rate; in a job left unset it is "
                                                    "the preset's (POST_TRAINING_LR)")
     sft_episodes: int = Field(64, ge=0)

@@ -108,6 +108,14 @@ def test_load_checkpoint_errors(tmp_path):
         trainer().load_checkpoint(tmp_path)
 
 
+def test_sft_and_rl_steps_warm_up_apart():
+    """learner.sft_warmup_ratio ramps the SFT rate, warmup_ratio the RL steps' (the demo's RL warmup of 0.2
+    once ramped its SFT too: 26 of 130 steps, a warm start that copied less)."""
+    t = trainer(sft_steps=10, sft_lr=1e-3, steps=10, lr=1e-4, warmup_ratio=0.5, sft_warmup_ratio=0.01)
+    assert t.sft_step(make_trajectories(5, n=4))["lr"] == pytest.approx(1e-3)  # one warmup step: the peak
+    assert t.train_step(make_trajectories(6, n=4))["lr"] == pytest.approx(1e-4 / 5)  # 5 warmup steps
+
+
 def test_sft_lowers_the_nll_of_demonstrations():
     t = trainer(sft_steps=6, sft_lr=3e-3)
     demos = make_trajectories(5, n=4)
