@@ -55,7 +55,7 @@ class LearnerActor:
         self.cfg = JobConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
         self.rank, self.world_size = rank, world_size
-        self._sft_rng, self._sft_next = random.Random(self.cfg.learner.seed), 0  # the warm start's draws, its next step
+        self._sft_rng, self._sft_next = None, 0  # the warm start's draws (made at its step 0), its next step
         self.pool = pool  # the PoolActor the weights go to (used by rank 0)
         self.device = "cuda" if self.cfg.learner.gpus > 0 and torch.cuda.is_available() else "cpu"
         self.trainer = None
