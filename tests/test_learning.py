@@ -34,7 +34,7 @@ def test_short_job_learns_keylookup(tmp_path, seed):
         f"model.seed={seed}", f"learner.seed={seed}",
         "learner.steps=4", "learner.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
         # the held-out eval of the warm start only (step 0), greedy (16 tasks) and one sample each
-        "tracking.eval_every=0", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
+        "tracking.eval_every=0", "envs.eval.0.num_tasks=16", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
         "tracking.sample_episodes=0", f"tracking.runs_dir={tmp_path}/runs",
         f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=learn{seed}", "tracking.run_name=null",
     ])
