@@ -34,6 +34,7 @@ from torch import nn
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.moe import latent_experts, permute_by_expert
 
+from .model.common import autocast_dtype
 from .model.moe import RoutedExperts
 
 __all__ = [
@@ -120,8 +121,7 @@ class ExpertParallelExperts(nn.Module):
         """(z, w1, w3, w2) in the dtype the experts compute in: the autocast dtype under autocast
         (as RoutedExperts: the op is not an autocast op), else the weights' dtype."""
         w1, w3, w2 = self.w1, self.w3, self.w2
-        if torch.is_autocast_enabled(z.device.type):
-            dt = torch.get_autocast_dtype(z.device.type)
+        if (dt := autocast_dtype(z)) is not None:
             return z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
         return z.to(w1.dtype), w1, w3, w2
 

@@ -293,19 +293,28 @@ class PerHeadMuon(torch.optim.Optimizer):
 
     # -- Muon --------------------------------------------------------------------------
     def _muon_step(self, groups: list[dict]) -> None:
-        # 1. momentum + Nesterov input per parameter; cut each into blocks [n, r, c].
+        # 1. momentum + Nesterov input per parameter (one foreach kernel a list, not one a tensor);
+        #    cut each into blocks [n, r, c].
         work = []  # (param, group, blocks [n, r, c] full-size)
         for g in groups:
             mu = g["momentum"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buf = state["momentum_buffer"]
-                buf.mul_(mu).add_(p.grad)  # M <- mu M + G
-                u = p.grad.add(buf, alpha=mu) if g["nesterov"] else buf  # U = G + mu M
+            params = [p for p in g["params"] if p.grad is not None]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            grads = [p.grad for p in params]
+            if not params:
+                continue
+            if any(_is_dtensor(p) for p in params):  # per tensor: DTensor's foreach coverage varies by version
+                for buf, grad in zip(bufs, grads, strict=True):
+                    buf.mul_(mu).add_(grad)
+                us = [grad.add(buf, alpha=mu) for buf, grad in zip(bufs, grads, strict=True)] if g["nesterov"] else bufs
+            else:
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, grads)  # M <- mu M + G
+                us = torch._foreach_add(grads, bufs, alpha=mu) if g["nesterov"] else bufs  # U = G + mu M
+            for p, u in zip(params, us, strict=True):
                 u = _full(u)
                 rows = g["block_rows"] or u.shape[-2]
                 work.append((p, g, u.reshape(-1, rows, u.shape[-1])))
@@ -327,31 +336,55 @@ class PerHeadMuon(torch.optim.Optimizer):
                 out = _split_ns_over_ranks(stacked, steps, self.ns_backend, group)
             for i, part in zip(idx, out.split([work[i][2].shape[0] for i in idx], dim=0), strict=True):
                 ortho[i] = part
-        # 3. decoupled weight decay and the scaled update.
+        # 3. decoupled weight decay and the scaled update, by foreach over the plain tensors that share
+        #    a rate and a scale (a DTensor takes its local slice of the update first).
+        batches: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
         for i, (p, g, blocks) in enumerate(work):
             r, c = blocks.shape[1:]
             update = _like_param(ortho[i].reshape(p.shape), p)  # a DTensor reports its global shape
-            p.mul_(1 - g["lr"] * g["weight_decay"])  # W <- W (1 - lr wd)
-            p.add_(update, alpha=-g["lr"] * muon_update_scale(r, c))  # W <- W - lr 0.2 sqrt(max(r,c)) O
+            if _is_dtensor(p):
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(update, alpha=-g["lr"] * muon_update_scale(r, c))
+                continue
+            ps, ups = batches[(g["lr"], g["weight_decay"], muon_update_scale(r, c))]
+            ps.append(p)
+            ups.append(update)
+        for (lr, wd, scale), (ps, ups) in batches.items():
+            torch._foreach_mul_(ps, 1 - lr * wd)  # W <- W (1 - lr wd)
+            torch._foreach_add_(ps, ups, alpha=-lr * scale)  # W <- W - lr 0.2 sqrt(max(r,c)) O
 
     # -- AdamW -------------------------------------------------------------------------
     def _adamw_step(self, g: dict) -> None:
         b1, b2 = g["betas"]
+        by_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # foreach lists share a bias correction
         for p in g["params"]:
             if p.grad is None:
                 continue
-            grad = p.grad
             state = self.state[p]
             if not state:
                 state["step"] = 0
                 state["exp_avg"] = torch.zeros_like(p)
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
-            t = state["step"]
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-            m.lerp_(grad, 1 - b1)  # m <- b1 m + (1 - b1) g
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)  # v <- b2 v + (1 - b2) g^2
+            by_step[state["step"]].append(p)
+        for t, params in by_step.items():
             bc1, bc2 = 1 - b1**t, 1 - b2**t
-            denom = (v.sqrt() / math.sqrt(bc2)).add_(g["eps"])  # sqrt(v_hat) + eps
-            p.mul_(1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
-            p.addcdiv_(m, denom, value=-g["lr"] / bc1)  # W <- W - lr m_hat / (sqrt(v_hat) + eps)
+            ms = [self.state[p]["exp_avg"] for p in params]
+            vs = [self.state[p]["exp_avg_sq"] for p in params]
+            grads = [p.grad for p in params]
+            if any(_is_dtensor(p) for p in params):  # per tensor: DTensor's foreach coverage varies by version
+                for p, m, v, grad in zip(params, ms, vs, grads, strict=True):
+                    m.lerp_(grad, 1 - b1)
+                    v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                    denom = (v.sqrt() / math.sqrt(bc2)).add_(g["eps"])
+                    p.mul_(1 - g["lr"] * g["weight_decay"])
+                    p.addcdiv_(m, denom, value=-g["lr"] / bc1)
+                continue
+            torch._foreach_lerp_(ms, grads, 1 - b1)  # m <- b1 m + (1 - b1) g
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)  # v <- b2 v + (1 - b2) g^2
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, math.sqrt(bc2))
+            torch._foreach_add_(denom, g["eps"])  # sqrt(v_hat) + eps
+            torch._foreach_mul_(params, 1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
+            torch._foreach_addcdiv_(params, ms, denom, value=-g["lr"] / bc1)  # W <- W - lr m_hat / (sqrt(v_hat) + eps)

@@ -35,7 +35,7 @@ from k3rl.kernels.moe.router import route_topk
 from k3rl.kernels.moe.triton_decode_experts import decode_experts_triton
 from k3rl.kernels.situ import situ_glu
 from k3rl.learner.model.attnres import aggregate
-from k3rl.learner.model.common import fp32_island
+from k3rl.learner.model.common import autocast_dtype, fp32_island
 from k3rl.learner.model.kda import KimiDeltaAttention
 from k3rl.learner.model.model import allow_layer_recompiles
 from k3rl.learner.model.moe import MoEGate
@@ -76,8 +76,7 @@ def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) ->
 def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """RoutedExperts.forward without latent_experts' input checks (and without its syncs on CUDA)."""
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
-    if torch.is_autocast_enabled(z.device.type):  # not an autocast op: cast like one (as RoutedExperts does)
-        dt = torch.get_autocast_dtype(z.device.type)
+    if (dt := autocast_dtype(z)) is not None:  # not an autocast op: cast like one (as RoutedExperts does)
         w1, w3, w2 = w1.to(dt), w3.to(dt), w2.to(dt)
     z = z.to(w1.dtype)
     few = 4 * idx.numel() <= w1.shape[0]  # few routes: their experts read in place, two kernels

@@ -4,8 +4,9 @@ For each matrix X of the batch: X <- X / (||X||_F + 1e-7); work on X^T when rows
 5 times  A = X X^T,  X <- a X + (b A + c A^2) X  with (a, b, c) = (3.4445, -4.7750, 2.0315).
 
 There is no Triton kernel: the work is three batched GEMMs per step, which cuBLAS runs at
-tensor-core speed in bf16 (``torch.matmul`` on [..., r, c] batches), so "triton" and "auto"
-on CUDA use that batched bf16 path; "torch" and CPU use the same code in fp32.
+tensor-core speed in bf16 (``bmm`` / ``baddbmm`` on [N, r, c] batches, the sums b A + c A^2 and
+a X + B X in the GEMMs' epilogues), so "triton" and "auto" on CUDA use that batched bf16 path;
+"torch" and CPU use the same code in fp32.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, backend="a
     low = G.is_cuda and backend != "torch"
     dt = torch.bfloat16 if low else (torch.float64 if G.dtype == torch.float64 else torch.float32)
     a, b, c = NS_COEFFS
-    X = G.to(dt)
-    X = X / (torch.linalg.matrix_norm(X.float(), ord="fro", keepdim=True) + eps).to(dt)  # Frobenius-normalise
+    X = G.reshape(-1, *G.shape[-2:])  # [N, r, c]: the batched GEMMs below take one batch dim
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(X.dtype, torch.float32))  # ||X||_F, fp32 at least
+    X = (X / (norm + eps)).to(dt)  # Frobenius-normalise, then narrow (one pass: no widened copy of X)
     tall = G.shape[-2] > G.shape[-1]
     if tall:
         X = X.mT  # iterate on the wide orientation: A = X X^T is the small Gram matrix
     for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X  # X <- a X + (b A + c A^2) X
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # B = b A + c A^2, one GEMM with its epilogue
+        X = torch.baddbmm(X, B, X, beta=a)  # X <- a X + B X
     if tall:
         X = X.mT
-    return X.to(G.dtype)
+    return X.to(G.dtype).reshape(G.shape)
 
 
 def newton_schulz_loop(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, backend="auto") -> torch.Tensor:

@@ -22,6 +22,27 @@ def fp32_island(x: torch.Tensor):
         yield
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes x's matmuls in on x's device, or None outside autocast."""
+    dev = x.device.type
+    if dev != "meta" and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def matmul_input(x: torch.Tensor) -> torch.Tensor:
+    """x cast once to the autocast dtype, for a mixer whose several projections read it.
+
+    Autocast casts an fp32 activation again at every linear that reads it, and its backward widens
+    each of their input gradients to fp32 before summing them: a KDA layer's five projections cost
+    five casts forward and five widenings and four fp32 sums backward (the dtype-copy count of
+    benchmarks/dtype_copies.py). Cast once, the forward values are the same bits; the projections'
+    input gradients are summed in the autocast dtype and widened once. A no-op outside autocast.
+    """
+    dt = autocast_dtype(x)
+    return x.to(dt) if dt is not None and x.is_floating_point() and x.dtype != dt else x
+
+
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps), statistic in fp32, result in fp32."""
     xf = x.float()
@@ -61,6 +82,7 @@ class SiTUGLUMLP(nn.Module):
         self.beta_gate, self.beta_up = beta_gate, beta_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = matmul_input(x)
         act = situ_glu(self.gate_proj(x), self.up_proj(x), beta_gate=self.beta_gate, beta_up=self.beta_up)
         return self.down_proj(act)
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from k3rl.kernels.kda import chunk_kda, fused_recurrent_kda, output_norm_gate, short_conv
 
-from .common import fp32_island
+from .common import fp32_island, matmul_input
 from .config import K3Config
 
 # Parameter names (suffixes) that must stay fp32 whatever the model dtype (§1.5).
@@ -101,22 +101,23 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError("KDA: packed cu_seqlens and a decode cache cannot be combined; decode unpacked batches")
 
         # 1-2. projections and short convolutions (fp32 weights, SiLU)
+        xm = matmul_input(x)  # the projections' input, cast once under autocast (b_proj reads x in fp32)
         if context_parallel is not None:  # one exchange for the three (the conv is per channel)
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            qkv = torch.cat([self.q_proj(xm), self.k_proj(xm), self.v_proj(xm)], dim=-1)
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
             q, k, v = context_parallel.short_conv(qkv, w, cu_seqlens).split(P, dim=-1)
         else:
             left_q = left_k = left_v = None
             if cache is not None:
                 left_q, left_k, left_v = cache.conv.split(P, dim=-1)
-            q, cq = short_conv(self.q_proj(x), self.q_conv1d.weight, left_q, cu_seqlens, self.backend)
-            k, ck = short_conv(self.k_proj(x), self.k_conv1d.weight, left_k, cu_seqlens, self.backend)
-            v, cv = short_conv(self.v_proj(x), self.v_conv1d.weight, left_v, cu_seqlens, self.backend)
+            q, cq = short_conv(self.q_proj(xm), self.q_conv1d.weight, left_q, cu_seqlens, self.backend)
+            k, ck = short_conv(self.k_proj(xm), self.k_conv1d.weight, left_k, cu_seqlens, self.backend)
+            v, cv = short_conv(self.v_proj(xm), self.v_conv1d.weight, left_v, cu_seqlens, self.backend)
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))  # channel c = h*D + d
 
         with fp32_island(x):
             beta = torch.sigmoid(F.linear(x.float(), self.b_proj.weight.float()))  # [B, T, H] fp32
-        z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)  # raw decay logit z~ (dt_bias added in the op)
+        z = self.f_b_proj(self.f_a_proj(xm)).reshape(B, T, H, D)  # raw decay logit z~ (dt_bias added in the op)
 
         # 3-8. recurrence with the in-kernel L2 norm of q, k, the q scale and the decay gate
         kda_args = dict(
@@ -146,6 +147,6 @@ class KimiDeltaAttention(nn.Module):
             cache.conv = torch.cat([cq, ck, cv], dim=-1)
 
         # 9. y = Wo [ sigmoid(x Wg^T) * RMSNorm_head(o) ], the norm and gate in fp32
-        gate = self.g_proj(x).reshape(B, T, H, D)
+        gate = self.g_proj(xm).reshape(B, T, H, D)
         y = output_norm_gate(o, gate, self.o_norm.weight, self.norm_eps, self.o_proj.weight.dtype, self.backend)
         return self.o_proj(y.reshape(B, T, P))

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import autocast_dtype
+
 
 def default_chunk_tokens(vocab_size: int, chunk_bytes: int = 256 << 20) -> int:
     """Tokens per chunk so that one chunk's fp32 logits take about `chunk_bytes`."""
@@ -82,8 +84,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     Under autocast the product runs in the autocast dtype, as `nn.Linear` would."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [T, d] and targets [T]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
-    if hidden.device.type != "meta" and torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
+    if (dtype := autocast_dtype(hidden)) is not None:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     elif weight.dtype != hidden.dtype:
         hidden = hidden.to(weight.dtype)

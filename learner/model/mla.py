@@ -21,7 +21,7 @@ from torch import nn
 
 from k3rl.kernels.attention import causal_attention
 
-from .common import RMSNorm, fp32_island
+from .common import RMSNorm, fp32_island, matmul_input
 from .config import K3Config
 
 
@@ -121,6 +121,7 @@ class GatedMLA(nn.Module):
         rank's shard of one packed sequence and `cu_seqlens` the whole sequence's documents: its
         queries attend over the whole sequence's latent (gathered from every rank)."""
         B, T, _ = x.shape
+        x = matmul_input(x)  # three projections read x: cast once under autocast
         q = self.queries(x)
         lat = self.latent(x)
         if context_parallel is not None:

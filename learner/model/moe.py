@@ -18,7 +18,7 @@ from torch import nn
 
 from k3rl.kernels.moe import latent_experts
 
-from .common import RMSNorm, SiTUGLUMLP, fp32_island
+from .common import RMSNorm, SiTUGLUMLP, autocast_dtype, fp32_island, matmul_input
 from .config import K3Config
 from .quantile_balance import QuantileBalancer
 
@@ -90,8 +90,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         w1, w3, w2 = self.w1, self.w3, self.w2
-        if torch.is_autocast_enabled(z.device.type):  # the op is not an autocast op: cast like one
-            dt = torch.get_autocast_dtype(z.device.type)
+        if (dt := autocast_dtype(z)) is not None:  # the op is not an autocast op: cast like one
             z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
         elif z.dtype != w1.dtype:
             z = z.to(w1.dtype)
@@ -117,10 +116,11 @@ class StableLatentMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         p, routing = self.gate(flat, replay_idx)
-        z = self.routed_expert_down_proj(flat)  # once per token, before dispatch
+        flat_mm = matmul_input(flat)  # the router reads flat in fp32; the projections, cast once
+        z = self.routed_expert_down_proj(flat_mm)  # once per token, before dispatch
         u = self.experts(z, routing.topk_idx, p)  # [N, l], fp32 combine inside the op
         routed = self.routed_expert_up_proj(self.routed_expert_norm(u))
-        y = self.shared_experts(flat) + routed
+        y = self.shared_experts(flat_mm) + routed
         return y.reshape(shape), routing
 
     @torch.no_grad()

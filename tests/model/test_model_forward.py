@@ -72,6 +72,51 @@ def test_bf16_autocast_keeps_fp32_islands():
     assert err < 0.1 and cos > 0.999, f"bf16 autocast: relative error {err}, cosine {cos}"
 
 
+def test_mixers_cast_their_shared_input_once_under_autocast(monkeypatch):
+    """Each mixer casts the normed residual once for its projections (not once per projection):
+    the forward is the same bits as autocast's per-linear casts, the gradients agree to bf16
+    rounding (summed in bf16, widened once), and a step writes fewer fp32 -> bf16 copies."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k3rl.learner.model import common, kda, mla, moe
+
+    class Casts(TorchDispatchMode):  # fp32 -> bf16 copies of activations [1, T, d] / [T, d]
+        def __init__(self, d):
+            super().__init__()
+            self.d, self.n = d, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32 \
+                    and out.dtype == torch.bfloat16 and args[0].shape[-1] == self.d and args[0].numel() > self.d:
+                self.n += 1
+            return out
+
+    cfg = K3Config.preset("k3-tiny")
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(4))
+
+    def run():
+        torch.manual_seed(0)
+        model = K3ForCausalLM(cfg).train()
+        counter = Casts(cfg.hidden_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16), counter:
+            out = model(ids)
+            out.float().square().mean().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, counter.n
+
+    once, grads_once, casts_once = run()
+    for mod in (common, kda, mla, moe):  # autocast's own per-linear casts, as before the change
+        monkeypatch.setattr(mod, "matmul_input", lambda x: x)
+    each, grads_each, casts_each = run()
+    assert torch.equal(once, each)  # the same bf16 values reach every projection
+    assert grads_once.keys() == grads_each.keys()
+    for name, g in grads_each.items():  # (zero-initialised AttnRes queries: zero gradients in both)
+        err = (grads_once[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 0.05 or g.norm() == grads_once[name].norm() == 0, f"{name}: relative gradient error {err}"
+    # k3-tiny: 5 -> 1 in each KDA layer, 3 -> 1 in each MLA layer, 2 -> 1 in each MLP / shared expert
+    assert casts_once < casts_each - cfg.num_hidden_layers, (casts_once, casts_each)
+
+
 def test_input_errors_are_clear():
     model = make_tiny()
     with pytest.raises(ValueError, match=r"input_ids must be \[B, T\]"):
