@@ -15,7 +15,7 @@ from k3rl.kernels.kda import triton_short_conv as tc  # noqa: E402
 
 TYPES = {  # argument -> Triton type; bf16 activations, fp32 weights and partial sums
     **dict.fromkeys(["x", "left", "y", "dy", "dx", "o", "g", "do", "dg"], "*bf16"),
-    **dict.fromkeys(["w", "dw_part", "rstd"], "*fp32"),
+    **dict.fromkeys(["w", "dw_part", "rstd", "da"], "*fp32"),
     "pos": "*i32",
     **dict.fromkeys(["T", "C", "NT", "n_rows", "per_prog"], "i32"),
     "eps": "fp32",
@@ -33,9 +33,10 @@ def main():
     gate = dict(D=128, BD=BD, BR=BR)
     print(json.dumps({
         "short_conv_fwd": shared_bytes(tc.short_conv_fwd_kernel, conv),
-        "short_conv_bwd": shared_bytes(tc.short_conv_bwd_kernel, conv),
+        "short_conv_da": shared_bytes(tc.short_conv_da_kernel, conv),
+        "short_conv_dx": shared_bytes(tc.short_conv_dx_kernel, dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True)),
         "short_conv_fwd_left": shared_bytes(tc.short_conv_fwd_kernel, decode),
-        "short_conv_bwd_left": shared_bytes(tc.short_conv_bwd_kernel, decode),
+        "short_conv_da_left": shared_bytes(tc.short_conv_da_kernel, decode),
         "norm_gate_fwd": shared_bytes(tg.norm_gate_fwd_kernel, gate),
         "norm_gate_bwd": shared_bytes(tg.norm_gate_bwd_kernel, gate),
     }))  # fmt: skip
