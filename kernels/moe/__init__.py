@@ -71,6 +71,40 @@ def combine(y_sorted, order, token_of_route, topk_weight, N, dtype):
     return out.to(dtype)
 
 
+def route_positions(order: torch.Tensor, pos: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """[N, k] buffer row of each route (n, j), from pos [N k] given in expert-sorted order."""
+    return torch.empty_like(pos).scatter_(0, order, pos).view(topk_idx.shape)
+
+
+def route_dispatch_reference(z: torch.Tensor, pos: torch.Tensor, M: int) -> torch.Tensor:
+    """X [M, l]: X[pos[n, j]] = z[n], the other rows zero (kernels/moe/triton_routes.py)."""
+    return z.new_zeros(M, z.shape[1]).index_copy(0, pos.reshape(-1), z.repeat_interleave(pos.shape[1], dim=0))
+
+
+def route_combine_reference(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """u [N, l] = sum_j w[n, j] Y[pos[n, j]]: Y's rows times fp32 weights, summed in fp32, cast once."""
+    N, K = pos.shape
+    rows = Y.index_select(0, pos.reshape(-1)).view(N, K, -1).to(torch.float32)
+    return (rows * w.to(torch.float32).unsqueeze(-1)).sum(1).to(dtype)
+
+
+def route_dispatch(z: torch.Tensor, pos: torch.Tensor, M: int, backend: str = "auto") -> torch.Tensor:
+    if resolve_backend(backend, "route_dispatch", z, pos) == "triton":
+        from .triton_routes import route_dispatch_triton
+
+        return route_dispatch_triton(z, pos, M)
+    return route_dispatch_reference(z, pos, M)
+
+
+def route_combine(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
+                  backend: str = "auto") -> torch.Tensor:  # fmt: skip
+    if resolve_backend(backend, "route_combine", Y, pos, w) == "triton":
+        from .triton_routes import route_combine_triton
+
+        return route_combine_triton(Y, pos, w, dtype)
+    return route_combine_reference(Y, pos, w, dtype)
+
+
 def latent_experts_loop(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=25.0):
     """Reference: for every expert with tokens, ``h = w2 @ situ_glu(w1 z, w3 z)``, then combine."""
     N = z.shape[0]
@@ -94,7 +128,7 @@ def latent_experts_grouped(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, 
     """Grouped-GEMM path: every expert's rows padded to GROUP_ALIGN inside one static-size buffer."""
     N, dim = z.shape
     E = w1.shape[0]
-    order, token_of_route, counts = permute_by_expert(topk_idx, E)
+    order, _, counts = permute_by_expert(topk_idx, E)
     R = order.numel()
     padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
     ends = torch.cumsum(padded, 0)
@@ -105,13 +139,14 @@ def latent_experts_grouped(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, 
     pos = starts[expert_sorted] + rank
     M = R + E * (GROUP_ALIGN - 1)  # static upper bound: no host sync on the routing
     M = (M + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-    x = z.new_zeros(M, dim).index_copy(0, pos, z[token_of_route])
+    route_pos = route_positions(order, pos, topk_idx)  # [N, k] buffer row of each (token, slot)
+    x = route_dispatch(z, route_pos, M)  # X[route_pos[n, j]] = z[n]
     offs = ends.to(torch.int32)
     h1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)  # [M, f] = x w1_e^T per group
     h3 = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
     a = situ_glu(h1, h3, beta_gate, beta_up)
     y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)  # [M, l]
-    return combine(y[pos], order, token_of_route, topk_weight, N, z.dtype)
+    return route_combine(y, route_pos, topk_weight, z.dtype)  # u_n = sum_j p_nj y[route_pos[n, j]], fp32 sum
 
 
 def latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=25.0, backend="auto"):
@@ -128,4 +163,5 @@ def latent_experts(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=
     return fn(z, topk_idx, topk_weight, w1, w3, w2, beta_gate, beta_up)
 
 
-__all__ = ["count_per_expert", "latent_experts", "latent_experts_grouped", "latent_experts_loop", "permute_by_expert"]
+__all__ = ["count_per_expert", "latent_experts", "latent_experts_grouped", "latent_experts_loop", "permute_by_expert",
+           "route_combine", "route_dispatch", "route_positions"]
