@@ -84,7 +84,7 @@ def route_dispatch_reference(z: torch.Tensor, pos: torch.Tensor, M: int) -> torc
 def route_combine_reference(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """u [N, l] = sum_j w[n, j] Y[pos[n, j]]: Y's rows times fp32 weights, summed in fp32, cast once."""
     N, K = pos.shape
-    rows = Y.index_select(0, pos.reshape(-1)).view(N, K, -1).to(torch.float32)
+    rows = Y.index_select(0, pos.reshape(-1)).view(N, K, Y.shape[1]).to(torch.float32)
     return (rows * w.to(torch.float32).unsqueeze(-1)).sum(1).to(dtype)
 
 

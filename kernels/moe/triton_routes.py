@@ -69,6 +69,8 @@ def gather_sum(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, dtype
     N, K = pos.shape
     L = Y.shape[1]
     out = torch.empty(N, L, dtype=dtype, device=Y.device)
+    if N == 0:
+        return out
     grid, BL = _launch(N, L)
     gather_sum_kernel[grid](Y, pos, w if w is not None else pos, out, N, L, K=K, BN=BN, BL=BL, HAS_W=w is not None)
     return out
@@ -81,6 +83,8 @@ def scatter_rows(src: torch.Tensor, pos: torch.Tensor, M: int, dtype: torch.dtyp
     L = src.shape[1]
     X = torch.zeros(M, L, dtype=dtype, device=src.device)
     dw = torch.empty(N, K, dtype=torch.float32, device=src.device) if w is not None else None
+    if N == 0:
+        return X, dw
     grid, BL = _launch(N, L)
     scatter_rows_kernel[grid](src, pos, w if w is not None else pos, X, Y if Y is not None else X,
                               dw if dw is not None else X, N, L, K=K, BN=BN, BL=BL, HAS_W=w is not None)  # fmt: skip

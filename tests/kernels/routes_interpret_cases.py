@@ -27,7 +27,7 @@ def routes(N, K, pad, gen):
     return torch.randperm(M, generator=gen)[: N * K].view(N, K), M
 
 
-@pytest.mark.parametrize("N, K, L, pad", [(1, 1, 8, 0), (7, 4, 384, 13), (5, 16, 100, 3), (9, 2, 64, 31)])
+@pytest.mark.parametrize("N, K, L, pad", [(0, 4, 16, 5), (1, 1, 8, 0), (7, 4, 384, 13), (5, 16, 100, 3), (9, 2, 64, 31)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_and_combine_match_the_references(N, K, L, pad, dtype):
     gen = torch.Generator().manual_seed(N * 100 + K + L)
