@@ -299,13 +299,13 @@ class PerHeadMuon(torch.optim.Optimizer):
         for g in groups:
             mu = g["momentum"]
             params = [p for p in g["params"] if p.grad is not None]
+            if not params:
+                continue
             for p in params:
                 if "momentum_buffer" not in self.state[p]:
                     self.state[p]["momentum_buffer"] = torch.zeros_like(p)
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             grads = [p.grad for p in params]
-            if not params:
-                continue
             if any(_is_dtensor(p) for p in params):  # per tensor: DTensor's foreach coverage varies by version
                 for buf, grad in zip(bufs, grads, strict=True):
                     buf.mul_(mu).add_(grad)

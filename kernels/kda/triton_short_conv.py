@@ -51,6 +51,15 @@ def _conv_at(
 
 
 @triton.jit
+def _tile(T, C, BT: tl.constexpr, BC: tl.constexpr):
+    """This program's block: tokens t and channels c with their masks, and its batch row's offset."""
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = i_t * BT + tl.arange(0, BT)
+    c = i_c * BC + tl.arange(0, BC)
+    return i_t, i_b, t, c, t < T, c < C, i_b.to(tl.int64) * T * C
+
+
+@triton.jit
 def _positions(pos, u, mu, HAS_POS: tl.constexpr):
     if HAS_POS:
         return tl.load(pos + u, mask=mu, other=0)
@@ -62,11 +71,7 @@ def short_conv_fwd_kernel(
     x, w, pos, left, y, T, C,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
 ):  # fmt: skip
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    mt, mc = t < T, c < C
-    off = i_b.to(tl.int64) * T * C
+    i_t, i_b, t, c, mt, mc, off = _tile(T, C, BT, BC)
     a = _conv_at(x + off, left, i_b, w, t, _positions(pos, t, mt, HAS_POS), mt, c, mc, C, W, BT, BC, HAS_LEFT)
     out = a * tl.sigmoid(a)
     ptr = y + off + (t.to(tl.int64) * C)[:, None] + c[None, :]
@@ -79,11 +84,7 @@ def short_conv_da_kernel(
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
 ):  # fmt: skip
     """Backward, pass 1: da_t = dy_t SiLU'(a_t) (fp32, stored) and this block's share of dw."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    mt, mc = t < T, c < C
-    off = i_b.to(tl.int64) * T * C
+    i_t, i_b, t, c, mt, mc, off = _tile(T, C, BT, BC)
     pt = _positions(pos, t, mt, HAS_POS)
     a = _conv_at(x + off, left, i_b, w, t, pt, mt, c, mc, C, W, BT, BC, HAS_LEFT)
     rows = t.to(tl.int64) * C
@@ -104,11 +105,7 @@ def short_conv_dx_kernel(
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
 ):  # fmt: skip
     """Backward, pass 2: dx_t = sum_s w[c, W-1-s] da_{t+s} over the taps inside t+s's document."""
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = i_t * BT + tl.arange(0, BT)
-    c = i_c * BC + tl.arange(0, BC)
-    mt, mc = t < T, c < C
-    off = i_b.to(tl.int64) * T * C
+    i_t, i_b, t, c, mt, mc, off = _tile(T, C, BT, BC)
     rows = t.to(tl.int64) * C
     b_dx = tl.zeros([BT, BC], dtype=tl.float32)
     for s in tl.static_range(W):  # da at t + s, through tap s back to t
