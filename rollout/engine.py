@@ -2,7 +2,8 @@
 (`engine_contract.py`: `InferenceEngine`, `GenerationResult`, `EngineLoad`, re-exported here) on our
 own `K3ForCausalLM` with continuous batching.
 
-One scheduler step (`EmbeddedEngine.step`), always in this order:
+One scheduler step (`EmbeddedEngine.step`), always in this order (3 and 4 in `engine_prefill.py`, a
+request's state in `engine_seq.py`):
   1. apply a pending weight update (only here, between steps: the switch is atomic),
   2. finish aborted requests (their tokens so far, finish_reason "abort"),
   3. admit waiting requests: reuse the longest cached prefix, or join a prefill of the same
@@ -58,13 +59,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hashlib
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -72,79 +70,14 @@ from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine_contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
 from .engine_decode import DecodeRunner, keep_fp32_island_weights
+from .engine_prefill import AdmitAndPrefill
+from .engine_seq import Launch, Seq, as_pil, image_digest
 from .prefix_cache import PrefixCache
 from .sampling import needs_filter, params_tensors, policy_logprobs, request_seed, sample_tokens, validate
 from .state_pool import StatePool
 
-# ----------------------------------------------------------------------------------------------
-# embedded engine
-# ----------------------------------------------------------------------------------------------
 
-
-def _image_digest(image) -> str:
-    from PIL import Image
-
-    if isinstance(image, (bytes, bytearray)):
-        return hashlib.sha256(bytes(image)).hexdigest()
-    if isinstance(image, Image.Image):
-        return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
-    raise TypeError(f"images must be PNG bytes or PIL images, got {type(image).__name__}")
-
-
-def _as_pil(image):
-    from k3rl.images import from_png
-
-    return from_png(bytes(image)) if isinstance(image, (bytes, bytearray)) else image
-
-
-@dataclass(eq=False)
-class _Seq:
-    id: str
-    prompt: list[int]
-    images: list  # PIL images
-    digests: tuple[str, ...]
-    pads_per_image: list[int]
-    params: SamplingParams
-    seed: int  # int64: the n-th token is drawn with uniform(seed, n)
-    future: concurrent.futures.Future
-    submitted: float = field(default_factory=time.monotonic)
-    cache: Any = None  # K3Cache (batch 1) while prefilling
-    feed: list[int] = field(default_factory=list)  # prompt tokens still to feed by decode steps (decode_append)
-    split_at: int = 0  # a prefix other prompts share: a prefill chunk ends here and its state is cached
-    slot: int = -1  # its slot in the state pool while decoding
-    flushing: bool = False  # finished: its last token is fed once more, then the result goes out
-    computed: int = 0  # prompt tokens already in the cache
-    image_cursor: int = 0  # images already consumed by prefill chunks
-    cached_prompt_tokens: int = 0
-    state_version: int = -1  # the version its cache was started under
-    leader: _Seq | None = None  # a prefill of the same prompt this one waits for
-    followers: list[_Seq] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [V] logits to sample the next token from
-    out_ids: list[int] = field(default_factory=list)
-    out_logprobs: list[float] = field(default_factory=list)
-    out_versions: list[int] = field(default_factory=list)
-    out_routed: list[list[list[int]]] = field(default_factory=list)
-    finish: FinishReason | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def key(self) -> tuple:
-        return (tuple(self.prompt), self.digests)
-
-
-@dataclass(eq=False)
-class _Launch:
-    """A decode step on the device: its rows are the sequences in `seqs` (slot order at launch)."""
-
-    seqs: list[_Seq]
-    out: torch.Tensor  # [B, 2 + n_moe k] fp64 (the runner's buffers under CUDA graphs)
-    logits: torch.Tensor  # [B, V]
-    version: int
-    fed: list[int]  # per row: 0 it fed a sampled token; 1 the prompt's last token (it samples the
-    #                 first one); 2 a prompt token with more to feed (its row is no sample)
-
-
-class EmbeddedEngine(InferenceEngine):
+class EmbeddedEngine(AdmitAndPrefill, InferenceEngine):
     """Continuous-batching engine on `K3ForCausalLM` (CPU or CUDA).
 
     model            a K3ForCausalLM (its device and dtype are used as they are)
@@ -216,25 +149,25 @@ class EmbeddedEngine(InferenceEngine):
         self._version = version
         self._lora_base: dict[str, torch.Tensor] | None = None  # unmerged weights under LoRA adapters syncs
         self._cv = threading.Condition()
-        self._incoming: deque[_Seq] = deque()
+        self._incoming: deque[Seq] = deque()
         self._aborts: set[str] = set()
         self._updates: list[tuple[WeightUpdate, concurrent.futures.Future]] = []
-        self._live: dict[str, _Seq] = {}
+        self._live: dict[str, Seq] = {}
         self._closed = False
         # scheduler-owned state
-        self._waiting: deque[_Seq] = deque()
-        self._prefilling: list[_Seq] = []
-        self._decoding: list[_Seq] = []  # in the state pool, seq i in slot i; each has a token to feed
+        self._waiting: deque[Seq] = deque()
+        self._prefilling: list[Seq] = []
+        self._decoding: list[Seq] = []  # in the state pool, seq i in slot i; each has a token to feed
         self._pool = StatePool(model, max_num_seqs, self.max_model_len, dtype=autocast_dtype)
         self._runner = DecodeRunner(model, self._pool, banned=self.config.media_placeholder_token_id,
                                     use_graphs=not enforce_eager, compile=compile_decode)
-        self._pending_ready: list[_Seq] = []  # admitted with the whole prompt cached: sample this step
+        self._pending_ready: list[Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
-        self._feeders: list[_Seq] = []  # admitted to decode_append: join the pool this step
+        self._feeders: list[Seq] = []  # admitted to decode_append: join the pool this step
         share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
         self._prefix = PrefixCache(prefix_cache_size, share_prefix, self.config.media_placeholder_token_id)
-        self._inflight: _Launch | None = None  # a decode step launched ahead, its rows not yet read
+        self._inflight: Launch | None = None  # a decode step launched ahead, its rows not yet read
         self._step_lock = threading.Lock()
         # host seconds per phase of `step` (a CUDA phase's time is its launches plus what it waits for)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
@@ -336,7 +269,7 @@ class EmbeddedEngine(InferenceEngine):
         self._live.clear()
 
     # ----- request intake ------------------------------------------------------------------------
-    def _make_seq(self, token_ids, params: SamplingParams, images, request_id) -> _Seq:
+    def _make_seq(self, token_ids, params: SamplingParams, images, request_id) -> Seq:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("the prompt is empty; pass at least one token id")
@@ -352,8 +285,8 @@ class EmbeddedEngine(InferenceEngine):
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer; construct the engine with tokenizer=...")
         images = list(images or [])
-        digests = tuple(_image_digest(im) for im in images)
-        pil = [_as_pil(im) for im in images]
+        digests = tuple(image_digest(im) for im in images)
+        pil = [as_pil(im) for im in images]
         pads = []
         n_pad = sum(1 for t in ids if t == self.config.media_placeholder_token_id)
         if pil:
@@ -365,7 +298,7 @@ class EmbeddedEngine(InferenceEngine):
                 f"the prompt holds {n_pad} <|media_pad|> tokens (id {self.config.media_placeholder_token_id}) but "
                 f"{len(pil)} image(s) need {sum(pads)} (per image {pads}); render images with k3rl.chat"
             )
-        return _Seq(id=request_id or uuid.uuid4().hex, prompt=ids, images=pil, digests=digests, pads_per_image=pads,
+        return Seq(id=request_id or uuid.uuid4().hex, prompt=ids, images=pil, digests=digests, pads_per_image=pads,
                     params=params, seed=request_seed(params.seed), future=concurrent.futures.Future())
 
     # ----- scheduler ---------------------------------------------------------------------------------
@@ -512,189 +445,8 @@ class EmbeddedEngine(InferenceEngine):
             s.finish = "abort"
         self._finish_decoding(aborted)  # their last sampled token is fed once, as for any finished sequence
 
-    # 3. admission
-    def _admit(self) -> None:
-        active = len(self._prefilling) + len(self._decoding) + len(self._feeders) \
-            + sum(len(s.followers) for s in self._prefilling)
-        deferred: list[_Seq] = []  # sharing a prefix another prompt is prefilling: admitted once it is cached
-        while self._waiting and active < self.max_num_seqs:
-            seq = self._waiting.popleft()
-            seq.state_version = self._version
-            active += 1
-            leader = next((p for p in self._prefilling
-                           if p.state_version == self._version and p.key == seq.key), None)
-            if leader is not None:  # same prompt being prefilled: wait for it and fork its state
-                seq.leader = leader
-                leader.followers.append(seq)
-                continue
-            entry = self._prefix.lookup(seq.prompt, seq.digests)
-            seq.cache = None
-            if entry is not None:
-                seq.computed = seq.cached_prompt_tokens = len(entry.ids)
-                seq.image_cursor = len(entry.images)
-                self.stats["prefix_hit_tokens"] += len(entry.ids)
-                rest = len(seq.prompt) - seq.computed
-                if rest == 0:  # the pool copies the cache
-                    seq.cache, seq.logits = entry.cache, entry.logits.clone()
-                    self._pending_ready.append(seq)
-                    continue
-                if rest <= self.decode_append and seq.image_cursor == len(seq.images):
-                    self._feed(seq, entry.cache, seq.prompt[seq.computed:])  # the pool copies the cache
-                    continue
-                seq.cache = entry.cache.clone()
-            if self._prefix.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
-                                                 and p.split_at - seq.computed >= self._prefix.share_prefix
-                                                 and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
-                self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
-                seq.cache, seq.computed, seq.cached_prompt_tokens, seq.image_cursor = None, 0, 0, 0
-                deferred.append(seq)
-                active -= 1
-                continue
-            seq.split_at = self._prefix.split_point(seq.prompt, bool(seq.images), seq.computed)
-            if seq.cache is None:
-                seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
-            self._prefilling.append(seq)
-        self._waiting.extendleft(reversed(deferred))
-
-    def _offers_prefix(self, seq: _Seq) -> bool:
-        """Only states computed entirely by the current weights are offered for reuse."""
-        return self._prefix.size > 0 and seq.state_version == self._version
-
-    def _remember(self, seq: _Seq, ids: list[int], cache, logits: torch.Tensor) -> None:
-        # `cache` is never written again (a prefilled cache is only copied into slots; a pool state is
-        # extracted as a copy)
-        if self._offers_prefix(seq):
-            self._prefix.remember(ids, seq.digests[: seq.image_cursor], cache, logits)
-
-    # 4. chunked prefill
-    def _chunk_end(self, seq: _Seq, start: int, budget: int) -> tuple[int, int]:
-        """End of the next prefill chunk and the images it consumes (never splitting an image's pads)."""
-        end = min(len(seq.prompt), start + budget)
-        pad = self.config.media_placeholder_token_id
-        pads_before = sum(1 for t in seq.prompt[:start] if t == pad)
-        pads_in = sum(1 for t in seq.prompt[start:end] if t == pad)
-        # images whose pads are (partly) inside this chunk must be complete: extend the chunk
-        last_image, cum = seq.image_cursor, 0
-        for i, c in enumerate(seq.pads_per_image):
-            cum += c
-            if cum > pads_before and cum - c < pads_before + pads_in:
-                last_image = i + 1
-        need = sum(seq.pads_per_image[:last_image]) - pads_before
-        while pads_in < need:
-            if seq.prompt[end] == pad:
-                pads_in += 1
-            end += 1
-        return end, last_image - seq.image_cursor
-
-    def _prefill(self) -> list[_Seq]:
-        """Run this step's prefill chunks. Chunks of the same length (and without images) run as
-        one batched forward on stacked caches; the others run alone. With decode_append, chunks
-        within decode_append tokens of each other are cut to the shortest, so they batch, and what
-        is left of each prompt is fed by decode steps."""
-        ready: list[_Seq] = self._pending_ready
-        self._pending_ready = []
-        budget = self.max_prefill_tokens
-        plan: list[tuple[_Seq, int, int, int]] = []  # (seq, start, end, images in the chunk)
-        limits = {}
-        for seq in self._prefilling:
-            room = seq.split_at - seq.computed if seq.split_at > seq.computed else self.prefill_chunk
-            limits[seq.id] = min(self.prefill_chunk, room, len(seq.prompt) - seq.computed)
-        if self.decode_append:
-            plain = sorted((s for s in self._prefilling if s.image_cursor == len(s.images)), key=lambda s: limits[s.id])
-            shortest = None
-            for seq in plain:  # ascending: a chunk within decode_append of the group's shortest joins it
-                if shortest is None or limits[seq.id] - shortest > self.decode_append:
-                    shortest = limits[seq.id]
-                limits[seq.id] = shortest
-        for seq in self._prefilling:
-            if budget <= 0:
-                break
-            end, n_img = self._chunk_end(seq, seq.computed, min(limits[seq.id], budget))
-            plan.append((seq, seq.computed, end, n_img))
-            budget -= end - seq.computed
-        groups: dict[int, list[tuple[_Seq, int, int, int]]] = {}
-        for item in plan:
-            _, start, end, n_img = item
-            groups.setdefault(-1 - len(groups) if n_img else end - start, []).append(item)
-        for items in groups.values():
-            self.stats["prefill_forwards"] += 1
-            for (seq, start, end, n_img), logits in self._prefill_forward(items):
-                seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
-                self.stats["prefill_tokens"] += end - start
-                if end == len(seq.prompt):
-                    ready += self._prefill_done(seq, logits)
-                    continue
-                if end == seq.split_at:  # the shared prefix: cached for the prompts that wait for it
-                    self._remember(seq, seq.prompt[:end], seq.cache.clone(), logits)
-                if len(seq.prompt) - end <= self.decode_append and seq.image_cursor == len(seq.images):
-                    self._feed_rest(seq)
-        return ready
-
-    def _feed_rest(self, seq: _Seq) -> None:
-        """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt
-        is fed by decode steps, each member from its own copy of the state."""
-        self._prefilling.remove(seq)
-        rest = seq.prompt[seq.computed :]
-        for s in [seq, *seq.followers]:
-            s.image_cursor = seq.image_cursor
-            s.cached_prompt_tokens = seq.cached_prompt_tokens if s is seq else len(s.prompt) - len(rest)
-            self._feed(s, seq.cache, rest)
-        seq.followers = []
-
-    def _feed(self, seq: _Seq, cache, tail: list[int]) -> None:
-        """`seq` joins the decoding batch from `cache` (copied into its slot) and is fed `tail` first."""
-        seq.cache, seq.feed, seq.leader, seq.computed = cache, list(tail), None, len(seq.prompt)
-        self.stats["fed_prompt_tokens"] += len(tail)
-        self._feeders.append(seq)
-
-    def _prefill_forward(self, items):
-        """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
-
-        A chunk whose forward fails fails its own request (and the group waiting on it) only."""
-        if len(items) > 1:
-            from k3rl.learner.model import K3Cache
-
-            try:
-                cache = K3Cache.stack([seq.cache for seq, *_ in items])
-                ids = torch.tensor([seq.prompt[start:end] for seq, start, end, _ in items], device=self.device)
-                logits = self.model(ids, cache=cache)[:, -1]
-            except Exception:  # noqa: BLE001 - retry one by one to find the request at fault
-                logits = None
-            if logits is not None:
-                for (seq, *_), c, row in zip(items, cache.split(), logits, strict=True):
-                    seq.cache = c
-                    yield (seq, *_), row
-                return
-        for seq, start, end, n_img in items:
-            images = seq.images[seq.image_cursor : seq.image_cursor + n_img] if n_img else None
-            ids = torch.tensor([seq.prompt[start:end]], device=self.device)
-            try:
-                logits = self.model(ids, images=images, cache=seq.cache)
-            except Exception as e:  # noqa: BLE001 - a bad prompt fails its own group, nobody else
-                self._prefilling.remove(seq)
-                for s in [seq, *seq.followers]:
-                    with self._cv:
-                        self._live.pop(s.id, None)
-                    s.future.set_exception(e)
-                continue
-            yield (seq, start, end, n_img), logits[0, -1]
-
-    def _prefill_done(self, seq: _Seq, logits: torch.Tensor) -> list[_Seq]:
-        """The prompt is in the cache: the sequence and the group waiting on it are ready to sample."""
-        seq.logits = logits
-        self._prefilling.remove(seq)
-        self._remember(seq, seq.prompt, seq.cache, seq.logits)
-        ready = [seq]
-        for f in seq.followers:  # the group fork: one prefill, n states (each copied into its own slot)
-            f.cache, f.logits = seq.cache, seq.logits
-            f.computed = f.cached_prompt_tokens = len(f.prompt)
-            f.image_cursor, f.leader = seq.image_cursor, None
-            ready.append(f)
-        seq.followers = []
-        return ready
-
     # 5-6. decode and sampling
-    def _decode_and_sample(self, ready: list[_Seq]) -> None:
+    def _decode_and_sample(self, ready: list[Seq]) -> None:
         """Decode the pool's sequences and sample the ready ones; one transfer of the step's results.
 
         Overlap: the decode step of the next iteration is launched before this one's rows are read,
@@ -751,8 +503,8 @@ class EmbeddedEngine(InferenceEngine):
             rows = rows_host.tolist()
         else:
             rows = rows_dev.tolist()  # the step's only wait for the device
-        fed: list[_Seq] = []  # flushing sequences whose last token this step fed
-        stopped: list[_Seq] = []
+        fed: list[Seq] = []  # flushing sequences whose last token this step fed
+        stopped: list[Seq] = []
         k = self.config.num_experts_per_token
         for i, (s, row) in enumerate(zip([*(launched.seqs if launched else ()), *ready, *feeders], rows,
                                          strict=True)):
@@ -777,7 +529,7 @@ class EmbeddedEngine(InferenceEngine):
         self._release(fed)
         self._finish_decoding(stopped)
 
-    def _launch(self, seqs: list[_Seq], counters: list[int], tokens: torch.Tensor | None = None) -> _Launch:
+    def _launch(self, seqs: list[Seq], counters: list[int], tokens: torch.Tensor | None = None) -> Launch:
         """Decode the pool's leading len(seqs) slots; `tokens` on the device, or each sequence's last token.
         A sequence with a prompt tail to feed (decode_append) is fed its next tail token instead."""
         feeding = [i for i, s in enumerate(seqs) if s.feed]
@@ -795,9 +547,9 @@ class EmbeddedEngine(InferenceEngine):
             [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
             needs_filter([s.params for s in seqs if not s.flushing]))
         self.stats["decode_tokens"] += len(seqs)
-        return _Launch(list(seqs), out, logits, self._version, fed)
+        return Launch(list(seqs), out, logits, self._version, fed)
 
-    def _sample_ready(self, ready: list[_Seq], width: int) -> torch.Tensor:
+    def _sample_ready(self, ready: list[Seq], width: int) -> torch.Tensor:
         """Sample the first token of sequences whose prompt is in the cache; rows of `width` fp64."""
         logits = torch.stack([s.logits for s in ready])
         temperature, top_k, top_p = params_tensors([s.params for s in ready], self.device)
@@ -812,7 +564,7 @@ class EmbeddedEngine(InferenceEngine):
         rows[:, 1] = policy_logprobs(logits, tokens, temperature).double()
         return rows
 
-    def _finish_decoding(self, seqs: list[_Seq]) -> None:
+    def _finish_decoding(self, seqs: list[Seq]) -> None:
         """Sequences of the pool that are done (finish set): fed once more when the result or the prefix
         cache needs it (`flushing`, finished by the next decode step), finished now otherwise."""
         for s in seqs:
@@ -820,7 +572,7 @@ class EmbeddedEngine(InferenceEngine):
             s.flushing = (self._prefix.size > 0 or s.params.return_routed_experts) and bool(s.out_ids)
         self._release([s for s in seqs if not s.flushing])
 
-    def _release(self, done: list[_Seq]) -> None:
+    def _release(self, done: list[Seq]) -> None:
         """Finish `done` (all in the pool) and keep the occupied slots leading: the last ones fill the holes."""
         if not done:
             return
@@ -836,7 +588,7 @@ class EmbeddedEngine(InferenceEngine):
             s.slot = hole
         self._decoding = sorted((s for s in self._decoding if s not in done), key=lambda s: s.slot)
 
-    def _check_stop(self, s: _Seq) -> bool:
+    def _check_stop(self, s: Seq) -> bool:
         p, tok = s.params, s.out_ids[-1]
         if tok in p.stop_token_ids:
             s.finish, s.stop_reason = "stop", tok
@@ -846,7 +598,7 @@ class EmbeddedEngine(InferenceEngine):
             s.finish = "length"
         return s.finish is not None
 
-    def _stop_string(self, s: _Seq) -> str | None:
+    def _stop_string(self, s: Seq) -> str | None:
         """The stop string completed by the newest token, if any (a string may span several tokens)."""
         longest = max(len(x.encode()) for x in s.params.stop_strings)
         window = s.out_ids[-(longest + 2):]  # every token decodes to >= 1 byte (byte tokenizer) or more
@@ -856,7 +608,7 @@ class EmbeddedEngine(InferenceEngine):
                 return x
         return None
 
-    def _finish(self, s: _Seq, reason: FinishReason) -> None:
+    def _finish(self, s: Seq, reason: FinishReason) -> None:
         s.finish = reason
         result = GenerationResult(
             request_id=s.id,
