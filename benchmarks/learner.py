@@ -4,6 +4,8 @@
     python benchmarks/learner.py
     # one H200: k3-small, bf16 autocast, Per-Head Muon
     python benchmarks/learner.py --preset k3-small --device cuda
+    # ... and where the host waits for the GPU inside a step (by source line), and where the GPU's time goes
+    python benchmarks/learner.py --preset k3-small --device cuda --skip-ns --sync-trace syncs.txt --profile ops.txt
 
 Training tokens/s counts the packed positions of a `Trainer.train_step` (RL loss, all
 micro-batches, gradient clipping and the optimizer step included) over its wall time,
@@ -129,6 +131,8 @@ def bench_training(args, device: torch.device) -> dict:
     tok_s = tokens / step_s
     if args.profile:
         profile_step(trainer, batches[-1], device, args.profile)
+    if args.sync_trace and device.type == "cuda":
+        sync_trace(trainer, batches[-1], args.sync_trace)
     fpt = flops_per_token(config, args.seq_len)
     peak = args.peak_tflops
     if peak is None and device.type == "cuda":
@@ -184,6 +188,17 @@ def profile_step(trainer, batch, device: torch.device, path: str) -> None:
                 sort_by="cpu_time_total", row_limit=60, max_name_column_width=70
             )
         )
+
+
+def sync_trace(trainer, batch, path: str) -> None:
+    """One more train step in CUDA's sync debug mode: its host waits by source line (table to `path`)."""
+    from k3rl.learner.host_syncs import host_syncs
+
+    sites = host_syncs(lambda: trainer.train_step(batch))
+    head = f"host syncs in one train step: {sum(sites.values())} at {len(sites)} sites"
+    print("  " + head)
+    with open(path, "w") as f:
+        f.write(head + "\n" + "\n".join(f"{n:5d}  {site}" for site, n in sites.most_common()) + "\n")
 
 
 def muon_block_shapes(config: K3Config) -> Counter:
@@ -260,6 +275,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-ns", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--profile", default=None, help="profile one more step; its op tables to this file")
+    ap.add_argument("--sync-trace", default=None, help="one more step in CUDA's sync debug mode: its host syncs by "
+                                                     "source line to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

@@ -9,6 +9,29 @@ Python loop over documents); zero padding at the end of a document is inert for 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+# The layers of one forward share one cu_seqlens tensor: its values are read to the host once (or
+# handed over by whoever built it on the host: `remember_host_offsets`) and kept while that tensor
+# lives and is not modified in place. A read of a CUDA tensor makes the host wait for the GPU, which
+# then idles while the host launches the next kernels: once per layer was ~50 waits a k3-small step.
+_HOST = WeakTensorKeyDictionary()
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> list[int]:
+    """`cu_seqlens.tolist()`, read from the device at most once per tensor."""
+    hit = _HOST.get(cu_seqlens)
+    if hit is not None and hit[0] == cu_seqlens._version:
+        return hit[1]
+    offsets = cu_seqlens.tolist()
+    _HOST[cu_seqlens] = (cu_seqlens._version, offsets)
+    return offsets
+
+
+def remember_host_offsets(cu_seqlens: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Record the host values of a cu_seqlens tensor copied from the host (no device read later)."""
+    _HOST[cu_seqlens] = (cu_seqlens._version, list(offsets))
+    return cu_seqlens
 
 
 def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -17,8 +40,8 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def pad_documents(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[1, T, *rest] packed -> [N, T_max, *rest] right-padded with zeros."""
-    lengths = doc_lengths(cu_seqlens)
-    n, t_max = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+    cs = host_offsets(cu_seqlens)
+    n, t_max = len(cs) - 1, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0)
     out = x.new_zeros((n, t_max, *x.shape[2:]))
     idx = _scatter_index(cu_seqlens, t_max)
     out.view(n * t_max, *x.shape[2:])[idx] = x[0]
@@ -35,7 +58,7 @@ def unpad_documents(y: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
 def _scatter_index(cu_seqlens: torch.Tensor, t_max: int) -> torch.Tensor:
     """Flat padded index of every packed position: doc * t_max + (pos - start of doc)."""
     cu = cu_seqlens.to(torch.long)
-    T = int(cu[-1])
+    T = host_offsets(cu_seqlens)[-1]
     pos = torch.arange(T, device=cu.device)
     doc = torch.searchsorted(cu[1:], pos, right=True)
     return doc * t_max + (pos - cu[doc])

@@ -60,10 +60,23 @@ class MicroBatch:
         return int(self.input_ids.shape[1])
 
     def to(self, device) -> MicroBatch:
-        moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
-        }
+        """On a CUDA device, from pinned memory without making the host wait (a copy from pageable
+        memory does), and with cu_seqlens' host values handed to the kernels (`host_offsets`)."""
+        device = torch.device(device)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+
+        def move(v):
+            if not isinstance(v, torch.Tensor) or v.device == device:
+                return v
+            if cuda and v.device.type == "cpu":
+                return v.pin_memory().to(device, non_blocking=True)
+            return v.to(device)
+
+        moved = {k: move(v) for k, v in self.__dict__.items()}
+        if cuda and self.cu_seqlens.device.type == "cpu":
+            from k3rl.kernels.varlen import remember_host_offsets
+
+            remember_host_offsets(moved["cu_seqlens"], self.cu_seqlens.tolist())
         return MicroBatch(**moved)
 
     def zero_weight(self) -> MicroBatch:

@@ -78,6 +78,14 @@ def _abs_mean_over_tokens(adv: torch.Tensor, trajectories: list[Trajectory]) -> 
     return float(adv.abs()[mask].mean()) if mask.any() else 0.0
 
 
+def to_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Scalar statistics kept on the device during a step, brought to the host in one read."""
+    if not values:
+        return values
+    flat = torch.stack([v.reshape(()).double() for v in values.values()]).cpu()
+    return dict(zip(values, flat, strict=True))
+
+
 class Trainer:
     """Trains a K3ForCausalLM (or any model with the same forward contract) from trajectories.
 
@@ -307,9 +315,11 @@ class Trainer:
         # FSDP averages over ranks; the loss is a partial sum (of the rank's micro-batches, and under context
         # parallelism of their positions), so x W makes the gradient the sum over ranks: the whole batch's
         (loss * self.world_size).backward()
-        ratio_max = stats.pop("ratio_max").double().cpu()
+        # kept on the device (read once at the end of the step): a read here would make the host wait
+        # for this backward before it could queue the next micro-batch or the optimizer
+        ratio_max = stats.pop("ratio_max").detach().double()
         for k, v in stats.items():
-            sums[k] = sums.get(k, 0) + v.double().cpu()
+            sums[k] = sums.get(k, 0) + v.detach().double()
         return ratio_max
 
     def _overlong(self, t: Trajectory) -> bool:
@@ -356,7 +366,7 @@ class Trainer:
         lr = lr_at(self.step, cfg.steps, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio) * self.lr_scale
 
         sums: dict[str, torch.Tensor] = {}
-        ratio_max = torch.zeros((), dtype=torch.float64)
+        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
         norms, qk = [], {}
         for _ in range(epochs if parts else 0):
             for mbs, preps in parts:
@@ -367,6 +377,7 @@ class Trainer:
                 qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
         sums = all_reduce_sum(sums)
         ratio_max = all_reduce_max(ratio_max)
+        sums, ratio_max = to_host(sums), ratio_max.cpu()
         qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)
         moon = moon_ep_step(self.model, replan=not self.cfg.moon_ep.plan_per_batch)
         self.step += 1
@@ -432,8 +443,8 @@ class Trainer:
                 loss, stats = sft_loss(logp, mb.mask, mb.agg_weights)
                 (loss * self.world_size).backward()
                 for k, v in stats.items():
-                    sums[k] = sums.get(k, 0) + v.double().cpu()
-        sums = all_reduce_sum(sums)
+                    sums[k] = sums.get(k, 0) + v.detach().double()  # read once, after the step
+        sums = to_host(all_reduce_sum(sums))
         grad_norm = self._clip_and_step(lr)
         qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
         qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)

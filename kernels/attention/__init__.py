@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .._backend import resolve_backend
+from ..varlen import host_offsets
 from .reference import attention_mask, causal_attention_reference
 
 HAS_TRITON_ATTENTION = True  # the fast GPU path is PyTorch SDPA in fp32 (see sdpa.py)
@@ -30,10 +31,9 @@ def _check(q, k, v, cu_seqlens, kv_lengths):
             raise ValueError(
                 f"causal_attention: cu_seqlens needs a packed batch (B=1) with S == T; got B={B}, T={T}, S={S}"
             )
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-            raise ValueError(
-                f"causal_attention: cu_seqlens must start at 0 and end at T={T}; got {cu_seqlens.tolist()}"
-            )
+        cs = host_offsets(cu_seqlens)  # read from the device once per tensor, not once per layer
+        if cs[0] != 0 or cs[-1] != T:
+            raise ValueError(f"causal_attention: cu_seqlens must start at 0 and end at T={T}; got {cs}")
     if kv_lengths is not None and kv_lengths.shape != (B,):
         raise ValueError(f"causal_attention: kv_lengths must be [B={B}], got {tuple(kv_lengths.shape)}")
 

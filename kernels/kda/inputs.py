@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..varlen import host_offsets
 from .gate import compute_dtype, kda_gate, l2norm
 
 
@@ -33,7 +34,7 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, op: str) -> No
             raise ValueError(f"{op}: with cu_seqlens the batch must be packed to B=1; got B={B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
             raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [N+1]; got {cu_seqlens}")
-        cs = cu_seqlens.tolist()
+        cs = host_offsets(cu_seqlens)  # read from the device once per tensor, not once per layer
         if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:], strict=False)):
             raise ValueError(
                 f"{op}: cu_seqlens must start at 0, be non-decreasing and end at T={T}; got {cs}"

@@ -37,6 +37,7 @@ import triton
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._backend import interpreter_on
+from ..varlen import host_offsets
 from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
 from .triton_chunk_gate import gate_cumsum_bwd_kernel, gate_cumsum_fwd_kernel
@@ -63,7 +64,7 @@ def _tables_from_lengths(lens, device):
 
 
 # The 60-odd KDA layers of one forward pass share one cu_seqlens tensor: its tables are built once
-# (one host read of cu_seqlens) and reused while that tensor lives and is not modified in place.
+# (from its host values, `host_offsets`) and reused while that tensor lives and is not modified in place.
 _TABLES = WeakTensorKeyDictionary()
 
 
@@ -73,7 +74,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
     hit = _TABLES.get(cu_seqlens)
     if hit is not None and hit[0] == (cu_seqlens._version, device):
         return hit[1]
-    cs = cu_seqlens.tolist()
+    cs = host_offsets(cu_seqlens)
     tables = _tables_from_lengths([b - a for a, b in zip(cs[:-1], cs[1:], strict=True)], device)
     _TABLES[cu_seqlens] = ((cu_seqlens._version, device), tables)
     return tables
