@@ -99,13 +99,17 @@ def train_specs(cfg: JobConfig, step: int, rng: random.Random, version: int) -> 
 
 
 def evaluate(engine: EmbeddedEngine, cfg: JobConfig, tasks: int) -> dict[str, float]:
-    """Greedy success and mean reward on held-out tasks (seeds from 2**31 on: training draws below)."""
+    """Greedy success and mean reward on held-out tasks (seeds from 2**31 on: training draws below), and
+    the success of one sample per task at the job's temperature (what RL trains)."""
     env = cfg.envs.train[0]
-    specs = [EpisodeSpec(id=f"eval-{i}", env_id=env.id, seed=2**31 + i, env_kwargs=dict(env.kwargs),
-                         sampling={"temperature": 0.0}) for i in range(tasks)]
-    episodes = play(engine, cfg, specs)
-    return {"eval_success": sum(success(t.reward) for t in episodes) / tasks,
-            "eval_reward": sum(t.reward for t in episodes) / tasks}
+    out = {}
+    for tag, temperature in (("eval", 0.0), ("eval_sampled", cfg.rollout.sampling.temperature)):
+        specs = [EpisodeSpec(id=f"eval-{i}", env_id=env.id, seed=2**31 + i, env_kwargs=dict(env.kwargs),
+                             sampling={"temperature": temperature}) for i in range(tasks)]
+        episodes = play(engine, cfg, specs)
+        out[f"{tag}_success"] = sum(success(t.reward) for t in episodes) / tasks
+        out[f"{tag}_reward"] = sum(t.reward for t in episodes) / tasks
+    return out
 
 
 def evaluate_model(model, cfg: JobConfig, tasks: int) -> dict[str, float]:
@@ -165,11 +169,12 @@ def plot(results: dict, path: str) -> None:
         c.plot([r["step"] for r in train], [r["malformed"] for r in train], marker=".", color=color, label=name)
         ev = [r for r in rows if "eval_success" in r]
         b.plot([r["step"] for r in ev], [r["eval_success"] for r in ev], marker="o", color=color,
-               label=f"{name}: success")
-        b.plot([r["step"] for r in ev], [r["eval_reward"] for r in ev], marker="x", ls="--", color=color,
-               label=f"{name}: reward")
-    a.set(xlabel="RL step", ylabel="training reward (the step's 32 episodes)", ylim=(0, 1.02))
-    b.set(xlabel="RL step", ylabel="held-out greedy success / reward", ylim=(0, 1.02))
+               label=f"{name}: greedy")
+        b.plot([r["step"] for r in ev if "eval_sampled_success" in r],
+               [r["eval_sampled_success"] for r in ev if "eval_sampled_success" in r], marker="s", ls=":", color=color,
+               label=f"{name}: sampled")
+    a.set(xlabel="RL step", ylabel="training reward (the step's batch)", ylim=(0, 1.02))
+    b.set(xlabel="RL step", ylabel="held-out success: greedy / sampled", ylim=(0, 1.02))
     c.set(xlabel="RL step", ylabel="malformed episodes (training batch)", ylim=(0, 1.02))
     for ax in (a, b, c):
         ax.grid(alpha=0.3)
@@ -186,6 +191,8 @@ def main() -> None:
     ap.add_argument("--teacher-sft-lr", type=float, default=3e-3)
     ap.add_argument("--teacher", help="the teacher's checkpoint directory: loaded when it holds one, else "
                                       "written there (default: a temporary directory)")
+    ap.add_argument("--student", help="the student's checkpoint directory (e.g. a job's warm start, "
+                                      "checkpoints/step-N/reference): no SFT of its own")
     ap.add_argument("--student-sft-steps", type=int, default=20)
     ap.add_argument("--student-sft-lr", type=float, default=1e-2)
     ap.add_argument("--student-wrong-key", type=float, default=0.0,
@@ -204,7 +211,8 @@ def main() -> None:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     cfg = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set])
     t0 = time.perf_counter()
-    demos = collect_demonstrations(cfg, "distill", cfg.learner.sft_episodes)
+    needs_demos = not args.student or not os.path.exists(os.path.join(args.teacher or "", "config.json"))
+    demos = collect_demonstrations(cfg, "distill", cfg.learner.sft_episodes) if needs_demos else []
 
     teacher_dir = args.teacher or tempfile.mkdtemp(prefix="k3rl-teacher-")
     teacher_info = {"checkpoint": teacher_dir}
@@ -219,21 +227,27 @@ def main() -> None:
     teacher_info.update(evaluate_model(teacher, cfg, args.eval_tasks))
     print(f"teacher: held-out greedy success {teacher_info['eval_success']:.2f}", flush=True)
 
-    print(f"student: {args.student_sft_steps} SFT steps at {args.student_sft_lr}", flush=True)
-    student = build_model("k3-tiny", seed=args.seed)
-    if args.student_wrong_key:
+    if args.student:
+        print(f"student: {args.student}", flush=True)
+        student = build_model("k3-tiny", checkpoint=args.student)
+        student_info = {"checkpoint": args.student}
+    else:
+        print(f"student: {args.student_sft_steps} SFT steps at {args.student_sft_lr}", flush=True)
+        student = build_model("k3-tiny", seed=args.seed)
+    if args.student_wrong_key and not args.student:
         careless = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set,
                                          f"envs.train.0.kwargs.oracle_wrong_key={args.student_wrong_key}"])
         print(f"student: demonstrations by a careless oracle (wrong key {args.student_wrong_key})", flush=True)
         demos = collect_demonstrations(careless, "distill", cfg.learner.sft_episodes)
-    student_info = {"sft_nll": sft(student, cfg, demos, args.student_sft_steps, args.student_sft_lr, args.seed)}
+    if not args.student:
+        student_info = {"sft_nll": sft(student, cfg, demos, args.student_sft_steps, args.student_sft_lr, args.seed)}
     student_info.update(evaluate_model(student, cfg, args.eval_tasks))
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
     arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.clip, args.seed)
             for name, path in (("RL alone", None), ("RL + teacher", teacher_dir))}
-    start = {"step": 0, **{k: student_info[k] for k in ("eval_success", "eval_reward")}}
+    start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
         for arm in arms.values():
             arm.rows.append(dict(start))
