@@ -195,7 +195,7 @@ def test_compiled_decode_runs_in_graphs_and_stays_close_to_the_eager_engine():
             continue
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), len(a.token_ids))
         assert same >= 8, (a.token_ids, b.token_ids)
-        diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=True)]
+        diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=False)]
     # this model's logits are sharpened (lm_head x 40): positions near a tie move by tenths (H200: 80
     # positions, |d| summing to 1.10 on 2026-12-02; 57 of 80 under 1e-2 on 2026-12-03), so the typical
     # position is held, not a share: the accuracy itself is the teacher-forced test's above
