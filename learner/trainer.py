@@ -82,7 +82,8 @@ def to_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Scalar statistics kept on the device during a step, brought to the host in one read."""
     if not values:
         return values
-    flat = torch.stack([v.reshape(()).double() for v in values.values()]).cpu()
+    device = next(iter(values.values())).device  # (a gloo collective leaves its sums on the CPU)
+    flat = torch.stack([v.reshape(()).double().to(device) for v in values.values()]).cpu()
     return dict(zip(values, flat, strict=True))
 
 
@@ -375,9 +376,8 @@ class Trainer:
                         ratio_max = torch.maximum(ratio_max, self._rl_micro_batch(mb, prep, sums))
                 norms.append(self._clip_and_step(lr))
                 qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
-        sums = all_reduce_sum(sums)
-        ratio_max = all_reduce_max(ratio_max)
-        sums, ratio_max = to_host(sums), ratio_max.cpu()
+        sums = to_host({**all_reduce_sum(sums), "ratio_max": all_reduce_max(ratio_max)})
+        ratio_max = sums.pop("ratio_max")
         qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)
         moon = moon_ep_step(self.model, replan=not self.cfg.moon_ep.plan_per_batch)
         self.step += 1
@@ -444,8 +444,9 @@ class Trainer:
                 (loss * self.world_size).backward()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.detach().double()  # read once, after the step
-        sums = to_host(all_reduce_sum(sums))
+        sums = all_reduce_sum(sums)
         grad_norm = self._clip_and_step(lr)
+        sums = to_host(sums)
         qk = apply_qk_clip(self.qk_clip, self.max_logits, self.world_size)
         qb_layers = qb_update(self.model, self.cfg.qb_frozen, self.world_size)
         moon = moon_ep_step(self.model, replan=not self.cfg.moon_ep.plan_per_batch)
