@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--prefix-cache", type=int, default=None, help="the engine's prefix_cache_size (default: its own)")
     ap.add_argument("--decode-append", type=int, default=None, help="the engine's decode_append (default: its own)")
     ap.add_argument("--share-prefix", type=int, default=None, help="the engine's share_prefix (default: its own)")
+    ap.add_argument("--prefill-wait", type=int, default=None, help="the engine's prefill_wait_steps (default: its own)")
     ap.add_argument("--profile", default=None, help="directory for cProfile tables of the last round's scheduler")
     ap.add_argument("--torch-profile", default=None, help="directory for torch.profiler tables of the last round")
     ap.add_argument("--json", default=None)
@@ -95,7 +96,8 @@ def main() -> None:
                                         max_num_seqs=args.max_num_seqs,
                                         **{k: v for k, v in (("prefix_cache_size", args.prefix_cache),
                                                              ("decode_append", args.decode_append),
-                                                             ("share_prefix", args.share_prefix)) if v is not None})
+                                                             ("share_prefix", args.share_prefix),
+                                                             ("prefill_wait_steps", args.prefill_wait)) if v is not None})
 
     async def generate(ids, params, images=None, key=None, group_key=None):
         return await asyncio.wrap_future(engine.submit(ids, params, images=images))

@@ -179,7 +179,9 @@ class Job:
                           checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype, seed=cfg.model.seed,
                           device="cuda" if r.gpus_per_inference_worker > 0 else "cpu",
                           engine_kwargs={"max_num_seqs": r.max_batch_sequences,
-                                         **({"compile_decode": True} if r.compile_decode else {})})  # embedded only
+                                         **({"compile_decode": True} if r.compile_decode else {}),
+                                         **({"prefill_wait_steps": r.prefill_wait_steps}
+                                            if r.prefill_wait_steps else {})})  # embedded only
         pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={
             "num_cpus": 1, "num_gpus": r.gpus_per_inference_worker, "max_concurrency": 10_000})
         stack.push_async_callback(_stop_pool, pool)

@@ -8,14 +8,26 @@ to the teacher,
     KL(pi || T) = E_{y ~ pi} [ log pi(y_t | y_<t) - log T(y_t | y_<t) ],
 
 falls under a policy gradient whose per-token reward is r_t = log T(y_t) - log mu(y_t), with mu the
-behaviour policy that sampled y_t (its log-prob is recorded with every token), undiscounted:
-each token is credited with its own term only. So distillation is one more advantage, added to
+behaviour policy that sampled y_t (its log-prob is recorded with every token), by default
+undiscounted: each token is credited with its own term only. So distillation is one more advantage, added to
 the env's (per episode or per turn, learner/advantages.py) in the same loss:
 
     A_t = A_env_t + coef * clip(log T(y_t) - log mu(y_t), -R, R)          on sampled tokens
 
 (the K3 report's per-token reward, arXiv 2607.24653 §4, clips the log-ratio to [-R, R]: a token
 the teacher gives almost no mass would otherwise outweigh every other; `clip=None` leaves it).
+
+Credit over later tokens (`discount` gamma): with r_t = clip(log T(y_t) - log mu(y_t)),
+
+    A_t = A_env_t + coef * sum_{s >= t} gamma^(s - t) r_s           (s, t counted over sampled tokens)
+
+gamma = 0 (the default) is the per-token rule above; gamma = 1 is the score-function gradient of
+the whole sequence's reverse KL, grad E[sum_s log pi/T] = E[sum_t grad log pi(y_t) sum_{s>=t} (log pi/T)(y_s)]:
+a token is also charged for what the teacher thinks of the tokens that follow it. It matters in
+multi-turn episodes, where a teacher disagrees most in the turns after a student's mistake (a
+wrong lookup, then an answer the teacher would not give): per token, that disagreement lands on
+the later turn, not on the token that caused it (benchmarks/distill_turns.py measures where it lands).
+Tool output (loss_mask 0) carries no r and does not count as a step of the discount.
 
 Several teachers: the episodes of an env go to the teacher named for it (the K3 report's
 multi-teacher setup, one expert per domain); a teacher named for no env takes the others, and
@@ -36,10 +48,11 @@ import torch
 
 from k3rl.types import Trajectory
 
+from .advantages import turn_returns
 from .data import build_micro_batches
 
 __all__ = ["TEACHER_LOGPROBS", "Teacher", "distill_advantages", "load_teacher", "load_teachers", "per_completion",
-           "score", "teacher_index"]
+           "returns_to_go", "score", "teacher_index"]
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # metadata key: log T per completion token, attached by a teacher's engines
 
@@ -51,23 +64,26 @@ class Teacher:
     coef: float = 1.0
     clip: float | None = None  # R: the log-ratio clipped to [-R, R]; None = not clipped
     name: str = ""  # its checkpoint, for errors
+    discount: float = 0.0  # gamma: a token's advantage also sums gamma^k of the k-th sampled token after it
 
 
 def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *, envs: Sequence[str] = (),
-                 coef: float = 1.0, clip: float | None = None, device: str = "cpu",
+                 coef: float = 1.0, clip: float | None = None, discount: float = 0.0, device: str = "cpu",
                  dtype: str = "float32") -> Teacher:
     """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
     from .model.factory import build_model
 
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
-    return Teacher(model, tuple(envs), coef, clip, name=checkpoint)
+    return Teacher(model, tuple(envs), coef, clip, name=checkpoint, discount=discount)
 
 
 def load_teachers(specs: Sequence, device: str = "cpu") -> list[Teacher]:
     """The learner's teachers from `learner.distill.teachers`: one with `engines: 0` is loaded here (on
     `device`); the others are served by engines of their own and come without a model."""
-    return [load_teacher(s.checkpoint, s.preset, s.overrides, envs=s.envs, coef=s.coef, clip=s.clip, device=device)
-            if s.engines == 0 else Teacher(None, tuple(s.envs), s.coef, s.clip, name=s.checkpoint) for s in specs]
+    return [load_teacher(s.checkpoint, s.preset, s.overrides, envs=s.envs, coef=s.coef, clip=s.clip,
+                         discount=s.discount, device=device)
+            if s.engines == 0 else Teacher(None, tuple(s.envs), s.coef, s.clip, name=s.checkpoint, discount=s.discount)
+            for s in specs]
 
 
 def per_completion(flat: torch.Tensor, mb, trajectories: list[Trajectory]) -> dict[int, torch.Tensor]:
@@ -142,11 +158,24 @@ def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_ba
     return out
 
 
+def returns_to_go(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over the positions where mask is 1 (steps counted over
+    those only; G is 0 elsewhere). gamma = 0: G = r * mask."""
+    r = r * mask
+    if gamma == 0:
+        return r
+    sampled = mask.nonzero()[:, 0]
+    out = torch.zeros_like(r)
+    out[sampled] = torch.tensor(turn_returns(r[sampled].tolist(), gamma), dtype=r.dtype)
+    return out
+
+
 def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
                        micro_batch_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
     """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
     token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher (its log T
-    attached by the teacher's engines, or scored here at the policy `temperature`)."""
+    attached by the teacher's engines, or scored here at the policy `temperature`), summed over the
+    tokens that follow with the teacher's `discount` (`returns_to_go`)."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
@@ -162,5 +191,5 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
             ratio = log_t - log_mu
             if teacher.clip is not None:
                 ratio = ratio.clamp(-teacher.clip, teacher.clip)
-            out[i, :len(t.completion_ids)] += teacher.coef * ratio * mask
+            out[i, :len(t.completion_ids)] += teacher.coef * returns_to_go(ratio, mask, teacher.discount)
     return out

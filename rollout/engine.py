@@ -103,6 +103,11 @@ class EmbeddedEngine(AdmitAndPrefill, InferenceEngine):
                      earlier prompt shares, e.g. a system prompt and tool schemas that differ only in the
                      task, is prefilled up to the shared part, whose state is cached, and prompts that
                      arrive meanwhile wait for it, then extend it (default 64 on CUDA, 0, off, on the CPU)
+    prefill_wait_steps  while a decoding batch runs, a request that needs a prefill forward waits until the
+                     oldest such request has waited this many scheduler steps, then they all prefill
+                     together: prompts that arrive over several steps (an RL job's first turns, as the
+                     envs reset) share one batched forward instead of one eager forward each (default
+                     0, off; with nothing decoding a prefill never waits). Results are unchanged
     overlap          launch decode step t+1 before step t's tokens reach the host (they are fed on the
                      device), so the scheduler's Python runs while the GPU decodes (default: on CUDA).
                      Every result is the same as without it (see `_decode_and_sample`)
@@ -121,11 +126,15 @@ class EmbeddedEngine(AdmitAndPrefill, InferenceEngine):
                  max_prefill_tokens: int | None = None, prefix_cache_size: int | None = None, max_model_len: int | None = None,
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
-                 decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False):
+                 decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False,
+                 prefill_wait_steps: int = 0):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
+        if prefill_wait_steps < 0:
+            raise ValueError(f"prefill_wait_steps must be >= 0, got {prefill_wait_steps}")
+        self.prefill_wait_steps = prefill_wait_steps
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
         if tokenizer is None:

@@ -15,10 +15,23 @@ class AdmitAndPrefill:
     """The admission and chunked-prefill half of `EmbeddedEngine` (a mixin: no state of its own)."""
 
     # 3. admission
+    def _release_prefills(self) -> bool:
+        """Whether requests that need a prefill forward may start one this step. With
+        `prefill_wait_steps` N > 0 they gather while the decoding batch runs, and all go once the
+        oldest has waited N steps, so prompts arriving over several steps share one batched forward
+        (an eager forward costs its launches whatever its rows). With nothing decoding they go at once."""
+        if not self.prefill_wait_steps or not (self._decoding or self._feeders or self._inflight):
+            return True
+        return any(s.waited >= self.prefill_wait_steps for s in self._waiting)
+
     def _admit(self) -> None:
         active = len(self._prefilling) + len(self._decoding) + len(self._feeders) \
             + sum(len(s.followers) for s in self._prefilling)
+        for s in self._waiting:
+            s.waited += 1
+        release = self._release_prefills()
         deferred: list[Seq] = []  # sharing a prefix another prompt is prefilling: admitted once it is cached
+        held: list[Seq] = []  # would start a prefill forward: gathering others first (prefill_wait_steps)
         while self._waiting and active < self.max_num_seqs:
             seq = self._waiting.popleft()
             seq.state_version = self._version
@@ -43,6 +56,13 @@ class AdmitAndPrefill:
                 if rest <= self.decode_append and seq.image_cursor == len(seq.images):
                     self._feed(seq, entry.cache, seq.prompt[seq.computed:])  # the pool copies the cache
                     continue
+            if not release:
+                self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
+                seq.computed, seq.cached_prompt_tokens, seq.image_cursor = 0, 0, 0
+                held.append(seq)
+                active -= 1
+                continue
+            if entry is not None:
                 seq.cache = entry.cache.clone()
             if self._prefix.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
                                                  and p.split_at - seq.computed >= self._prefix.share_prefix
@@ -56,7 +76,7 @@ class AdmitAndPrefill:
             if seq.cache is None:
                 seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
             self._prefilling.append(seq)
-        self._waiting.extendleft(reversed(deferred))
+        self._waiting.extendleft(reversed(deferred + held))
 
     def _offers_prefix(self, seq: Seq) -> bool:
         """Only states computed entirely by the current weights are offered for reuse."""

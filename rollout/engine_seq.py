@@ -43,6 +43,7 @@ class Seq:
     seed: int  # int64: the n-th token is drawn with uniform(seed, n)
     future: concurrent.futures.Future
     submitted: float = field(default_factory=time.monotonic)
+    waited: int = 0  # scheduler steps spent waiting for admission (prefill_wait_steps)
     cache: Any = None  # K3Cache (batch 1) while prefilling
     feed: list[int] = field(default_factory=list)  # prompt tokens still to feed by decode steps (decode_append)
     split_at: int = 0  # a prefix other prompts share: a prefill chunk ends here and its state is cached

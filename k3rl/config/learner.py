@@ -22,6 +22,9 @@ class TeacherSpec(_Section):
     coef: float = Field(1.0, gt=0, description="weight of its per-token reverse-KL advantage, log T - log mu")
     clip: float | None = Field(None, gt=0, description="R: log T - log mu clipped to [-R, R] per token (the K3 "
                                                         "report's per-token reward); None = not clipped")
+    discount: float = Field(0.0, ge=0, le=1, description="gamma: a token's advantage also sums gamma^k times the "
+                                                         "log-ratio of the k-th sampled token after it (1 = the "
+                                                         "whole sequence's reverse KL; 0 = each token's own term)")
     engines: int = Field(1, ge=0, description="scoring actors of its own (rollout/teacher.py), started by the job "
                                               "beside the inference engines, each scoring a share of the step's "
                                               "episodes; 0 = the learner loads it and scores in its own process")

@@ -144,6 +144,28 @@ def test_clip_bounds_each_tokens_log_ratio():
     assert torch.allclose(clipped, free.clamp(-0.5, 0.5))
 
 
+def test_discount_sums_the_later_sampled_tokens_log_ratios():
+    from learner.distill import returns_to_go
+
+    r = torch.tensor([1.0, 2.0, 9.0, 4.0])
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])  # position 2 is tool output: no r, not a step of the discount
+    assert torch.equal(returns_to_go(r, mask, 0.0), torch.tensor([1.0, 2.0, 0.0, 4.0]))
+    # G_3 = 4, G_1 = 2 + 0.5 * 4 = 4, G_0 = 1 + 0.5 * 4 = 3
+    assert torch.allclose(returns_to_go(r, mask, 0.5), torch.tensor([3.0, 4.0, 0.0, 4.0]))
+    assert torch.allclose(returns_to_go(r, mask, 1.0), torch.tensor([7.0, 6.0, 0.0, 4.0]))
+
+    model = tiny(5)
+    batch = make_trajectories(6, n=4)
+    own = distill_advantages(batch, torch.zeros(4), [Teacher(model, clip=0.5)])
+    whole = distill_advantages(batch, torch.zeros(4), [Teacher(model, clip=0.5, discount=1.0)])
+    for i, t in enumerate(batch):  # gamma = 1: each sampled token carries the sum of its own and every later r
+        m = torch.tensor(t.loss_mask, dtype=torch.bool)
+        n = len(t.loss_mask)
+        want = own[i, :n].flip(0).cumsum(0).flip(0)
+        assert torch.allclose(whole[i, :n][m], want[m], atol=1e-5)
+        assert torch.all(whole[i, :n][~m] == 0)
+
+
 # ----- teachers served by engines of their own (rollout/teacher.py) ----------------------------------
 def _job(*teachers: dict):
     from k3rl.config import JobConfig

@@ -566,3 +566,37 @@ def test_a_shared_prompt_start_is_prefilled_once_and_results_do_not_change(model
     assert eng.stats["prefill_tokens"] + eng.stats["fed_prompt_tokens"] <= ref_engine.stats["prefill_tokens"] - 2 * 70
     assert (eng.stats["fed_prompt_tokens"] > 0) == (append > 0)
     assert all(got[k].cached_prompt_tokens >= 70 for k in ("t1", "g0", "g1", "g2", "late"))
+
+
+def _staggered(eng: EmbeddedEngine) -> dict:
+    """One request decoding, then three prompts of the same length arriving one step apart."""
+    futures = {"a": eng.submit(_prompt(20, 1), SamplingParams(temperature=0.0, max_tokens=12), request_id="a")}
+    eng.step()
+    for k, off in (("b", 2), ("c", 3), ("d", 4)):
+        futures[k] = eng.submit(_prompt(17, off), SamplingParams(temperature=1.0, seed=off, max_tokens=6),
+                                request_id=k)
+        eng.step()
+    _run_all(eng, futures.values())
+    return {k: f.result() for k, f in futures.items()}
+
+
+def test_prefill_wait_steps_gathers_staggered_prompts_into_one_forward(model):
+    ref_engine = _engine(model)
+    ref = _staggered(ref_engine)
+    eng = _engine(model, prefill_wait_steps=3)
+    got = _staggered(eng)
+    # without waiting each of b, c, d starts its own forward; gathered, they share one
+    assert ref_engine.stats["prefill_forwards"] == 4 and eng.stats["prefill_forwards"] == 2
+    for k, a in ref.items():
+        b = got[k]
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), k
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4), k
+    # with nothing decoding, a prompt never waits: the first request is prefilled in its first step
+    idle = _engine(model, prefill_wait_steps=50)
+    fut = idle.submit(_prompt(9), SamplingParams(temperature=0.0, max_tokens=2))
+    idle.step()
+    assert idle.stats["prefill_forwards"] == 1 and idle._decoding
+    idle.generate(_prompt(9), SamplingParams(temperature=0.0, max_tokens=2))
+    assert fut.result().token_ids
+    with pytest.raises(ValueError, match="prefill_wait_steps must be >= 0"):
+        EmbeddedEngine(model, background=False, prefill_wait_steps=-1)
