@@ -126,8 +126,9 @@ class Arm:
     its task stream (the same seeds in both arms) and the rows of its curve."""
 
     def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, clip: float | None,
-                 seed: int):
-        teachers = ([{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "clip": clip, "engines": 0}]
+                 seed: int, discount: float = 0.0):
+        teachers = ([{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "clip": clip, "discount": discount,
+                      "engines": 0}]
                     if teacher_dir else [])
         learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
                                                     "distill": {"teachers": teachers}})
@@ -202,6 +203,9 @@ def main() -> None:
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
     ap.add_argument("--clip", type=float, help="the teacher's clip R: log T - log mu clipped to [-R, R] (default none)")
+    ap.add_argument("--discount", type=float, default=0.0,
+                    help="the teacher's discount gamma: each token also carries gamma^k of the k-th sampled token's "
+                         "log-ratio after it (1 = the whole sequence's reverse KL; default 0, each token its own)")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -245,7 +249,7 @@ def main() -> None:
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
-    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.clip, args.seed)
+    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.clip, args.seed, args.discount)
             for name, path in (("RL alone", None), ("RL + teacher", teacher_dir))}
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
