@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--prefill-wait", type=int, default=None, help="the engine's prefill_wait_steps (default: its own)")
     ap.add_argument("--profile", default=None, help="directory for cProfile tables of the last round's scheduler")
     ap.add_argument("--torch-profile", default=None, help="directory for torch.profiler tables of the last round")
+    ap.add_argument("--prefill-trace", action="store_true",
+                    help="after the rounds, one prefill forward (a 91-token prompt, a fresh cache) traced: its host "
+                         "waits by source line, and its launches and host-to-device copies under torch.profiler")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -162,8 +165,45 @@ def main() -> None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "scheduler_cumulative.txt").write_text(table(sched_prof, "cumulative", 80))
             (out / "scheduler_tottime.txt").write_text(table(sched_prof, "tottime"))
+    if args.prefill_trace:
+        results.append(prefill_trace(engine, args.device))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+@torch.no_grad()
+def prefill_trace(engine, device: str) -> dict:
+    """One eager prefill forward as the engine runs it (KeyLookup's first prompt is ~91 tokens):
+    wall time, host waits by source line (CUDA only), and the launches and copies it issues."""
+    model = engine.model
+    ids = torch.arange(1, 92, device=device)[None] % 200 + 1
+
+    def forward():
+        model(ids, cache=model.new_cache(1, engine.autocast_dtype))
+
+    for _ in range(3):
+        forward()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        forward()
+    if cuda:
+        torch.cuda.synchronize()
+    row = {"prefill_forward_ms": round((time.perf_counter() - t0) / 5 * 1e3, 2)}
+    if cuda:
+        from k3rl.learner.host_syncs import host_syncs
+
+        row["host_waits"] = dict(host_syncs(forward).most_common())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        forward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    row["calls"] = {k: counts[k] for k in ("cudaLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+                                            "cudaStreamSynchronize", "aten::item", "aten::_local_scalar_dense",
+                                            "aten::copy_", "aten::to") if k in counts}
+    print(json.dumps(row, indent=1), flush=True)
+    return row
 
 
 if __name__ == "__main__":
