@@ -164,7 +164,8 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.8))
-    for (name, rows), color in zip(results["arms"].items(), ("tab:blue", "tab:orange"), strict=True):
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for (name, rows), color in zip(results["arms"].items(), colors, strict=False):
         train = [r for r in rows if "reward" in r]
         a.plot([r["step"] for r in train], [r["reward"] for r in train], marker=".", color=color, label=name)
         c.plot([r["step"] for r in train], [r["malformed"] for r in train], marker=".", color=color, label=name)
@@ -203,9 +204,10 @@ def main() -> None:
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
     ap.add_argument("--clip", type=float, help="the teacher's clip R: log T - log mu clipped to [-R, R] (default none)")
-    ap.add_argument("--discount", type=float, default=0.0,
+    ap.add_argument("--discount", default="0",
                     help="the teacher's discount gamma: each token also carries gamma^k of the k-th sampled token's "
-                         "log-ratio after it (1 = the whole sequence's reverse KL; default 0, each token its own)")
+                         "log-ratio after it (1 = the whole sequence's reverse KL; default 0, each token its own); "
+                         "several, comma-separated, give a teacher arm each")
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -249,8 +251,11 @@ def main() -> None:
     print(f"student: held-out greedy success {student_info['eval_success']:.2f}", flush=True)
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
-    arms = {name: Arm(student, cfg, args.rl_steps, path, args.coef, args.clip, args.seed, args.discount)
-            for name, path in (("RL alone", None), ("RL + teacher", teacher_dir))}
+    discounts = [float(g) for g in args.discount.split(",")]
+    arms = {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
+    for g in discounts:
+        name = "RL + teacher" if len(discounts) == 1 else f"RL + teacher, discount {g:g}"
+        arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
         for arm in arms.values():
