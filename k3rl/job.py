@@ -181,7 +181,7 @@ class Job:
                           engine_kwargs={"max_num_seqs": r.max_batch_sequences,
                                          **({"compile_decode": True} if r.compile_decode else {}),
                                          **({"prefill_wait_steps": r.prefill_wait_steps}
-                                            if r.prefill_wait_steps else {})})  # embedded only
+                                            if r.prefill_wait_steps is not None else {})})  # embedded only
         pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={
             "num_cpus": 1, "num_gpus": r.gpus_per_inference_worker, "max_concurrency": 10_000})
         stack.push_async_callback(_stop_pool, pool)

@@ -107,8 +107,9 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
     prefill_wait_steps  while a decoding batch runs, a request that needs a prefill forward waits until the
                      oldest such request has waited this many scheduler steps, then they all prefill
                      together: prompts that arrive over several steps (an RL job's first turns, as the
-                     envs reset) share one batched forward instead of one eager forward each (default
-                     0, off; with nothing decoding a prefill never waits). Results are unchanged
+                     envs reset) share one batched forward instead of one eager forward each (default 8
+                     on CUDA: the RL job on an H200 1.3-1.5x the episodes/s, BENCHMARKS.md; 0, off, on the
+                     CPU; with nothing decoding a prefill never waits). Results are unchanged
     overlap          launch decode step t+1 before step t's tokens reach the host (they are fed on the
                      device), so the scheduler's Python runs while the GPU decodes (default: on CUDA).
                      Every result is the same as without it (see `_decode_and_sample`)
@@ -128,11 +129,14 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
                  decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False,
-                 prefill_wait_steps: int = 0):
+                 prefill_wait_steps: int | None = None):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
             raise ValueError("max_num_seqs, prefill_chunk and max_prefill_tokens must be >= 1")
+        cuda = str(model.lm_head.weight.device).startswith("cuda")
+        if prefill_wait_steps is None:
+            prefill_wait_steps = 8 if cuda else 0
         if prefill_wait_steps < 0:
             raise ValueError(f"prefill_wait_steps must be >= 0, got {prefill_wait_steps}")
         self.prefill_wait_steps = prefill_wait_steps

@@ -52,10 +52,10 @@ class RolloutSection(_Section):
     compile_decode: bool = Field(
         False, description="embedded engine: torch.compile each decode step's layers (fewer, fused kernels; "
                            "the first step of each new shape compiles, about a minute on a GPU)")
-    prefill_wait_steps: int = Field(
-        0, ge=0, description="embedded engine: while it decodes, a request needing a prefill forward waits until the "
-                             "oldest such has waited this many steps, then they prefill together (one batched forward "
-                             "instead of one each; 0 = never wait)")
+    prefill_wait_steps: int | None = Field(
+        None, ge=0, description="embedded engine: while it decodes, a request needing a prefill forward waits until "
+                                "the oldest such has waited this many steps, then they prefill together (one batched "
+                                "forward instead of one each; 0 = never wait; default: 8 on a GPU, 0 on the CPU)")
     gpus_per_inference_worker: float = Field(0.0, ge=0.0)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     weight_sync_timeout_s: float = Field(

@@ -598,5 +598,6 @@ def test_prefill_wait_steps_gathers_staggered_prompts_into_one_forward(model):
     assert idle.stats["prefill_forwards"] == 1 and idle._decoding
     idle.generate(_prompt(9), SamplingParams(temperature=0.0, max_tokens=2))
     assert fut.result().token_ids
+    assert EmbeddedEngine(model, background=False).prefill_wait_steps == 0  # off on the CPU by default
     with pytest.raises(ValueError, match="prefill_wait_steps must be >= 0"):
         EmbeddedEngine(model, background=False, prefill_wait_steps=-1)
