@@ -1,6 +1,10 @@
 """LoRA on k3-tiny: only the adapters train, the merge is W + s * B @ A, the adapters alone are small, PEFT layout."""
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,15 +131,31 @@ def test_peft_layout_round_trips(tmp_path):
         torch.testing.assert_close(fresh(ids), model(ids))
 
 
+# PEFT runs in a fresh interpreter started outside the repository: from its root, the repository's `kernels/`
+# folder would shadow Hugging Face's `kernels` package, which transformers >= 5.25 imports with PEFT.
+PEFT_READS = """
+import json, sys
+import peft
+weights = peft.utils.load_peft_weights(sys.argv[1])
+config = peft.LoraConfig.from_pretrained(sys.argv[1])
+print(json.dumps({"keys": sorted(weights), "r": config.r, "alpha": config.lora_alpha,
+                  "lora": config.peft_type == peft.PeftType.LORA, "targets": sorted(config.target_modules)}))
+"""
+
+
 def test_peft_reads_the_adapter(tmp_path):
-    peft = pytest.importorskip("peft", reason="peft is not installed (pip install peft)")
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed (pip install peft)")
     model, _ = adapted()
-    save_peft_adapter(model, tmp_path, SETTINGS, base_model="k3-tiny")
-    weights = peft.utils.load_peft_weights(str(tmp_path))
-    assert set(weights) == set(adapter_state_dict(model))
-    config = peft.LoraConfig.from_pretrained(str(tmp_path))
-    assert (config.r, config.lora_alpha, config.peft_type) == (4, 8, peft.PeftType.LORA)
-    assert "language_model.model.layers.0.self_attn.q_proj" in config.target_modules
+    save_peft_adapter(model, tmp_path / "adapter", SETTINGS, base_model="k3-tiny")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", PEFT_READS, str(tmp_path / "adapter")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    read = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(read["keys"]) == set(adapter_state_dict(model))
+    assert (read["r"], read["alpha"], read["lora"]) == (4, 8, True)
+    assert "language_model.model.layers.0.self_attn.q_proj" in read["targets"]
 
 
 # ----- wired through the learner: config, weight sync to a real engine, checkpoints ---------------------------
