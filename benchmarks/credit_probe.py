@@ -68,14 +68,8 @@ def probe(name: str, config: str, overrides: list[str]) -> None:
     from k3rl.config import JobConfig
     from k3rl.learner.trainer import Trainer
     from k3rl.rollout.engine import EmbeddedEngine
-    from k3rl.rollout.episode import (
-        EpisodeSpec,
-        collect_demonstration_sets,
-        job_sampling,
-        make_env,
-        make_template,
-        run_episode,
-    )
+    from k3rl.rollout.episode import EpisodeSpec, job_sampling, make_env, make_template, run_episode
+    from k3rl.rollout.job_start import collect_demonstration_sets
     from k3rl.rollout.scheduler import episode_specs
 
     torch.set_num_threads(1)

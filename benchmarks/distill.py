@@ -47,15 +47,8 @@ from k3rl.learner.model.checkpoint import save_hf  # noqa: E402
 from k3rl.learner.trainer import Trainer  # noqa: E402
 from k3rl.metrics import success  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
-from k3rl.rollout.episode import (  # noqa: E402
-    EpisodeSpec,
-    collect_demonstrations,
-    job_limits,
-    job_sampling,
-    make_env,
-    make_template,
-    run_episode,
-)
+from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode  # noqa: E402
+from k3rl.rollout.job_start import collect_demonstrations  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo.yaml")
 

@@ -325,7 +325,7 @@ def main() -> None:
 
     from k3rl.config import ConfigError, JobConfig
     from k3rl.envs.registration import check_env_ids
-    from k3rl.rollout.episode import preflight
+    from k3rl.rollout.job_start import preflight
     from k3rl.tracking import mlflow_client
 
     shared = job_overrides(args)

@@ -84,15 +84,8 @@ from k3rl.learner.data import build_micro_batches  # noqa: E402
 from k3rl.learner.distill import per_completion  # noqa: E402
 from k3rl.learner.model import build_model  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
-from k3rl.rollout.episode import (  # noqa: E402
-    EpisodeSpec,
-    collect_demonstrations,
-    job_limits,
-    job_sampling,
-    make_env,
-    make_template,
-    run_episode,
-)
+from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode  # noqa: E402
+from k3rl.rollout.job_start import collect_demonstrations  # noqa: E402
 from k3rl.types import SamplingParams, Trajectory  # noqa: E402
 
 SPLITS = ("all", "turn 1", "later")

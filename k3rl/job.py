@@ -48,7 +48,7 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
     """Run (or with `resume`, continue) the job. `kill_*_at_step` kill rollout worker 0, inference
     engine 0, learner rank 0 or the first teacher engine after that step's training (the failure tests)."""
     from k3rl.envs.registration import check_env_ids
-    from k3rl.rollout.episode import preflight
+    from k3rl.rollout.job_start import preflight
 
     check_env_ids(cfg)  # before Ray starts: an unknown id, a prompt over the context, a bad oracle
     preflight(cfg)
@@ -217,7 +217,7 @@ class Job:
         collected in a Ray task so the driver never holds their tokens."""
         import ray
 
-        from k3rl.rollout.episode import collect_demonstration_sets
+        from k3rl.rollout.job_start import collect_demonstration_sets
 
         cfg, P = self.cfg, self.cfg.rollout.prompts_per_step
         if self.resumed:

@@ -8,7 +8,7 @@ import pytest
 
 from k3rl.config import JobConfig
 from k3rl.metrics import eval_metrics, pass_at_k
-from k3rl.rollout.episode import demonstration_spec
+from k3rl.rollout.job_start import demonstration_spec
 from k3rl.rollout.scheduler import EVAL_SEED_BASE, episode_specs, eval_seed, heldout_groups
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"

@@ -115,7 +115,7 @@ def test_teachers_are_checked_before_the_job_starts(tmp_path):
     import json
 
     from k3rl.config import ConfigError, JobConfig
-    from k3rl.rollout.episode import PreflightError, preflight
+    from k3rl.rollout.job_start import PreflightError, preflight
 
     with pytest.raises(ConfigError, match=r"learner.distill.teachers.1.envs: k3rl/KeyLookup-v0 is already taught"):
         JobConfig.from_dict({"learner": {"distill": {"teachers": [

@@ -8,13 +8,11 @@ import k3rl.envs  # noqa: F401
 from k3rl.config import JobConfig
 from k3rl.envs import ToolEnv
 from k3rl.envs.key_lookup import KeyLookupEnv
-from k3rl.rollout.episode import (
-    EpisodeSpec,
+from k3rl.rollout.episode import EpisodeSpec, make_env, make_template
+from k3rl.rollout.job_start import (
     PreflightError,
     collect_demonstration_sets,
     collect_demonstrations,
-    make_env,
-    make_template,
     preflight,
 )
 

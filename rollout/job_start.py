@@ -1,0 +1,191 @@
+"""What a job does with its envs before the first RL step: the start-of-job checks (`preflight`)
+and the SFT warm start's oracle demonstrations (`collect_demonstrations`), both through the
+episode loop with the job's limits."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from k3rl.chat import ChatTemplate
+from k3rl.config import ConfigError, JobConfig
+from k3rl.envs.registration import import_env_modules
+from k3rl.rollout.episode import (
+    EpisodeSpec,
+    job_limits,
+    make_env,
+    make_template,
+    open_session,
+    oracle_episode,
+    run_sync,
+)
+from k3rl.types import Trajectory
+
+
+class PreflightError(ConfigError):
+    """A training env that cannot work with the job's limits; the message names the field to change."""
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Start-of-job checks, in the driver before Ray starts. For every env of `envs.train`: it
+    can be made and reset, and its first prompt (one seed) fits `rollout.max_context_tokens`;
+    with an SFT warm start, its oracle plays an episode whose messages each fit
+    `rollout.sampling.max_tokens_per_turn`. A `model.checkpoint` must exist and hold the
+    architecture the config describes; so must each `learner.distill.teachers` checkpoint.
+    Raises PreflightError naming the env or the field."""
+    _check_checkpoint(cfg)
+    _check_teachers(cfg)
+    import_env_modules(cfg.envs.imports)
+    template = make_template(cfg)
+    limit = cfg.rollout.max_context_tokens
+    for e in cfg.envs.train:
+        spec = EpisodeSpec(id=f"preflight-{e.id}", env_id=e.id, seed=cfg.learner.seed, env_kwargs=dict(e.kwargs))
+        try:
+            env = make_env(spec, cfg, template)
+            try:
+                obs, _ = env.reset(seed=spec.seed)
+                n = len(open_session(template, env, obs)[0].rendered)
+            finally:
+                env.close()
+        except Exception as err:
+            raise PreflightError(f"{e.id} (kwargs {dict(e.kwargs)}) cannot be made and reset: "
+                                 f"{type(err).__name__}: {err}") from err
+        if n >= limit:
+            raise PreflightError(f"{e.id}: the first prompt is {n} tokens, {'at' if n == limit else 'over'} "
+                                 f"rollout.max_context_tokens={limit}; raise it or shorten the env's opening")
+        if cfg.learner.sft_steps > 0:
+            _check_oracle(spec, cfg, template)
+            for i, phase in enumerate(cfg.learner.sft_phases):  # its kwargs reach the env: a typo fails here
+                kwargs = {**e.kwargs, **phase.env_kwargs}
+                try:
+                    _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=cfg.learner.seed,
+                                              env_kwargs=kwargs), cfg, template)
+                except Exception as err:  # noqa: BLE001 - the env's own error, named by the phase it came from
+                    why = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
+                    raise PreflightError(f"learner.sft_phases.{i}.env_kwargs: {e.id} with kwargs {kwargs} cannot "
+                                         f"play an oracle episode: {why}") from err
+
+
+def _check_checkpoint(cfg: JobConfig) -> None:
+    from pathlib import Path
+
+    from k3rl.learner.model.factory import architecture_differences
+
+    ckpt = cfg.model.checkpoint
+    if ckpt is None:
+        return
+    if not (Path(ckpt) / "config.json").is_file():
+        raise PreflightError(f"model.checkpoint: {ckpt} holds no config.json; point it at an HF-layout checkpoint "
+                             "directory (the release's, or one save_hf / a job's checkpoints/step-N/model wrote)")
+    differ = architecture_differences(cfg.model.k3_config(), ckpt)
+    if differ:
+        raise PreflightError(f"model.checkpoint: {ckpt} was written for another architecture than model.preset="
+                             f"{cfg.model.preset!r} with model.overrides: {differ}; set the preset and overrides "
+                             "that match it")
+
+
+def _check_teachers(cfg: JobConfig) -> None:
+    """Each learner.distill.teachers checkpoint holds the K3 architecture its preset + overrides
+    describe, with the student's vocabulary (it scores the student's token ids)."""
+    from pathlib import Path
+
+    from k3rl.learner.model import K3Config
+    from k3rl.learner.model.factory import architecture_differences, model_config
+
+    for i, t in enumerate(cfg.learner.distill.teachers):
+        field = f"learner.distill.teachers.{i}"
+        path = Path(t.checkpoint) / "config.json"
+        if not path.is_file():
+            raise PreflightError(f"{field}.checkpoint: {t.checkpoint} holds no config.json; point it at an HF-layout "
+                                 "checkpoint directory of the K3 architecture (e.g. one save_hf wrote)")
+        try:
+            ours = model_config(t.preset, t.overrides)
+        except Exception as err:
+            raise PreflightError(f"{field}.overrides: {err}") from err
+        try:
+            theirs = K3Config.from_hf(path)
+            differ = architecture_differences(ours, t.checkpoint)
+        except Exception as err:
+            raise PreflightError(f"{field}.checkpoint: {path} is not a K3-architecture config ({type(err).__name__}: "
+                                 f"{err}); a teacher must be a K3 model of any preset") from err
+        if differ:
+            raise PreflightError(f"{field}.checkpoint: {t.checkpoint} was written for another architecture than "
+                                 f"preset={t.preset!r} with overrides {t.overrides}: {differ}; set {field}.preset "
+                                 "and .overrides to match it")
+        student = cfg.model.k3_config().vocab_size
+        if theirs.vocab_size != student:
+            raise PreflightError(f"{field}.checkpoint: vocab_size {theirs.vocab_size}, the student's (model) is "
+                                 f"{student}; a teacher scores the student's token ids, so it needs the same "
+                                 "tokenizer and vocabulary")
+
+
+def _check_oracle(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate) -> None:
+    limits = job_limits(cfg)
+    traj = run_sync(oracle_episode(functools.partial(make_env, spec, cfg, template), spec, template, **limits))
+    field_of = {"max_turns": "envs.max_turns", "context": "rollout.max_context_tokens"}
+    if traj.error:
+        if traj.error.startswith("NoOracleError"):
+            raise PreflightError(f"{spec.env_id}: learner.sft_steps={cfg.learner.sft_steps} warm-starts on oracle "
+                                 f"demonstrations, but the env has no oracle ({traj.error}); define "
+                                 "oracle(history) or set learner.sft_steps=0")
+        raise PreflightError(f"{spec.env_id}: the oracle episode for the SFT warm start failed at "
+                             f"{traj.metadata['failed_at']}: {traj.error}")
+    P = len(traj.prompt_ids)  # an assistant turn may start inside the prompt (its header is prompted)
+    longest = max((sum(traj.loss_mask[max(0, t.start - P):max(0, t.end - P)])
+                   for t in traj.turns if t.role == "assistant"), default=0)
+    per_turn = cfg.rollout.sampling.max_tokens_per_turn
+    if longest > per_turn:
+        raise PreflightError(f"{spec.env_id}: an oracle message is {longest} tokens, over "
+                             f"rollout.sampling.max_tokens_per_turn={per_turn}; raise it (the SFT warm start would "
+                             "teach messages the policy cannot finish) or set learner.sft_steps=0")
+    by = traj.metadata.get("truncated_by")
+    if traj.truncated and by in field_of:
+        name = field_of[by]
+        value = limits["max_turns" if by == "max_turns" else "max_context_tokens"]
+        raise PreflightError(f"{spec.env_id}: the oracle episode for the SFT warm start was truncated by {by} "
+                             f"({name}={value}); raise {name} or set learner.sft_steps=0")
+
+
+def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajectory]:
+    """`n` oracle episodes for the SFT warm start, through the episode loop with the job's limits
+    (tokens exactly as the template renders them). Raises when one fails or does not finish."""
+    import_env_modules(cfg.envs.imports)
+    template = make_template(cfg)
+    limits = job_limits(cfg)
+
+    async def collect() -> list[Trajectory]:
+        out = []
+        for i in range(n):
+            spec = demonstration_spec(cfg, run_name, i)
+            traj = await oracle_episode(functools.partial(make_env, spec, cfg, template), spec, template,
+                                        max_tokens=cfg.rollout.sampling.max_tokens_per_turn, **limits)
+            if traj.error or not traj.terminated:
+                why = traj.error or f"truncated by {traj.metadata.get('truncated_by')}"
+                raise RuntimeError(f"oracle demonstration {traj.id} of {traj.env_id} did not finish ({why}); "
+                                   f"`k3rl train` checks this at start (preflight), or set learner.sft_steps=0")
+            out.append(traj)
+        return out
+
+    return run_sync(collect())
+
+
+def phase_config(cfg: JobConfig, env_kwargs: dict) -> JobConfig:
+    """`cfg` with `env_kwargs` merged into every envs.train entry's kwargs (an SFT phase's demonstrations)."""
+    train = [e.model_copy(update={"kwargs": {**e.kwargs, **env_kwargs}}) for e in cfg.envs.train]
+    return cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
+
+
+def collect_demonstration_sets(cfg: JobConfig, run_name: str, n: int) -> list[list[Trajectory]]:
+    """The SFT warm start's demonstrations: `n` oracle episodes of envs.train, then `n` for each of
+    learner.sft_phases (the same tasks, the phase's env kwargs)."""
+    return [collect_demonstrations(c, run_name, n)
+            for c in [cfg, *(phase_config(cfg, p.env_kwargs) for p in cfg.learner.sft_phases)]]
+
+
+def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:
+    """Demonstration i: the env (by `envs.train` weights) and seed of prompt group i of the job."""
+    rng = random.Random(f"{cfg.learner.seed}:{i}")
+    env = rng.choices(cfg.envs.train, weights=[e.weight for e in cfg.envs.train])[0]
+    gid = f"{run_name}-demo-g{i:07d}"
+    return EpisodeSpec(id=f"{gid}-s0", env_id=env.id, seed=rng.randrange(2**31), group_id=gid,
+                       env_kwargs=dict(env.kwargs))
