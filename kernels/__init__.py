@@ -6,12 +6,31 @@ Ops (one sub-package each): ``kda`` (chunk and recurrent Kimi Delta Attention), 
 This package imports nothing else of the project.
 """
 
-from .attention import causal_attention
-from .kda import chunk_kda, fused_recurrent_kda, kda_chunk_transition, naive_recurrent_kda
-from .moe import latent_experts
-from .newton_schulz import newton_schulz
-from .qb_histogram import qb_histogram, qb_quantile
-from .situ import situ_glu
+_handed_over = False
+if __name__ == "kernels":  # pragma: no cover - exercised in a subprocess by tests/kernels/test_package_name.py
+    # Imported as top-level `kernels`: the repository root is on sys.path (`python -m ...` run from it) and
+    # someone (transformers >= 5.25) asked for Hugging Face's `kernels` package. This folder is
+    # `k3rl.kernels`; when the other package is installed, hand the name over to it.
+    import os as _os
+    import sys as _sys
+    from importlib.machinery import PathFinder as _PathFinder
+    from importlib.util import module_from_spec as _module_from_spec
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.abspath(p or ".") != _root])
+    if _spec is not None:
+        _module = _module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # the import statement returns what sys.modules holds after this file
+        _spec.loader.exec_module(_module)
+        _handed_over = True
+
+if not _handed_over:
+    from .attention import causal_attention
+    from .kda import chunk_kda, fused_recurrent_kda, kda_chunk_transition, naive_recurrent_kda
+    from .moe import latent_experts
+    from .newton_schulz import newton_schulz
+    from .qb_histogram import qb_histogram, qb_quantile
+    from .situ import situ_glu
 
 __all__ = [
     "causal_attention",

@@ -131,8 +131,8 @@ def test_peft_layout_round_trips(tmp_path):
         torch.testing.assert_close(fresh(ids), model(ids))
 
 
-# PEFT runs in a fresh interpreter started outside the repository: from its root, the repository's `kernels/`
-# folder would shadow Hugging Face's `kernels` package, which transformers >= 5.25 imports with PEFT.
+# PEFT runs in a fresh interpreter started outside the repository, as a user's would (transformers >= 5.25
+# imports Hugging Face's `kernels` package with PEFT; from the repository root, tests/kernels/test_package_name.py).
 PEFT_READS = """
 import json, sys
 import peft
