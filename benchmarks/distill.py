@@ -205,6 +205,9 @@ def main() -> None:
     ap.add_argument("--eval-tasks", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[], help="job config overrides on examples/demo.yaml")
+    ap.add_argument("--baseline", help="a previous run's json with the same student, seed and RL settings: its "
+                                       "'RL alone' rows are reused instead of running that arm again (the "
+                                       "script is deterministic on one machine)")
     ap.add_argument("--out", default="benchmarks/results/distill")
     args = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -245,9 +248,10 @@ def main() -> None:
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
     discounts = [float(g) for g in args.discount.split(",")]
-    arms = {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
+    arms = {} if args.baseline else {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
+    baseline = json.load(open(args.baseline))["arms"]["RL alone"] if args.baseline else None
     for g in discounts:
-        name = "RL + teacher" if len(discounts) == 1 else f"RL + teacher, discount {g:g}"
+        name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
@@ -261,7 +265,8 @@ def main() -> None:
                 print(f"  {name}: {json.dumps({k: round(v, 3) for k, v in arm.rows[-1].items()})}", flush=True)
             results = {"args": vars(args), "learner": cfg.learner.model_dump(mode="json"),
                        "sampling": cfg.rollout.sampling.model_dump(mode="json"), "teacher": teacher_info, "student": student_info,
-                       "arms": {name: arm.rows for name, arm in arms.items()}, "rl_steps_done": step + 1,
+                       "arms": {**({"RL alone": baseline[:step + 2]} if baseline else {}),
+                                **{name: arm.rows for name, arm in arms.items()}}, "rl_steps_done": step + 1,
                        "seconds": time.perf_counter() - t0}
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out + ".json", "w") as f:
