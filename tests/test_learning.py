@@ -8,7 +8,9 @@
    `make demo` seed 3's policy after its SFT warm start, the job's KL reference saved with
    checkpoints/step-000010, stored in bf16; held-out greedy success 0.69 on the test's 32 tasks), no SFT,
    8 RL steps of 8 prompts x 8: the held-out success rises, greedy and sampled, on each seed.
-   (The demo's whole 30 steps: BENCHMARKS.md, "The demo".)
+   (The demo's whole 30 steps: BENCHMARKS.md, "The demo".) After a change of k3-tiny's architecture the
+   job's preflight refuses the stored checkpoint by name; rebuild it from a `make demo` run with
+   `--set model.seed=3 --set learner.seed=3` (its checkpoints/step-000010/reference, cast to bf16).
 """
 
 from pathlib import Path
