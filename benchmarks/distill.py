@@ -36,6 +36,7 @@ import random
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -249,7 +250,7 @@ def main() -> None:
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
     discounts = [float(g) for g in args.discount.split(",")]
     arms = {} if args.baseline else {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
-    baseline = json.load(open(args.baseline))["arms"]["RL alone"] if args.baseline else None
+    baseline = json.loads(Path(args.baseline).read_text())["arms"]["RL alone"] if args.baseline else None
     for g in discounts:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g)

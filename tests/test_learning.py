@@ -60,14 +60,12 @@ def test_short_job_learns_keylookup(tmp_path, seed):
     # ... and RL keeps it: no collapse of the format over the RL steps
     assert rewards[-1] > 0.0, rewards
     assert all(m["episodes/failed_rate"] < 0.5 for m in summary["history"])
-    # the warm start writes well-formed tool calls on held-out tasks (reward > 0 needs one) on every
-    # seed, and on seed 0 copies the requested key and its value (SFT at 3e-3 over 60 steps; the former
-    # 1e-2 over 30 learned the message format only: greedy success 0.03). Seed 1's copying sits near
-    # 1-4 of the 16 tasks, and the step-0 eval shares the engine with training episodes, whose batch
-    # timing can flip a greedy near-tie: a CI run saw 0.0625 where earlier ones saw 0.25
+    # the warm start writes well-formed tool calls on held-out tasks (reward > 0 needs one) and, on seed 0,
+    # copies the requested key and its value (SFT at 3e-3 over 60 steps; the former 1e-2 over 30 learned the
+    # message format only: greedy success 0.03). The step-0 eval shares the engine with training episodes,
+    # whose batch timing can flip a greedy near-tie (on seed 1 a CI run saw 0.0625 where earlier ones saw 0.25)
     assert summary["eval"][0]["eval/KeyLookup-v0/reward"] > 0.1, summary["eval"][0]
-    if seed == 0:
-        assert summary["eval"][0]["eval/KeyLookup-v0/success"] >= 0.25, summary["eval"][0]
+    assert summary["eval"][0]["eval/KeyLookup-v0/success"] >= 0.25, summary["eval"][0]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
