@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,13 +37,19 @@ def make_trajectories(seed: int, n: int = 8, group_size: int = 4, vocab: int = 2
 
 
 @contextmanager
-def gloo_group(rank: int, world: int, port: int):
+def gloo_group(rank: int, world: int, port: int, timeout: float | None = None):
     """One rank of a loopback gloo group for a spawned test worker: joined on entry, destroyed on exit."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            **({"timeout": timedelta(seconds=timeout)} if timeout else {}))
     try:
         yield
+        # a clean end: every rank done (rank 0's writes too) before any tears its pairs down, and the
+        # collectives' leftover work objects freed while the interpreter is whole; gloo aborted a rank that
+        # tore down alone once in CI ("terminate called without an active exception", SIGABRT)
+        dist.barrier()
+        gc.collect()
     finally:
         dist.destroy_process_group()

@@ -16,13 +16,12 @@ case.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from learner_helpers import gloo_group
 
 from k3rl.kernels.kda import chunk_kda
 from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
@@ -115,10 +114,7 @@ def _model_run(model, ids, targets, **kw):
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(rank, world, port, timeout=120):
         res = {}
         inp = _kda_inputs()
         for zigzag in LAYOUTS:
@@ -167,8 +163,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             except ValueError as e:
                 res[name] = str(e)
         torch.save(res, os.path.join(out_dir, f"cp{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")

@@ -1,7 +1,7 @@
 """The KL reference policy follows an SFT warm start when asked to."""
 
 import torch
-from learner_helpers import make_trajectories
+from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import LearnerSection
 from k3rl.learner.model import K3Config, K3ForCausalLM
@@ -27,12 +27,7 @@ def test_reset_reference_makes_kl_zero_at_the_warm_started_policy():
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
     import os
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         torch.manual_seed(0)
         cfg = LearnerSection(kl_coef=0.1, micro_batch_tokens=64, data_parallel="fsdp", world_size=world)
         t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), cfg)
@@ -46,8 +41,6 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({"same": same, "kl": kl, "frozen": not any(p.requires_grad for p in t.reference.parameters())},
                        os.path.join(out, "ref.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_reset_reference_under_fsdp(tmp_path):
