@@ -34,6 +34,26 @@ def remember_host_offsets(cu_seqlens: torch.Tensor, offsets: list[int]) -> torch
     return cu_seqlens
 
 
+_COPIES = WeakTensorKeyDictionary()
+
+
+def remember_host_copy(t: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """Record the host tensor a device tensor was copied from (read on the host later, no wait)."""
+    _COPIES[t] = (t._version, host)
+    return t
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: itself on the CPU, the copy handed over by `remember_host_copy` while `t` is
+    not modified in place, else read from the device (the host waits)."""
+    if t.device.type == "cpu":
+        return t
+    hit = _COPIES.get(t)
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    return t.cpu()
+
+
 def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
 

@@ -74,9 +74,10 @@ class MicroBatch:
 
         moved = {k: move(v) for k, v in self.__dict__.items()}
         if cuda and self.cu_seqlens.device.type == "cpu":
-            from k3rl.kernels.varlen import remember_host_offsets
+            from k3rl.kernels.varlen import remember_host_copy, remember_host_offsets
 
             remember_host_offsets(moved["cu_seqlens"], self.cu_seqlens.tolist())
+            remember_host_copy(moved["input_ids"], self.input_ids)  # the model's media check reads it
         return MicroBatch(**moved)
 
     def zero_weight(self) -> MicroBatch:

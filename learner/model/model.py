@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3rl.kernels.varlen import host_copy
+
 from .attnres import aggregate, make_query_params, query_vector
 from .cache import K3Cache
 from .common import RMSNorm, SiTUGLUMLP
@@ -289,7 +291,7 @@ class K3ForCausalLM(nn.Module):
         if images is not None:
             media = self.as_media(images)
             h = merge_media_embeddings(h, input_ids, self.encode_media(media), media, placeholder)
-        elif bool((input_ids == placeholder).any()):
+        elif bool((host_copy(input_ids) == placeholder).any()):  # no wait for ids copied from the host
             raise ValueError(
                 f"input_ids contain media placeholder tokens (id {placeholder}) but no images were given"
             )
