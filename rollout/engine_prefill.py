@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from k3rl.kernels.varlen import remember_host_copy
+
 from .engine_seq import Seq
 
 
@@ -169,6 +171,12 @@ class AdmitAndPrefill:
         self.stats["fed_prompt_tokens"] += len(tail)
         self._feeders.append(seq)
 
+    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
+        """Token ids on the engine's device, their host copy handed over (the model's media check reads it
+        without waiting for the GPU)."""
+        host = torch.tensor(rows)
+        return remember_host_copy(host.to(self.device), host)
+
     def _prefill_forward(self, items):
         """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
 
@@ -178,7 +186,7 @@ class AdmitAndPrefill:
 
             try:
                 cache = K3Cache.stack([seq.cache for seq, *_ in items])
-                ids = torch.tensor([seq.prompt[start:end] for seq, start, end, _ in items], device=self.device)
+                ids = self._ids([seq.prompt[start:end] for seq, start, end, _ in items])
                 logits = self.model(ids, cache=cache)[:, -1]
             except Exception:  # noqa: BLE001 - retry one by one to find the request at fault
                 logits = None
@@ -189,7 +197,7 @@ class AdmitAndPrefill:
                 return
         for seq, start, end, n_img in items:
             images = seq.images[seq.image_cursor : seq.image_cursor + n_img] if n_img else None
-            ids = torch.tensor([seq.prompt[start:end]], device=self.device)
+            ids = self._ids([seq.prompt[start:end]])
             try:
                 logits = self.model(ids, images=images, cache=seq.cache)
             except Exception as e:  # noqa: BLE001 - a bad prompt fails its own group, nobody else
