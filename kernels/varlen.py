@@ -38,8 +38,10 @@ _COPIES = WeakTensorKeyDictionary()
 
 
 def remember_host_copy(t: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
-    """Record the host tensor a device tensor was copied from (read on the host later, no wait)."""
-    _COPIES[t] = (t._version, host)
+    """Record the host tensor a device tensor was copied from (read on the host later, no wait). A CPU
+    tensor is its own host copy: nothing is recorded (an entry holding its own key would never be freed)."""
+    if t.device.type != "cpu":
+        _COPIES[t] = (t._version, host)
     return t
 
 

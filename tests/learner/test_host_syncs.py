@@ -3,6 +3,9 @@ the host that built it), micro-batches are copied without a wait, statistics are
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from learner_helpers import make_trajectories
@@ -41,6 +44,13 @@ def test_host_offsets_are_read_once_per_tensor_and_again_after_an_in_place_write
 def test_host_copy_is_the_handed_over_copy_until_an_in_place_write():
     ids = torch.tensor([[5, 6, 7]])
     assert host_copy(ids) is ids  # a CPU tensor is its own host copy
+    # on the CPU the engine hands a tensor over as its own copy: it is still freed when dropped
+    own = torch.tensor([[1, 2]])
+    remember_host_copy(own, own)
+    gone = weakref.ref(own)
+    del own
+    gc.collect()
+    assert gone() is None
     # a tensor with no data to read (meta): the host copy handed over is returned without a device read
     dev = remember_host_copy(torch.empty(1, 3, dtype=torch.long, device="meta"), ids)
     assert host_copy(dev) is ids
