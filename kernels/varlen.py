@@ -60,21 +60,51 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
 
 
-def pad_documents(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[1, T, *rest] packed -> [N, T_max, *rest] right-padded with zeros."""
+def pad_documents(x: torch.Tensor, cu_seqlens: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, T, *rest] packed -> [N, T_max, *rest] right-padded with zeros. `idx`: `document_index`'s
+    result, when the caller pads several tensors of the same documents."""
     cs = host_offsets(cu_seqlens)
     n, t_max = len(cs) - 1, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0)
-    out = x.new_zeros((n, t_max, *x.shape[2:]))
-    idx = _scatter_index(cu_seqlens, t_max)
-    out.view(n * t_max, *x.shape[2:])[idx] = x[0]
-    return out
+    idx = _scatter_index(cu_seqlens, t_max) if idx is None else idx
+    return _Pad.apply(x[0], idx, n * t_max).view(n, t_max, *x.shape[2:])
 
 
-def unpad_documents(y: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def unpad_documents(y: torch.Tensor, cu_seqlens: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
     """[N, T_max, *rest] -> [1, T, *rest] packed (inverse of `pad_documents`)."""
     n, t_max = y.shape[:2]
-    idx = _scatter_index(cu_seqlens, t_max)
-    return y.reshape(n * t_max, *y.shape[2:])[idx].unsqueeze(0)
+    idx = _scatter_index(cu_seqlens, t_max) if idx is None else idx
+    return _Pad.apply(y.reshape(n * t_max, *y.shape[2:]), idx, None).unsqueeze(0)
+
+
+def document_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The flat padded index of every packed position (what `pad_documents` scatters by)."""
+    cs = host_offsets(cu_seqlens)
+    return _scatter_index(cu_seqlens, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0))
+
+
+class _Pad(torch.autograd.Function):
+    """rows = n_rows given: zeros[n_rows] with out[idx] = x (pad); None: x[idx] (unpad). The indices are
+    distinct, so each direction's gradient is the other direction: a gather or a plain scatter, never
+    the sorting accumulate that autograd gives an index's backward."""
+
+    @staticmethod
+    def forward(ctx, x, idx, rows):
+        ctx.save_for_backward(idx)
+        ctx.unpad, ctx.rows = rows is None, x.shape[0]
+        if rows is None:
+            return x[idx]
+        out = x.new_zeros((rows, *x.shape[1:]))
+        out[idx] = x
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (idx,) = ctx.saved_tensors
+        if not ctx.unpad:
+            return g[idx], None, None  # gradient of a pad: gather the real rows
+        out = g.new_zeros((ctx.rows, *g.shape[1:]))  # gradient of an unpad: scatter back to padded rows
+        out[idx] = g
+        return out, None, None
 
 
 def _scatter_index(cu_seqlens: torch.Tensor, t_max: int) -> torch.Tensor:

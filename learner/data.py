@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from k3rl.types import Trajectory
@@ -123,6 +124,12 @@ def _check(trajectories: list[Trajectory]) -> None:
             raise ValueError(f"trajectory {i} ({t.id}) has no completion tokens")
 
 
+def _tensor(values: list, dtype) -> torch.Tensor:
+    """A Python list as a CPU tensor through numpy (5x faster than `torch.tensor` on a list: the
+    step's lists, 4 of each trajectory's length, were 30-40 ms of host time with the GPU idle)."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype))
+
+
 def build_micro_batches(
     trajectories: list[Trajectory],
     micro_batch_tokens: int,
@@ -151,15 +158,15 @@ def build_micro_batches(
     per = []
     for s, t in enumerate(trajectories):
         P, C = len(t.prompt_ids), len(t.completion_ids)
-        tokens = torch.tensor(t.prompt_ids + t.completion_ids, dtype=torch.int64)
+        tokens = _tensor(t.prompt_ids + t.completion_ids, np.int64)
         L = P + C - 1
         mask = torch.zeros(L)
         behav = torch.zeros(L)
         advs = torch.zeros(L) if adv.dim() == 2 else adv[s].expand(L).clone()
         vers = torch.full((L,), -1, dtype=torch.int64)
-        mask[P - 1 :] = torch.tensor(t.loss_mask, dtype=torch.float32)  # position P+j-1 predicts completion j
-        behav[P - 1 :] = torch.tensor(t.logprobs, dtype=torch.float64).float()
-        vers[P - 1 :] = torch.tensor(t.versions, dtype=torch.int64)
+        mask[P - 1 :] = _tensor(t.loss_mask, np.float32)  # position P+j-1 predicts completion j
+        behav[P - 1 :] = _tensor(t.logprobs, np.float64)
+        vers[P - 1 :] = _tensor(t.versions, np.int64)
         if adv.dim() == 2:
             advs[P - 1 :] = adv[s, :C]
         routes = None
@@ -175,11 +182,12 @@ def build_micro_batches(
                         f"the model needs [{num_moe_layers} MoE layers, k={top_k}]"
                     )
                 routes[P + j] = r
-        keep = torch.ones(L, dtype=torch.bool)  # each segment is its own sequence: nothing predicts its first token
-        keep[[b - 1 for b in t.segment_starts]] = False
-        per.append(tuple(x[keep] if x is not None else None
-                         for x in (tokens[:-1], tokens[1:], mask, behav, vers, routes, advs))
-                   + ([hi - lo - 1 for lo, hi in t.segment_bounds],))
+        cols = (tokens[:-1], tokens[1:], mask, behav, vers, routes, advs)
+        if t.segment_starts:  # each segment is its own sequence: nothing predicts its first token
+            keep = torch.ones(L, dtype=torch.bool)
+            keep[[b - 1 for b in t.segment_starts]] = False
+            cols = tuple(x[keep] if x is not None else None for x in cols)
+        per.append(cols + ([hi - lo - 1 for lo, hi in t.segment_bounds],))
 
     # global aggregation weights (the whole step, so micro-batches add up exactly)
     all_mask = torch.cat([p[2] for p in per])

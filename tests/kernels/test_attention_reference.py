@@ -79,3 +79,49 @@ def test_sdpa_path_matches_reference(case):
     o = causal_attention_sdpa(q, k, v, 0.3, **kw)
     ref = causal_attention_reference(q, k, v, 0.3, **kw)
     assert o.dtype == torch.float32 and torch.allclose(o, ref, atol=1e-5)
+
+
+def test_sdpa_packed_gradients_match_reference():
+    """Ragged packed documents through the causal-only fused path: the padding rows it computes and
+    drops leave no trace in q, k, v's gradients."""
+    from k3rl.kernels.attention.reference import causal_attention_reference
+    from k3rl.kernels.attention.sdpa import causal_attention_sdpa
+
+    torch.manual_seed(1)
+    cu = torch.tensor([0, 7, 8, 11, 20])
+    leaves = [torch.randn(1, 20, 2, n, requires_grad=True) for n in (12, 12, 5)]
+    w = torch.randn(1, 20, 2, 5)
+    grads = []
+    for fn in (causal_attention_sdpa, causal_attention_reference):
+        (fn(*leaves, 0.3, cu_seqlens=cu) * w).sum().backward()
+        grads.append([x.grad.clone() for x in leaves])
+        for x in leaves:
+            x.grad = None
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sdpa_packed_bf16_autocast_on_cuda_near_fp32_reference():
+    """The learner's case: ragged packed documents, bf16 autocast, MLA's head sizes (q/k 96, v 128).
+    Output and gradients as close to the fp32 reference as bf16 inputs allow."""
+    from k3rl.kernels.attention.reference import causal_attention_reference
+    from k3rl.kernels.attention.sdpa import causal_attention_sdpa
+
+    torch.manual_seed(2)
+    cu = torch.tensor([0, 700, 701, 1500, 3000], device="cuda")
+    leaves = [torch.randn(1, 3000, 6, n, device="cuda", requires_grad=True) for n in (96, 96, 128)]
+    w = torch.randn(1, 3000, 6, 128, device="cuda")
+    outs, grads = [], []
+    for fn, amp in ((causal_attention_sdpa, True), (causal_attention_reference, False)):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            o = fn(*leaves, 96 ** -0.5, cu_seqlens=cu)
+        (o.float() * w).sum().backward()
+        outs.append(o.float())
+        grads.append([x.grad.clone() for x in leaves])
+        for x in leaves:
+            x.grad = None
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(*outs) < 1e-2
+    for a, b in zip(*grads, strict=True):
+        assert rel(a, b) < 2e-2
