@@ -51,6 +51,10 @@ TASK = {"num_keys": "4", "value_digits": "2", "key_letters": "abcdefgh", "key_di
 # rate measured to learn on the H200 (benchmarks/results/learn_gpu/README.md: 2e-5's job hit an engine fault)
 RECIPE = [
     "learner.steps=30", "learner.sft_steps=20", "learner.sft_lr=1e-3", "learner.lr=5e-5",
+    # the warm start of 2026-12-02's run (held-out greedy 0.92): one careful phase of 128 demonstrations a
+    # step. The demo's careless second phase (from step 10 of 20) left k3-small unable to copy the value,
+    # and its 32 a step after 20 steps copied on 0.14 of held-out tasks (results/learn_gpu/README.md)
+    "learner.sft_phases=[]", "learner.sft_batch=128",
     "rollout.prompts_per_step=16", "rollout.group_size=8",
     "rollout.num_rollout_workers=2", "rollout.episodes_per_worker=128", "rollout.max_batch_sequences=256",
     "learner.checkpoint_every=0", "learner.eval_before_training=false", "tracking.sample_episodes=0",
