@@ -23,9 +23,7 @@ from k3rl.learner.model.mla import MLACacheEntry
 
 def cache_over(kda: dict, mla: dict, lengths: torch.Tensor, host_lengths: list[int]) -> K3Cache:
     """A K3Cache over existing tensors, with its host mirror of the lengths given (no device sync)."""
-    cache = K3Cache(kda, mla, torch.tensor(host_lengths, dtype=torch.int64))
-    cache.lengths = lengths
-    return cache
+    return K3Cache(kda, mla, lengths, host_lengths)
 
 
 class StatePool:

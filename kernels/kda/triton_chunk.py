@@ -68,9 +68,19 @@ def _tables_from_lengths(lens, device):
 _TABLES = WeakTensorKeyDictionary()
 
 
+# B equal sequences of length T (an engine's batched prefill chunk): the tables depend on (B, T) alone,
+# built once each instead of three host-to-device copies in every KDA layer of every prefill forward
+_EQUAL_TABLES: dict[tuple, tuple] = {}
+
+
 def _chunk_tables(B, T, cu_seqlens, device):
     if cu_seqlens is None:  # B sequences of length T: no device read at all
-        return _tables_from_lengths([T] * B, device)
+        key = (B, T, torch.device(device))
+        if key not in _EQUAL_TABLES:
+            if len(_EQUAL_TABLES) >= 512:  # prompts of many lengths: keep it bounded
+                _EQUAL_TABLES.clear()
+            _EQUAL_TABLES[key] = _tables_from_lengths([T] * B, device)
+        return _EQUAL_TABLES[key]
     hit = _TABLES.get(cu_seqlens)
     if hit is not None and hit[0] == (cu_seqlens._version, device):
         return hit[1]

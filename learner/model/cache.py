@@ -21,11 +21,16 @@ from .mla import DecodeStep, MLACacheEntry
 
 
 class K3Cache:
-    def __init__(self, kda: dict[int, KDACacheEntry], mla: dict[int, MLACacheEntry], lengths: torch.Tensor):
+    def __init__(self, kda: dict[int, KDACacheEntry], mla: dict[int, MLACacheEntry], lengths: torch.Tensor,
+                 host_lengths: list[int] | None = None):
         self.kda = kda
         self.mla = mla
         self.lengths = lengths  # [B] int64 tokens already processed per sequence
-        self.host_lengths: list[int] = [int(v) for v in lengths.tolist()]  # host mirror: no syncs per layer
+        # host mirror: no syncs per layer. Given by whoever knows it (new, cloned, stacked, split caches):
+        # reading a CUDA `lengths` makes the host wait for every kernel queued before it (an engine's
+        # scheduler thread, behind the decode steps it queued)
+        self.host_lengths: list[int] = list(host_lengths) if host_lengths is not None \
+            else [int(v) for v in lengths.tolist()]
 
     def decode_step(self, num_new: int) -> DecodeStep:
         """Bookkeeping for a forward that appends `num_new` tokens to every sequence."""
@@ -47,18 +52,20 @@ class K3Cache:
             {i: KDACacheEntry(e.state.clone(), e.conv.clone()) for i, e in self.kda.items()},
             {i: MLACacheEntry(e.latent.clone()) for i, e in self.mla.items()},
             self.lengths.clone(),
+            self.host_lengths,
         )
 
     def split(self) -> list[K3Cache]:
         """One cache per sequence, each MLA buffer trimmed to that sequence's length."""
         out = []
         for b in range(self.batch_size):
-            n = int(self.lengths[b])
+            n = self.host_lengths[b]
             out.append(
                 K3Cache(
                     {i: KDACacheEntry(e.state[b : b + 1].clone(), e.conv[b : b + 1].clone()) for i, e in self.kda.items()},
                     {i: MLACacheEntry(e.latent[b : b + 1, :n].clone()) for i, e in self.mla.items()},
                     self.lengths[b : b + 1].clone(),
+                    [n],
                 )
             )
         return out
@@ -90,4 +97,4 @@ class K3Cache:
             cap = max(t.shape[1] for t in lats)
             dtype = next((t.dtype for t in lats if t.shape[1]), lats[0].dtype)
             mla[i] = MLACacheEntry(torch.cat([F.pad(t.to(dtype), (0, 0, 0, cap - t.shape[1])) for t in lats]))
-        return K3Cache(kda, mla, torch.cat([c.lengths for c in caches]))
+        return K3Cache(kda, mla, torch.cat([c.lengths for c in caches]), [n for c in caches for n in c.host_lengths])

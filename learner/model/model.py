@@ -184,7 +184,7 @@ class K3ForCausalLM(nn.Module):
                 mla[layer.layer_idx] = MLACacheEntry(torch.zeros(batch_size, 0, width, dtype=dtype, device=device))
             else:
                 kda[layer.layer_idx] = attn.new_cache(batch_size, dtype, device)
-        return K3Cache(kda, mla, torch.zeros(batch_size, dtype=torch.int64, device=device))
+        return K3Cache(kda, mla, torch.zeros(batch_size, dtype=torch.int64, device=device), [0] * batch_size)
 
     def compile_layers(self, **options) -> K3ForCausalLM:
         """Regional `torch.compile`: each decoder layer compiled in place (`nn.Module.compile`, so

@@ -102,3 +102,20 @@ def test_cache_errors_are_clear(model):
         model(torch.zeros(3, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="repeat"):
         cache.repeat(2)
+
+
+def test_cache_host_lengths_given_without_reading_the_device():
+    """new_cache, clone, stack and split carry the host mirror of the lengths: nothing reads `lengths`
+    (on a GPU each read makes the engine's scheduler wait for the decode steps it queued)."""
+    from k3rl.learner.model import K3Cache, K3Config, K3ForCausalLM
+
+    model = K3ForCausalLM(K3Config.preset("k3-tiny"))
+    a, b = model.new_cache(1), model.new_cache(1)
+    a.lengths, a.host_lengths = torch.tensor([5]), [5]
+    for c in (a, b):  # a meta tensor cannot be read: any read of `lengths` from here on raises
+        c.lengths = torch.empty(1, dtype=torch.int64, device="meta")
+    stacked = K3Cache.stack([a, b])
+    assert stacked.host_lengths == [5, 0]
+    assert [c.host_lengths for c in stacked.split()] == [[5], [0]]
+    assert a.clone().host_lengths == [5]
+    assert model.new_cache(3).host_lengths == [0, 0, 0]
