@@ -63,8 +63,7 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
 def pad_documents(x: torch.Tensor, cu_seqlens: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
     """[1, T, *rest] packed -> [N, T_max, *rest] right-padded with zeros. `idx`: `document_index`'s
     result, when the caller pads several tensors of the same documents."""
-    cs = host_offsets(cu_seqlens)
-    n, t_max = len(cs) - 1, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0)
+    n, t_max = _padded_shape(cu_seqlens)
     idx = _scatter_index(cu_seqlens, t_max) if idx is None else idx
     return _Pad.apply(x[0], idx, n * t_max).view(n, t_max, *x.shape[2:])
 
@@ -78,8 +77,13 @@ def unpad_documents(y: torch.Tensor, cu_seqlens: torch.Tensor, idx: torch.Tensor
 
 def document_index(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The flat padded index of every packed position (what `pad_documents` scatters by)."""
+    return _scatter_index(cu_seqlens, _padded_shape(cu_seqlens)[1])
+
+
+def _padded_shape(cu_seqlens: torch.Tensor) -> tuple[int, int]:
+    """(documents, longest document) of a packed batch, from cu_seqlens' host values."""
     cs = host_offsets(cu_seqlens)
-    return _scatter_index(cu_seqlens, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0))
+    return len(cs) - 1, max((b - a for a, b in zip(cs[:-1], cs[1:], strict=True)), default=0)
 
 
 class _Pad(torch.autograd.Function):

@@ -32,6 +32,8 @@ Offsets into [T, H, K] tensors are int32: T * H * max(K, V) must stay below 2^31
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -68,19 +70,16 @@ def _tables_from_lengths(lens, device):
 _TABLES = WeakTensorKeyDictionary()
 
 
-# B equal sequences of length T (an engine's batched prefill chunk): the tables depend on (B, T) alone,
-# built once each instead of three host-to-device copies in every KDA layer of every prefill forward
-_EQUAL_TABLES: dict[tuple, tuple] = {}
+@functools.lru_cache(maxsize=512)
+def _equal_tables(B, T, device):
+    """B equal sequences of length T (an engine's batched prefill chunk): the tables depend on (B, T) alone,
+    built once each instead of three host-to-device copies in every KDA layer of every prefill forward."""
+    return _tables_from_lengths([T] * B, device)
 
 
 def _chunk_tables(B, T, cu_seqlens, device):
     if cu_seqlens is None:  # B sequences of length T: no device read at all
-        key = (B, T, torch.device(device))
-        if key not in _EQUAL_TABLES:
-            if len(_EQUAL_TABLES) >= 512:  # prompts of many lengths: keep it bounded
-                _EQUAL_TABLES.clear()
-            _EQUAL_TABLES[key] = _tables_from_lengths([T] * B, device)
-        return _EQUAL_TABLES[key]
+        return _equal_tables(B, T, torch.device(device))
     hit = _TABLES.get(cu_seqlens)
     if hit is not None and hit[0] == (cu_seqlens._version, device):
         return hit[1]
