@@ -1,6 +1,6 @@
 """Kernel benchmarks on one GPU (H200): KDA chunk / recurrent against fla-core, SiTU-GLU, latent MoE, Newton-Schulz.
 
-Usage (on the GPU machine):  python benchmarks/kernels.py [--only kda,recurrent,agree,situ,moe,ns,peak]
+Usage (on the GPU machine):  python benchmarks/kernels.py [--only kda,recurrent,agree,situ,islands,moe,ns,peak]
 Times are medians of ``triton.testing.do_bench`` (CUDA events) after warm-up; every comparison
 uses the same inputs in the same process. fla-core is optional (the anchor); without it only
 our numbers are printed. The KDA sections live in kernels_kda.py, the shared timing in kernel_timing.py.
@@ -138,6 +138,48 @@ def situ():
         row(name, f"{fwd:.3f}", f"{fb:.3f}")
 
 
+def islands(bw):
+    """The k3-small learner's row-wise kernels at its micro-batch ([65536, 768] bf16, 16 documents):
+    KDA's short conv and RMSNorm, forward and backward, as a share of the copy bandwidth; the
+    short conv's backward pass 1 and RMSNorm's backward over their launch settings."""
+    from k3rl.kernels.kda import triton_short_conv as tc
+    from k3rl.kernels.rmsnorm import triton_rmsnorm as tr
+
+    T, C, W = 65536, 768, 4
+    print(f"\n## Row-wise kernels at the k3-small micro-batch ([{T}, {C}] bf16, 16 documents)\n")
+    cu = torch.arange(0, T + 1, T // 16, device=DEV, dtype=torch.int32)
+    x = torch.randn(1, T, C, device=DEV, dtype=BF16).requires_grad_()
+    w = (torch.randn(C, 1, W, device=DEV) * 0.5).requires_grad_()
+    dy = torch.randn_like(x)
+    gb = lambda nbytes, ms: f"{nbytes / ms / 1e6:.0f} GB/s ({100 * nbytes / ms / 1e6 / bw:.0f}%)"  # noqa: E731
+    row("kernel", "settings", "ms", "bandwidth (of copy)")
+    row(*["---"] * 4)
+    fwd = bench(lambda: tc.short_conv_triton(x, w, cu))
+    row("short conv forward", f"BT={tc.BT} BC={tc.BC}", f"{fwd:.3f}", gb(4 * T * C, fwd))
+    y = tc.short_conv_triton(x, w, cu)
+    default = (tc.DA_BT, tc.DA_NB, tc.DA_WARPS)
+    for bt, nb, warps in sorted({default, (16, 8, 4), (32, 4, 4), (32, 16, 4), (32, 8, 8), (64, 4, 8), (16, 16, 4)}):
+        tc.DA_BT, tc.DA_NB, tc.DA_WARPS = bt, nb, warps
+        ms = bench(lambda: y.backward(dy, retain_graph=True), grad_to_none=[x, w])
+        mark = " (default)" if (bt, nb, warps) == default else ""
+        # da pass: x, dy read, da (fp32) written; dx pass: da read, dx written
+        row("short conv backward", f"DA_BT={bt} DA_NB={nb} warps={warps}{mark}", f"{ms:.3f}", gb(14 * T * C, ms))
+    tc.DA_BT, tc.DA_NB, tc.DA_WARPS = default
+    xn = torch.randn(T, C, device=DEV, dtype=BF16).requires_grad_()
+    wn = torch.randn(C, device=DEV, dtype=BF16).requires_grad_()
+    fwd = bench(lambda: tr.RMSNormFn.apply(xn, wn, 1e-6))
+    row("RMSNorm forward", f"ROWS={tr.ROWS}", f"{fwd:.3f}", gb(4 * T * C, fwd))
+    yn = tr.RMSNormFn.apply(xn, wn, 1e-6)
+    dyn = torch.randn_like(yn)
+    default = (tr.ROWS, tr.MAX_PROGRAMS)
+    for rows, progs in sorted({default, (8192, 1024), (4096, 4096), (4096, 16384), (8192, 4096), (2048, 4096)}):
+        tr.ROWS, tr.MAX_PROGRAMS = rows, progs
+        ms = bench(lambda: yn.backward(dyn, retain_graph=True), grad_to_none=[xn, wn])
+        mark = " (default)" if (rows, progs) == default else ""
+        row("RMSNorm backward", f"ROWS={rows} MAX_PROGRAMS={progs}{mark}", f"{ms:.3f}", gb(6 * T * C, ms))
+    tr.ROWS, tr.MAX_PROGRAMS = default
+
+
 def moe(peak_tflops):
     print("\n## Latent MoE experts (bf16; N = 16384 tokens, top-8 of 64 experts, l = 3584, f = 3072)\n")
     N, E, k, dim, f = 16384, 64, 8, 3584, 3072
@@ -243,6 +285,7 @@ def main():
         recurrent_quick=lambda: recurrent(bw, sweep_configs=False),
         agree_strong=agree_strong,
         situ=situ,
+        islands=lambda: islands(bw),
         moe=lambda: moe(tflops),
         ns=ns,
     )

@@ -29,7 +29,9 @@ copy of a real micro-batch, so every rank runs the same number of forward passes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cache
 
 import numpy as np
 import torch
@@ -55,25 +57,27 @@ class MicroBatch:
     routed_experts: torch.Tensor | None  # [1, T, n_moe, k] int64, -1 = no record
     traj_indices: list[int]
     images: list[bytes] = field(default_factory=list)  # PNG bytes, in the order of their pad runs
+    # build_micro_batches(defer=True): the LOSS_COLUMNS above are None until `ready()` builds them
+    pending: Callable[[], dict[str, torch.Tensor]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def ready(self) -> MicroBatch:
+        """This micro-batch, its loss columns built (once) and on its tokens' device."""
+        if self.pending is not None:
+            for k, v in self.pending().items():
+                setattr(self, k, _move(v, self.input_ids.device))
+            self.pending = None
+        return self
 
     def to(self, device) -> MicroBatch:
         """On a CUDA device, from pinned memory without making the host wait (a copy from pageable
         memory does), and with cu_seqlens' host values handed to the kernels (`host_offsets`)."""
         device = torch.device(device)
         cuda = device.type == "cuda" and torch.cuda.is_available()
-
-        def move(v):
-            if not isinstance(v, torch.Tensor) or v.device == device:
-                return v
-            if cuda and v.device.type == "cpu":
-                return v.pin_memory().to(device, non_blocking=True)
-            return v.to(device)
-
-        moved = {k: move(v) for k, v in self.__dict__.items()}
+        moved = {k: _move(v, device) for k, v in self.__dict__.items()}
         if cuda and self.cu_seqlens.device.type == "cpu":
             from k3rl.kernels.varlen import remember_host_copy, remember_host_offsets
 
@@ -83,8 +87,21 @@ class MicroBatch:
 
     def zero_weight(self) -> MicroBatch:
         """The same tokens with no loss: a filler that keeps data-parallel ranks in step."""
+        self.ready()
         return replace(self, mask=torch.zeros_like(self.mask), agg_weights=torch.zeros_like(self.agg_weights),
                        traj_indices=[])
+
+
+LOSS_COLUMNS = ("mask", "behaviour_logp", "advantages", "agg_weights", "seq_index", "versions")
+
+
+def _move(v, device: torch.device):
+    """A tensor on `device`; from the CPU to a GPU through pinned memory, without a host wait."""
+    if not isinstance(v, torch.Tensor) or v.device == device:
+        return v
+    if device.type == "cuda" and v.device.type == "cpu" and torch.cuda.is_available():
+        return v.pin_memory().to(device, non_blocking=True)
+    return v.to(device)
 
 
 def sequence_length(t: Trajectory) -> int:
@@ -138,12 +155,16 @@ def build_micro_batches(
     num_moe_layers: int = 0,
     top_k: int = 0,
     loss_norm_tokens: int | None = None,
+    defer: bool = False,
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
     `advantages` [N] gives one advantage per trajectory, [N, C] one per completion token (None
-    for SFT: zeros). Routed experts
-    are collected when `num_moe_layers` and `top_k` are given and any trajectory has them.
+    for SFT: zeros). Routed experts are collected when `num_moe_layers` and `top_k` are given and
+    any trajectory has them. With `defer`, the loss columns (`LOSS_COLUMNS`: the trajectories'
+    loss masks, log-probs and versions, turned from lists into tensors) are built by each micro-batch's
+    `ready()`: the forward needs only the tokens, so the trainer queues it first and converts
+    the rest while the GPU runs it (that conversion was ~7 ms of a k3-small step with the GPU idle).
     """
     _check(trajectories)
     n = len(trajectories)
@@ -154,71 +175,88 @@ def build_micro_batches(
                          f"([{n}, >= {longest}]), got shape {tuple(adv.shape)}")
     want_routes = num_moe_layers > 0 and top_k > 0 and any(t.routed_experts for t in trajectories)
 
-    # per-trajectory position arrays
+    # what the forward needs, per trajectory: inputs, targets, routes, kept positions, segment lengths
     per = []
     for s, t in enumerate(trajectories):
         P, C = len(t.prompt_ids), len(t.completion_ids)
         tokens = _tensor(t.prompt_ids + t.completion_ids, np.int64)
         L = P + C - 1
-        mask = torch.zeros(L)
-        behav = torch.zeros(L)
-        advs = torch.zeros(L) if adv.dim() == 2 else adv[s].expand(L).clone()
-        vers = torch.full((L,), -1, dtype=torch.int64)
-        mask[P - 1 :] = _tensor(t.loss_mask, np.float32)  # position P+j-1 predicts completion j
-        behav[P - 1 :] = _tensor(t.logprobs, np.float64)
-        vers[P - 1 :] = _tensor(t.versions, np.int64)
-        if adv.dim() == 2:
-            advs[P - 1 :] = adv[s, :C]
-        routes = None
-        if want_routes:
-            routes = torch.full((L, num_moe_layers, top_k), -1, dtype=torch.int64)
-            for j, rec in enumerate(t.routed_experts or []):
-                if P + j >= L or not rec:
-                    continue  # the last token is never an input; empty records stay -1
-                r = torch.tensor(rec, dtype=torch.int64)
-                if r.shape != (num_moe_layers, top_k):
-                    raise ValueError(
-                        f"trajectory {s} ({t.id}): routed_experts[{j}] has shape {tuple(r.shape)}, "
-                        f"the model needs [{num_moe_layers} MoE layers, k={top_k}]"
-                    )
-                routes[P + j] = r
-        cols = (tokens[:-1], tokens[1:], mask, behav, vers, routes, advs)
+        routes = _routes(t, s, P, L, num_moe_layers, top_k) if want_routes else None
+        keep = None
         if t.segment_starts:  # each segment is its own sequence: nothing predicts its first token
             keep = torch.ones(L, dtype=torch.bool)
             keep[[b - 1 for b in t.segment_starts]] = False
-            cols = tuple(x[keep] if x is not None else None for x in cols)
-        per.append(cols + ([hi - lo - 1 for lo, hi in t.segment_bounds],))
+        cols = tuple(x if x is None or keep is None else x[keep] for x in (tokens[:-1], tokens[1:], routes))
+        per.append((*cols, keep, [hi - lo - 1 for lo, hi in t.segment_bounds]))
+    groups = pack_lengths([p[0].numel() for p in per], micro_batch_tokens)
 
-    # global aggregation weights (the whole step, so micro-batches add up exactly)
-    all_mask = torch.cat([p[2] for p in per])
-    all_seq = torch.cat([torch.full((p[2].numel(),), s, dtype=torch.int64) for s, p in enumerate(per)])
-    all_w = aggregation_weights(all_mask, all_seq, loss_agg, num_seqs=n, norm_tokens=loss_norm_tokens)
-    offsets = [0]
-    for p in per:
-        offsets.append(offsets[-1] + p[2].numel())
+    @cache
+    def loss_columns() -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, list[int]]:
+        """Every trajectory's (mask, behaviour log-p, versions, advantages), the whole step's
+        aggregation weights (so micro-batches add up exactly) and each trajectory's offset in them."""
+        cols = []
+        for s, t in enumerate(trajectories):
+            P, C, keep = len(t.prompt_ids), len(t.completion_ids), per[s][3]
+            L = P + C - 1
+            mask, behav = torch.zeros(L), torch.zeros(L)
+            vers = torch.full((L,), -1, dtype=torch.int64)
+            advs = torch.zeros(L) if adv.dim() == 2 else adv[s].expand(L).clone()
+            mask[P - 1 :] = _tensor(t.loss_mask, np.float32)  # position P+j-1 predicts completion j
+            behav[P - 1 :] = _tensor(t.logprobs, np.float64)
+            vers[P - 1 :] = _tensor(t.versions, np.int64)
+            if adv.dim() == 2:
+                advs[P - 1 :] = adv[s, :C]
+            cols.append(tuple(x if keep is None else x[keep] for x in (mask, behav, vers, advs)))
+        all_mask = torch.cat([c[0] for c in cols])
+        all_seq = torch.cat([torch.full((c[0].numel(),), s, dtype=torch.int64) for s, c in enumerate(cols)])
+        all_w = aggregation_weights(all_mask, all_seq, loss_agg, num_seqs=n, norm_tokens=loss_norm_tokens)
+        offsets = np.cumsum([0] + [c[0].numel() for c in cols]).tolist()
+        return cols, all_w, offsets
+
+    def group_columns(group: list[int]) -> dict[str, torch.Tensor]:
+        cols, all_w, offsets = loss_columns()
+        return dict(
+            mask=torch.cat([cols[s][0] for s in group]),
+            behaviour_logp=torch.cat([cols[s][1] for s in group]),
+            versions=torch.cat([cols[s][2] for s in group]),
+            advantages=torch.cat([cols[s][3] for s in group]),
+            agg_weights=torch.cat([all_w[offsets[s] : offsets[s + 1]] for s in group]),
+            seq_index=torch.cat([torch.full((cols[s][0].numel(),), s, dtype=torch.int64) for s in group]),
+        )
 
     out = []
-    for group in pack_lengths([p[0].numel() for p in per], micro_batch_tokens):
-        lens = [n for s in group for n in per[s][7]]
+    for group in groups:
+        lens = [n for s in group for n in per[s][4]]
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-        out.append(
-            MicroBatch(
-                input_ids=torch.cat([per[s][0] for s in group])[None],
-                cu_seqlens=cu,
-                targets=torch.cat([per[s][1] for s in group]),
-                mask=torch.cat([per[s][2] for s in group]),
-                behaviour_logp=torch.cat([per[s][3] for s in group]),
-                advantages=torch.cat([per[s][6] for s in group]),
-                agg_weights=torch.cat([all_w[offsets[s] : offsets[s + 1]] for s in group]),
-                seq_index=torch.cat([torch.full((per[s][2].numel(),), s, dtype=torch.int64) for s in group]),
-                versions=torch.cat([per[s][4] for s in group]),
-                routed_experts=torch.cat([per[s][5] for s in group])[None] if want_routes else None,
-                traj_indices=list(group),
-                images=[img for s in group for img in trajectories[s].images],
-            )
+        mb = MicroBatch(
+            input_ids=torch.cat([per[s][0] for s in group])[None],
+            cu_seqlens=cu,
+            targets=torch.cat([per[s][1] for s in group]),
+            **dict.fromkeys(LOSS_COLUMNS),
+            routed_experts=torch.cat([per[s][2] for s in group])[None] if want_routes else None,
+            traj_indices=list(group),
+            images=[img for s in group for img in trajectories[s].images],
+            pending=lambda group=group: group_columns(group),
         )
+        out.append(mb if defer else mb.ready())
     return out
+
+
+def _routes(t: Trajectory, s: int, P: int, L: int, num_moe_layers: int, top_k: int) -> torch.Tensor:
+    """[L, n_moe, k] int64: the experts each position's input token was routed to, -1 where unknown."""
+    routes = torch.full((L, num_moe_layers, top_k), -1, dtype=torch.int64)
+    for j, rec in enumerate(t.routed_experts or []):
+        if P + j >= L or not rec:
+            continue  # the last token is never an input; empty records stay -1
+        r = torch.tensor(rec, dtype=torch.int64)
+        if r.shape != (num_moe_layers, top_k):
+            raise ValueError(
+                f"trajectory {s} ({t.id}): routed_experts[{j}] has shape {tuple(r.shape)}, "
+                f"the model needs [{num_moe_layers} MoE layers, k={top_k}]"
+            )
+        routes[P + j] = r
+    return routes
 
 
 def shard_micro_batches(micro_batches: list[MicroBatch], rank: int, world_size: int) -> list[MicroBatch]:

@@ -261,6 +261,7 @@ class Trainer:
             trajectories, self.cfg.micro_batch_tokens, self.cfg.loss_agg, advantages,
             num_moe_layers=n_moe if self.cfg.routing_replay else 0, top_k=k,
             loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
+            defer=self.context_parallel is None,  # loss columns built after the forward is queued
         )  # fmt: skip
         total_positions = sum(mb.num_tokens for mb in mbs)
         # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
@@ -307,6 +308,7 @@ class Trainer:
         returns its largest importance ratio."""
         with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
             logp, entropy = self._forward_logprobs(self.model, mb, prep["routes"], prep["media"])
+        mb.ready()  # the loss columns, converted on the host while the GPU runs the forward
         if self.loss_cfg.entropy_coef == 0:
             entropy = entropy.detach()  # logged only
         loss, stats = policy_loss(
@@ -441,7 +443,7 @@ class Trainer:
                 routes = self._replay_routes(mb, media)
                 with self._qb_paused(not mb.traj_indices):
                     logp, _ = self._forward_logprobs(self.model, mb, routes, media, temperature=1.0)
-                loss, stats = sft_loss(logp, mb.mask, mb.agg_weights)
+                loss, stats = sft_loss(logp, mb.ready().mask, mb.agg_weights)
                 (loss * self.world_size).backward()
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0) + v.detach().double()  # read once, after the step

@@ -9,8 +9,8 @@
 p_t is token t's position in its document (t itself without documents), computed on the device
 from ``cu_seqlens``, so packed documents need no host sync. For decoding, x_{t-s} before token 0
 comes from the cached left context [B, W-1, C] instead of zeros. Backward recomputes a from x (only x,
-the weight and p are kept) in two passes: da (fp32, stored) with dw summed per block of tokens in fp32,
-then dx from W shifted reads of da. (One pass recomputed a at each of the W taps: W^2 + W reads of x
+the weight and p are kept) in two passes: da (fp32, stored) with dw summed in fp32 registers over a
+program's run of token blocks, then dx from W shifted reads of da. (One pass recomputed a at each of the W taps: W^2 + W reads of x
 a tile, 654 us for 65,536 x 768 on an H200, against ~100 us for its bytes.)
 """
 
@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 BT, BC = 32, 128  # tokens x channels per program
+# backward pass 1: blocks of DA_BT tokens, DA_NB of them a program (dw summed over them in registers)
+DA_BT, DA_NB, DA_WARPS = 32, 8, 4
 
 
 @triton.jit
@@ -80,23 +82,48 @@ def short_conv_fwd_kernel(
 
 @triton.jit
 def short_conv_da_kernel(
-    x, w, pos, left, dy, da, dw_part, T, C, NT,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
+    x, w, pos, left, dy, da, dw_part, T, C,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
 ):  # fmt: skip
-    """Backward, pass 1: da_t = dy_t SiLU'(a_t) (fp32, stored) and this block's share of dw."""
-    i_t, i_b, t, c, mt, mc, off = _tile(T, C, BT, BC)
-    pt = _positions(pos, t, mt, HAS_POS)
-    a = _conv_at(x + off, left, i_b, w, t, pt, mt, c, mc, C, W, BT, BC, HAS_LEFT)
-    rows = t.to(tl.int64) * C
-    m = mt[:, None] & mc[None, :]
-    b_dy = tl.load(dy + off + rows[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(a)
-    da_t = b_dy * sig * (1.0 + a * (1.0 - sig))  # d SiLU(a) / da = sigma(a) (1 + a (1 - sigma(a)))
-    tl.store(da + off + rows[:, None] + c[None, :], da_t, mask=m)
-    part = dw_part + ((i_b * NT + i_t).to(tl.int64) * C + c) * W
-    for s in tl.static_range(W):  # this block's share of dw[c, W-1-s] = sum_t da_t x_{t-s}
-        x_s = _x_at(x + off, rows, left, i_b, t, s, pt, mt, c, mc, C, W, HAS_LEFT)
-        tl.store(part + (W - 1 - s), tl.sum(da_t * x_s, axis=0), mask=mc)
+    """Backward, pass 1, over this program's NB blocks of BT tokens: da_t = dy_t SiLU'(a_t) (fp32,
+    stored) and its share of dw[c, W-1-s] = sum_t da_t x_{t-s}, summed elementwise in registers
+    (acc_s[t, c] += da_t x_{t-s}) and reduced over the tokens once, at the end: one reduction and
+    one store per tap a program, not one per block (W <= 4)."""
+    i_p, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c = i_c * BC + tl.arange(0, BC)
+    mc = c < C
+    off = i_b.to(tl.int64) * T * C
+    acc0 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc1 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc2 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc3 = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in range(NB):
+        t = (i_p * NB + j) * BT + tl.arange(0, BT)
+        mt = t < T
+        pt = _positions(pos, t, mt, HAS_POS)
+        a = _conv_at(x + off, left, i_b, w, t, pt, mt, c, mc, C, W, BT, BC, HAS_LEFT)
+        rows = t.to(tl.int64) * C
+        m = mt[:, None] & mc[None, :]
+        b_dy = tl.load(dy + off + rows[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        da_t = b_dy * sig * (1.0 + a * (1.0 - sig))  # d SiLU(a) / da = sigma(a) (1 + a (1 - sigma(a)))
+        tl.store(da + off + rows[:, None] + c[None, :], da_t, mask=m)
+        acc0 += da_t * _x_at(x + off, rows, left, i_b, t, 0, pt, mt, c, mc, C, W, HAS_LEFT)
+        if W > 1:
+            acc1 += da_t * _x_at(x + off, rows, left, i_b, t, 1, pt, mt, c, mc, C, W, HAS_LEFT)
+        if W > 2:
+            acc2 += da_t * _x_at(x + off, rows, left, i_b, t, 2, pt, mt, c, mc, C, W, HAS_LEFT)
+        if W > 3:
+            acc3 += da_t * _x_at(x + off, rows, left, i_b, t, 3, pt, mt, c, mc, C, W, HAS_LEFT)
+    part = dw_part + (i_b * tl.num_programs(0) + i_p).to(tl.int64) * W * C + c  # [programs, W, C]
+    tl.store(part + (W - 1) * C, tl.sum(acc0, axis=0), mask=mc)
+    if W > 1:
+        tl.store(part + (W - 2) * C, tl.sum(acc1, axis=0), mask=mc)
+    if W > 2:
+        tl.store(part + (W - 3) * C, tl.sum(acc2, axis=0), mask=mc)
+    if W > 3:
+        tl.store(part + (W - 4) * C, tl.sum(acc3, axis=0), mask=mc)
 
 
 @triton.jit
@@ -150,16 +177,16 @@ class ShortConvSiLU(torch.autograd.Function):
         x, w, pos, left = ctx.saved_tensors
         B, T, C = x.shape
         W = w.shape[-1]
-        NT = triton.cdiv(T, BT)
+        NP = triton.cdiv(T, DA_BT * DA_NB)
         da = torch.empty(B, T, C, dtype=torch.float32, device=x.device)
-        dw_part = torch.empty(B * NT, C, W, dtype=torch.float32, device=x.device)
-        short_conv_da_kernel[_grid(B, T, C)](
-            x, w, pos, left, dy.contiguous(), da, dw_part, T, C, NT,
-            W=W, BT=BT, BC=BC, HAS_POS=pos is not None, HAS_LEFT=left is not None,
+        dw_part = torch.empty(B * NP, W, C, dtype=torch.float32, device=x.device)
+        short_conv_da_kernel[(NP, triton.cdiv(C, BC), B)](
+            x, w, pos, left, dy.contiguous(), da, dw_part, T, C,
+            W=W, BT=DA_BT, BC=BC, NB=DA_NB, HAS_POS=pos is not None, HAS_LEFT=left is not None, num_warps=DA_WARPS,
         )  # fmt: skip
         dx = torch.empty_like(x)
         short_conv_dx_kernel[_grid(B, T, C)](da, w, pos, dx, T, C, W=W, BT=BT, BC=BC, HAS_POS=pos is not None)
-        dw = dw_part.sum(0).view(C, 1, W).to(w.dtype)
+        dw = dw_part.sum(0).t().reshape(C, 1, W).to(w.dtype)
         return dx, dw, None, None
 
 
@@ -171,6 +198,9 @@ def short_conv_triton(
     weight [C, 1, W] (fp32), cu_seqlens [N+1] on x's device or None; or, for decoding, the cached
     left context [B, W-1, C] before token 0 (no cu_seqlens; no gradient to it). Returns y [B, T, C]
     in x's dtype."""
+    if weight.shape[-1] > 4:
+        raise ValueError(f"short_conv_triton: kernel sizes up to 4 (K3's is 4), got {weight.shape[-1]}; "
+                         "use the reference path (backend='torch') for longer convolutions")
     if left is not None and (cu_seqlens is not None or left.requires_grad):
         raise ValueError("short_conv_triton: a left context goes without cu_seqlens and without a gradient")
     pos = None if cu_seqlens is None else positions_in_documents(cu_seqlens, x.shape[1])

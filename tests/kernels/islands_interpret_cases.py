@@ -73,6 +73,7 @@ def check_short_conv(x, w, left, cu, seed):
         (1, [1, 37, 1, 100, 3, 64], 192, 4),  # ragged documents, 1-token ones, C not a multiple of the block
         (2, [150], 64, 4),  # a padded batch of two, no documents
         (1, [2, 1, 60], 256, 2),  # a 2-tap conv
+        (1, [300, 5, 260], 64, 3),  # dw summed over several programs' runs of token blocks; 3 taps
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,14 +29,15 @@ def shared_bytes(kernel, constexprs, num_warps=4, num_stages=3):
 def main():
     conv = dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True, HAS_LEFT=False)
     decode = dict(conv, HAS_POS=False, HAS_LEFT=True)
+    da = dict(conv, BT=tc.DA_BT, NB=tc.DA_NB)
     BD, BR = tg._blocks(128)
     gate = dict(D=128, BD=BD, BR=BR)
     print(json.dumps({
         "short_conv_fwd": shared_bytes(tc.short_conv_fwd_kernel, conv),
-        "short_conv_da": shared_bytes(tc.short_conv_da_kernel, conv),
+        "short_conv_da": shared_bytes(tc.short_conv_da_kernel, da, tc.DA_WARPS),
         "short_conv_dx": shared_bytes(tc.short_conv_dx_kernel, dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True)),
         "short_conv_fwd_left": shared_bytes(tc.short_conv_fwd_kernel, decode),
-        "short_conv_da_left": shared_bytes(tc.short_conv_da_kernel, decode),
+        "short_conv_da_left": shared_bytes(tc.short_conv_da_kernel, dict(da, HAS_POS=False, HAS_LEFT=True), tc.DA_WARPS),
         "norm_gate_fwd": shared_bytes(tg.norm_gate_fwd_kernel, gate),
         "norm_gate_bwd": shared_bytes(tg.norm_gate_bwd_kernel, gate),
     }))  # fmt: skip

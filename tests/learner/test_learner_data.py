@@ -6,7 +6,7 @@ import pytest
 import torch
 from learner_helpers import make_trajectories
 
-from k3rl.learner.data import build_micro_batches, pack_lengths, shard_micro_batches
+from k3rl.learner.data import LOSS_COLUMNS, build_micro_batches, pack_lengths, shard_micro_batches
 from k3rl.types import Trajectory
 
 
@@ -52,6 +52,25 @@ def test_micro_batches_cover_the_batch_and_weights_sum_to_one():
     for mb in mbs:
         assert mb.num_tokens <= 40 or len(mb.traj_indices) == 1
         assert mb.cu_seqlens[-1].item() == mb.num_tokens
+
+
+def test_deferred_loss_columns_equal_the_eager_ones_and_are_built_once():
+    """defer=True: the forward's columns at once, the loss columns on ready() (segments included)."""
+    trajs = make_trajectories(0, n=9)
+    trajs[2] = trajs[2].model_copy(update={"segment_starts": [len(trajs[2].prompt_ids) + 1]})
+    adv = torch.randn(9)
+    eager = build_micro_batches(trajs, 40, "seq_mean", advantages=adv)
+    lazy = build_micro_batches(trajs, 40, "seq_mean", advantages=adv, defer=True)
+    assert len(lazy) == len(eager) > 1
+    for a, b in zip(eager, lazy, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+        assert b.mask is None and b.agg_weights is None  # nothing converted yet
+        assert b.ready() is b and b.pending is None
+        for name in LOSS_COLUMNS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert sum(float(mb.agg_weights.sum()) for mb in lazy) == pytest.approx(1.0, abs=1e-6)
+    filler = build_micro_batches(trajs, 40, "seq_mean", defer=True)[0].zero_weight()  # a filler is built
+    assert float(filler.mask.sum()) == 0 and filler.agg_weights.shape == filler.targets.shape
 
 
 def test_routed_experts_fill_completion_positions_and_leave_the_rest_unknown():
