@@ -158,7 +158,7 @@ def islands(bw):
     row("short conv forward", f"BT={tc.BT} BC={tc.BC}", f"{fwd:.3f}", gb(4 * T * C, fwd))
     y = tc.short_conv_triton(x, w, cu)
     default = (tc.DA_BT, tc.DA_NB, tc.DA_WARPS)
-    for bt, nb, warps in sorted({default, (16, 8, 4), (32, 4, 4), (32, 16, 4), (32, 8, 8), (64, 4, 8), (16, 16, 4)}):
+    for bt, nb, warps in sorted({default, (32, 8, 4), (32, 32, 4), (16, 32, 4), (64, 8, 4)}):
         tc.DA_BT, tc.DA_NB, tc.DA_WARPS = bt, nb, warps
         ms = bench(lambda: y.backward(dy, retain_graph=True), grad_to_none=[x, w])
         mark = " (default)" if (bt, nb, warps) == default else ""
@@ -171,13 +171,13 @@ def islands(bw):
     row("RMSNorm forward", f"ROWS={tr.ROWS}", f"{fwd:.3f}", gb(4 * T * C, fwd))
     yn = tr.RMSNormFn.apply(xn, wn, 1e-6)
     dyn = torch.randn_like(yn)
-    default = (tr.ROWS, tr.MAX_PROGRAMS)
-    for rows, progs in sorted({default, (8192, 1024), (4096, 4096), (4096, 16384), (8192, 4096), (2048, 4096)}):
-        tr.ROWS, tr.MAX_PROGRAMS = rows, progs
+    default = (tr.BWD_ROWS, tr.MAX_PROGRAMS)
+    for rows, progs in sorted({default, (4096, 1024), (2048, 2048), (2048, 8192), (1024, 4096), (1024, 8192)}):
+        tr.BWD_ROWS, tr.MAX_PROGRAMS = rows, progs
         ms = bench(lambda: yn.backward(dyn, retain_graph=True), grad_to_none=[xn, wn])
         mark = " (default)" if (rows, progs) == default else ""
-        row("RMSNorm backward", f"ROWS={rows} MAX_PROGRAMS={progs}{mark}", f"{ms:.3f}", gb(6 * T * C, ms))
-    tr.ROWS, tr.MAX_PROGRAMS = default
+        row("RMSNorm backward", f"BWD_ROWS={rows} MAX_PROGRAMS={progs}{mark}", f"{ms:.3f}", gb(6 * T * C, ms))
+    tr.BWD_ROWS, tr.MAX_PROGRAMS = default
 
 
 def moe(peak_tflops):

@@ -22,7 +22,7 @@ import triton.language as tl
 
 BT, BC = 32, 128  # tokens x channels per program
 # backward pass 1: blocks of DA_BT tokens, DA_NB of them a program (dw summed over them in registers)
-DA_BT, DA_NB, DA_WARPS = 32, 8, 4
+DA_BT, DA_NB, DA_WARPS = 32, 16, 4  # H200, 65,536 x 768: 362 us the backward (456 per block)
 
 
 @triton.jit
