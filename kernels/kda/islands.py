@@ -68,8 +68,12 @@ def short_conv(x, weight, left=None, cu_seqlens=None, backend="auto"):
         path = "torch"
     if path == "torch":
         return short_conv_reference(x, weight, left, cu_seqlens)
-    from .triton_short_conv import short_conv_triton
+    from .triton_short_conv import short_conv_decode, short_conv_triton
 
+    if left is not None and x.shape[1] == 1 and W >= 2 and not (
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    ):
+        return short_conv_decode(x, weight, left)  # a decode step: y and the next left context in one kernel
     before = x.new_zeros(x.shape[0], W - 1, x.shape[2]) if left is None else left.to(x.dtype)
     tail = torch.cat([before[:, min(x.shape[1], W - 1) :], x[:, max(0, x.shape[1] - (W - 1)) :]], dim=1)
     return short_conv_triton(x, weight, cu_seqlens, left), tail

@@ -146,6 +146,50 @@ def short_conv_dx_kernel(
     tl.store(dx + off + rows[:, None] + c[None, :], b_dx.to(dx.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
+@triton.jit
+def short_conv_decode_kernel(x, w, left, y, tail, B, C, W: tl.constexpr, BB: tl.constexpr, BC: tl.constexpr):
+    """One decode token a sequence (T = 1) after its cached left context, BB sequences x BC channels a
+    program (the general kernel's grid would be one program a sequence, 31 of its 32 rows masked):
+
+        y[b, c] = SiLU(w[c, W-1] x[b, c] + sum_{s=1..W-1} w[c, W-1-s] left[b, W-1-s, c])
+        tail[b] = (left[b, 1], ..., left[b, W-2], x[b])       the next step's left context
+    """
+    b = tl.program_id(0) * BB + tl.arange(0, BB)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mc = c < C
+    m = (b < B)[:, None] & mc[None, :]
+    x0 = tl.load(x + b.to(tl.int64)[:, None] * C + c[None, :], mask=m, other=0.0)
+    a = tl.load(w + c * W + (W - 1), mask=mc, other=0.0).to(tl.float32)[None, :] * x0.to(tl.float32)
+    rows = b.to(tl.int64)[:, None] * (W - 1)  # sequence b's first row in left and tail [B, W-1, C]
+    for s in tl.static_range(1, W):
+        l_s = tl.load(left + (rows + (W - 1 - s)) * C + c[None, :], mask=m, other=0.0)  # x_{-s}
+        a += tl.load(w + c * W + (W - 1 - s), mask=mc, other=0.0).to(tl.float32)[None, :] * l_s.to(tl.float32)
+        if s < W - 1:  # left row W-1-s moves one up
+            tl.store(tail + (rows + (W - 2 - s)) * C + c[None, :], l_s.to(tail.dtype.element_ty), mask=m)
+    tl.store(tail + (rows + (W - 2)) * C + c[None, :], x0.to(tail.dtype.element_ty), mask=m)
+    tl.store(y + b.to(tl.int64)[:, None] * C + c[None, :], (a * tl.sigmoid(a)).to(y.dtype.element_ty), mask=m)
+
+
+DECODE_BB = 8  # sequences a program of the decode kernel (256 x 768: 32 x 6 programs)
+
+
+@torch.compiler.disable
+def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's short conv without autograd: x [B, 1, C], weight [C, 1, W] (W >= 2), left
+    [B, W-1, C] -> (y [B, 1, C], the next left context [B, W-1, C]), both in x's dtype, one kernel."""
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if T != 1 or W < 2 or left.shape != (B, W - 1, C):
+        raise ValueError(f"short_conv_decode: x [B, 1, C] and left [B, W-1, C] with W >= 2; got x {tuple(x.shape)}, "
+                         f"left {tuple(left.shape)}, W={W}")
+    x, w, left = x.contiguous(), weight.contiguous(), left.to(x.dtype).contiguous()
+    y, tail = torch.empty_like(x), torch.empty_like(left)
+    short_conv_decode_kernel[(triton.cdiv(B, DECODE_BB), triton.cdiv(C, BC))](
+        x, w, left, y, tail, B, C, W=W, BB=DECODE_BB, BC=BC
+    )  # fmt: skip
+    return y, tail
+
+
 def positions_in_documents(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """int32 [T]: each token's position in its document, on cu_seqlens' device (no host sync)."""
     cu = cu_seqlens.to(torch.long)

@@ -95,6 +95,40 @@ def test_short_conv_triton_with_a_cached_left_context_matches_reference(T, dtype
     check_short_conv(x, torch.randn(C, 1, W, generator=gen) * 0.5, left, None, seed=T)
 
 
+@pytest.mark.parametrize("W", [4, 3, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_decode_step_is_one_kernel_and_matches_reference(W, dtype):
+    """A decode step (one token, a cached left context, no autograd): y and the next left context from
+    `short_conv_decode_kernel`, 11 sequences over two programs, C not a multiple of the block."""
+    B, C = 11, 160
+    gen = torch.Generator().manual_seed(W)
+    x, left = torch.randn(B, 1, C, generator=gen).to(dtype), torch.randn(B, W - 1, C, generator=gen).to(dtype)
+    w = torch.randn(C, 1, W, generator=gen) * 0.5
+    launched = []
+    kernel = triton_short_conv.short_conv_decode_kernel
+    with torch.no_grad(), gpu_like_bf16():
+        triton_short_conv.short_conv_decode_kernel = _Spy(kernel, launched)
+        try:
+            y, tail = short_conv(x, w, left, None, backend="triton")
+        finally:
+            triton_short_conv.short_conv_decode_kernel = kernel
+        y_ref, tail_ref = short_conv_reference(x, w, left, None)
+    assert len(launched) == 1
+    assert_close(y, y_ref, "y", 1e-5 if dtype == torch.float32 else BF16_ULP)
+    assert torch.equal(tail, tail_ref)
+
+
+class _Spy:
+    """A kernel that records its launches (grid) and runs."""
+
+    def __init__(self, kernel, launched):
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def test_short_conv_document_reset_needs_no_host_sync():
     """Token positions in their documents come from cu_seqlens by tensor ops (no .tolist())."""
     cu = torch.tensor([0, 1, 4, 4, 9])
