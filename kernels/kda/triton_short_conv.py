@@ -8,10 +8,11 @@
 
 p_t is token t's position in its document (t itself without documents), computed on the device
 from ``cu_seqlens``, so packed documents need no host sync. For decoding, x_{t-s} before token 0
-comes from the cached left context [B, W-1, C] instead of zeros. Backward recomputes a from x (only x,
+comes from the cached left context [B, W-1, C] instead of zeros; a decode step (one token, no autograd)
+has a kernel of its own that also writes the next left context. Backward recomputes a from x (only x,
 the weight and p are kept) in two passes: da (fp32, stored) with dw summed in fp32 registers over a
-program's run of token blocks, then dx from W shifted reads of da. (One pass recomputed a at each of the W taps: W^2 + W reads of x
-a tile, 654 us for 65,536 x 768 on an H200, against ~100 us for its bytes.)
+program's run of token blocks, then dx from W shifted reads of da. (One pass recomputed a at each of
+the W taps: W^2 + W reads of x a tile, 654 us for 65,536 x 768 on an H200, against ~100 us for its bytes.)
 """
 
 from __future__ import annotations
