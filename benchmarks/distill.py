@@ -253,6 +253,7 @@ def main() -> None:
     baseline = json.loads(Path(args.baseline).read_text())["arms"]["RL alone"] if args.baseline else None
     for g in discounts:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
+        name += f", coef {args.coef:g}" if args.coef != 1 else ""
         arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:

@@ -6,6 +6,8 @@
     python benchmarks/learner.py --preset k3-small --device cuda
     # ... and where the host waits for the GPU inside a step (by source line), and where the GPU's time goes
     python benchmarks/learner.py --preset k3-small --device cuda --skip-ns --sync-trace syncs.txt --profile ops.txt
+    # ... and the host's clock against the GPU's at the step's phase boundaries, 4 more steps
+    python benchmarks/learner.py --preset k3-small --device cuda --skip-ns --phases 4
 
 Training tokens/s counts the packed positions of a `Trainer.train_step` (RL loss, all
 micro-batches, gradient clipping and the optimizer step included) over its wall time,
@@ -134,6 +136,9 @@ def bench_training(args, device: torch.device) -> dict:
             tokens = m["tokens"]
     step_s = statistics.median(times)
     tok_s = tokens / step_s
+    if args.phases:
+        for line in phase_marks(trainer, batches[-args.phases :], device):
+            print("  " + line)
     if args.profile:
         profile_step(trainer, batches[-1], device, args.profile)
     if args.sync_trace and device.type == "cuda":
@@ -158,6 +163,55 @@ def bench_training(args, device: torch.device) -> dict:
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "final_loss": m["loss"],
     }  # fmt: skip
+
+
+def phase_marks(trainer, batches, device: torch.device) -> list[str]:
+    """Where a step waits: the host's clock and the GPU's (a CUDA event recorded at the same point) at
+    the step's phase boundaries, in ms from the step's start. A GPU time well after the host's at the
+    forward's start means the GPU waited for the host's work before it; a host time far ahead of the
+    GPU's means the GPU is the bound there. On the CPU only the host's clock."""
+    cuda = device.type == "cuda"
+    marks = []
+
+    def mark(name):
+        event = None
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        marks.append((name, time.perf_counter(), event))
+
+    forward, step = trainer._forward_logprobs, trainer.optimizer.step
+
+    def marked_forward(*a, **kw):
+        mark("forward start")
+        out = forward(*a, **kw)
+        mark("forward queued")
+        return out
+
+    def marked_step(*a, **kw):
+        mark("optimizer start")
+        out = step(*a, **kw)
+        mark("optimizer queued")
+        return out
+
+    trainer._forward_logprobs, trainer.optimizer.step = marked_forward, marked_step
+    lines = []
+    try:
+        for i, batch in enumerate(batches):
+            sync(device)
+            marks.clear()
+            mark("step start")
+            trainer.train_step(batch)
+            mark("step returned")
+            sync(device)
+            _, h0, e0 = marks[0]
+            lines.append(f"phases of step {i}: " + " | ".join(
+                f"{name}: host {1e3 * (h - h0):.1f}" + (f" gpu {e0.elapsed_time(e):.1f}" if cuda else "")
+                for name, h, e in marks))  # fmt: skip
+    finally:
+        del trainer._forward_logprobs  # the class's method again
+        trainer.optimizer.step = step
+    return lines
 
 
 def profile_step(trainer, batch, device: torch.device, path: str) -> None:
@@ -281,6 +335,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-ns", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--profile", default=None, help="profile one more step; its op tables to this file")
+    ap.add_argument("--phases", type=int, default=0, metavar="N", help="N more steps with the host's and the "
+                    "GPU's clocks at each phase boundary (forward, optimizer): where the step waits")
     ap.add_argument("--sync-trace", default=None, help="one more step in CUDA's sync debug mode: its host syncs by "
                                                      "source line to this file")
     args = ap.parse_args(argv)
