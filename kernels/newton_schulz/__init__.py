@@ -45,7 +45,11 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, backend="a
         X = torch.baddbmm(X, B, X, beta=a)  # X <- a X + B X
     if tall:
         X = X.mT
-    return X.to(G.dtype).reshape(G.shape)
+    # contiguous whatever the orientation: a tall block's result is a transposed view, and the optimizer's
+    # foreach update falls back to one kernel a tensor when its operands' strides differ from the weights'
+    if X.dtype != G.dtype or not X.is_contiguous():
+        X = torch.empty(X.shape, dtype=G.dtype, device=X.device).copy_(X)  # cast and transpose in one pass
+    return X.reshape(G.shape)
 
 
 def newton_schulz_loop(G: torch.Tensor, steps: int = 5, eps: float = 1e-7, backend="auto") -> torch.Tensor:

@@ -31,6 +31,14 @@ def test_tall_matrix_uses_transpose():
     assert torch.allclose(newton_schulz(G), newton_schulz(G.T).T, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(3, 48, 16), (3, 16, 48)])
+def test_result_is_contiguous_in_either_orientation(shape):
+    """Muon adds the results to contiguous weights with one foreach kernel a list; a transposed (tall)
+    result would send that update down the one-kernel-a-tensor path."""
+    out = newton_schulz(torch.randn(shape))
+    assert out.is_contiguous() and out.stride() == torch.empty(shape).stride()
+
+
 def test_bad_input_raises():
     with pytest.raises(ValueError, match="rows, cols"):
         newton_schulz(torch.randn(5))
