@@ -31,6 +31,7 @@ from k3rl.metrics import eval_metrics, rollout_metrics, step_metrics, step_table
 
 console = Console()
 LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
+ENGINE_METRICS_S = 10.0
 SFT_PIECE = 10  # SFT steps per call to the learner: the warm start reports its loss every SFT_PIECE steps
 
 
@@ -99,7 +100,7 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                 _inject_faults(faults, step, job)
                 if step < steps or job.eval_due(step):  # nothing samples from the last step's weights but its eval
                     m.update(await job.push(step + 1, admit=step < steps))
-                m.update(_timings(stats, t0, t1, t2), **job.sched.metrics())
+                m.update(_timings(stats, t0, t1, t2), **job.sched.metrics(), **await _engine_metrics(job.pool))
                 if job.eval_due(step):  # between the push of version step + 1 and the next batch
                     evals[step] = await job.evaluate(step)
                     m.update(evals[step])
@@ -345,6 +346,17 @@ def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, fl
             "throughput/rollout_tokens_per_s": sum(s["generated"] for s in stats) / max(step_s, 1e-9),
             "throughput/train_tokens_per_s": sum(s["tokens"] for s in stats) / train_s,
             "throughput/episodes_per_s": len(stats) / max(step_s, 1e-9)}
+
+
+async def _engine_metrics(pool) -> dict[str, float]:
+    """The engines' counters (`engine/...`, cumulative; EmbeddedEngine.metrics). Only observed: an engine
+    that does not answer within ENGINE_METRICS_S leaves them out of this step's metrics."""
+    import ray
+
+    try:
+        return await asyncio.wait_for(pool.engine_metrics.remote(), ENGINE_METRICS_S)
+    except (TimeoutError, ray.exceptions.RayError):
+        return {}
 
 
 def _ctrl_c() -> asyncio.Event:

@@ -270,6 +270,14 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
             waiting = len(self._incoming) + len(self._waiting)
             return EngineLoad(running=len(self._live) - waiting, waiting=waiting, version=self._version)
 
+    def metrics(self) -> dict[str, float]:
+        """Counters since the engine started: tokens prefilled and decoded, prefix-cache hits, host seconds
+        per scheduler phase, CUDA graphs captured (recaptures after the state pool grows included) and the
+        seconds they took."""
+        r = self._runner
+        return {**{k: float(v) for k, v in self.stats.items()}, "graph_captures": float(r.captures),
+                "capture_s": r.capture_s, "graphs": float(len(r.graphs))}
+
     def close(self) -> None:
         with self._cv:
             self._closed = True

@@ -132,6 +132,9 @@ class EngineWorker:
     def load(self) -> EngineLoad:
         return self.engine.load()
 
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics() if hasattr(self.engine, "metrics") else {}
+
 
 _RemoteWorker = ray.remote(EngineWorker)
 
@@ -358,6 +361,16 @@ class InferencePool:
     async def loads(self) -> list[EngineLoad]:
         return list(await asyncio.gather(*(w.load.remote() for w in self._workers)))
 
+    async def engine_metrics(self) -> dict[str, float]:
+        """Every live engine's `metrics()` summed, as `engine/<name>` (a worker that fails to answer, e.g.
+        one restarting, is left out of the sum)."""
+        got = await asyncio.gather(*(w.metrics.remote() for w in self._workers), return_exceptions=True)
+        total: dict[str, float] = {}
+        for m in got:
+            for k, v in (m if isinstance(m, dict) else {}).items():
+                total[f"engine/{k}"] = total.get(f"engine/{k}", 0.0) + v
+        return total
+
     def shutdown(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
@@ -394,6 +407,9 @@ class PoolActor:
 
     async def check_health(self) -> list[dict]:
         return await self.pool.check_health()
+
+    async def engine_metrics(self) -> dict[str, float]:
+        return await self.pool.engine_metrics()
 
     async def wait_ready(self) -> None:
         await self.pool.wait_ready()

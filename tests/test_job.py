@@ -93,6 +93,12 @@ def test_mlflow_run_has_the_metrics_params_and_artifacts(sync_run):
                 "groups/issued", "workers/restarts"]:
         assert key in metrics, key
     assert "staleness_mean" not in metrics  # one staleness convention
+    # the engines' counters, cumulative over an engine's life: tokens decoded grow over the first job's 3
+    # steps and start again with the resumed job's engines; no graphs on the CPU
+    decoded = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "engine/decode_tokens"),
+                                       key=lambda m: m.step)]
+    assert len(decoded) == 5 and 0 < decoded[0] < decoded[1] < decoded[2] and decoded[3] < decoded[2], decoded
+    assert run.data.metrics["engine/prefill_tokens"] > 0 and run.data.metrics["engine/graph_captures"] == 0
     assert run.data.params["learner.lr"] == str(cfg.learner.lr)
     arts = _artifacts(client, run.info.run_id)
     assert "config.yaml" in arts and "reward_curve.png" in arts
