@@ -91,7 +91,9 @@ def run(layout: str, args, root: Path) -> dict:
         "reward": h[-1]["reward/mean"],
         # every step's times: medians above hide a slow step (a new shape compiling, an eval)
         "history": [{k: round(v, 3) for k, v in m.items() if k.startswith(("time/", "weight_sync/wait"))
-                     or k in ("learner/idle_fraction", "throughput/episodes_per_s", "loss_tokens")}
+                     or k in ("learner/idle_fraction", "throughput/episodes_per_s", "loss_tokens",
+                              "engine/graph_captures", "engine/capture_s", "engine/decode_s", "engine/prefill_s",
+                              "engine/prefill_forwards", "engine/prefill_tokens", "engine/fed_prompt_tokens")}
                     for m in summary["history"]],
     }
     synced = [m for m in h if "weight_sync/broadcast_gbps" in m]

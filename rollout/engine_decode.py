@@ -177,19 +177,17 @@ def rung(n: int, rungs) -> int:
 class DecodeRunner:
     """Runs decode steps over the first rows of a StatePool, eagerly or through CUDA graphs.
 
-    `compile`: each layer's step through `torch.compile` (regional: layers of one shape share a compiled
-    graph), fusing the small elementwise kernels between the Triton kernels and GEMVs, which stay as
-    they are. Each batch rung compiles its own copy of `_layer` (`layer_fn(B)`): one shared function
-    would be recompiled with a symbolic batch once a second rung reaches it (dynamo's automatic dynamic
-    shapes), and its kernels then run slower at every rung. The context length may still turn symbolic
-    within a rung. A shape's first step compiles (in the warm-up before its graph capture)."""
+    `compile`: each layer's step through `torch.compile(_layer)` (regional: layers of one shape share a
+    compiled graph), fusing the small elementwise kernels between the Triton kernels and GEMVs, which
+    stay as they are. A shape's first step compiles (in the warm-up before its graph capture). One
+    compiled function serves every batch rung: a copy per rung was measured no faster (BENCHMARKS.md)."""
 
     def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool, compile: bool = False):
         self.model, self.pool, self.banned = model, pool, banned
-        self.compile = compile
-        self.compiled: dict[int, object] = {}  # batch rung -> its compiled copy of _layer
+        self.layer_fn = _layer
         if compile:
             allow_layer_recompiles(len(model.model.layers))
+            self.layer_fn = torch.compile(_layer)
         self.use_graphs = use_graphs and pool.device.type == "cuda"
         self.pad = self.use_graphs  # pad the batch to its rung (graphs need it; settable to test the padding)
         N = pool.num_slots
@@ -203,17 +201,6 @@ class DecodeRunner:
         self.eager_keys: set[tuple] = set()  # shapes whose capture failed: decoded eagerly
         self.capture_failures: list[str] = []
         self.captures, self.capture_s = 0, 0.0  # graphs captured (warm-up step included in the seconds)
-
-    def layer_fn(self, B: int):
-        """`_layer`, or with `compile` a compiled copy of it for batch size B. A copy has a code object of
-        its own, and dynamo keeps its compiled graphs and guards per code object."""
-        if not self.compile:
-            return _layer
-        if B not in self.compiled:
-            code = _layer.__code__.replace()
-            copy = type(_layer)(code, _layer.__globals__, f"_layer_b{B}", _layer.__defaults__, _layer.__closure__)
-            self.compiled[B] = torch.compile(copy)
-        return self.compiled[B]
 
     def context_rung(self, longest: int) -> int:
         """Positions the attention covers: the next power of two >= longest + 1 (at least MIN_CONTEXT)."""
@@ -302,7 +289,7 @@ class DecodeRunner:
     def _run(self, B: int, S: int, filtered: bool, host_lengths: list[int]):
         ints, floats = self.ints[:, :B], self.floats[:, :B]
         cache = self.pool.view(B, S, ints[3], host_lengths)
-        logits, routes = decode_forward(self.model, ints[0][:, None], cache, self.layer_fn(B))
+        logits, routes = decode_forward(self.model, ints[0][:, None], cache, self.layer_fn)
         self.pool.write_back(cache)
         tokens = sample_tokens(logits, floats[0], floats[1], floats[2], ints[1], ints[2], self.banned, filtered)
         cols = [tokens[:, None].double(), policy_logprobs(logits, tokens, floats[0])[:, None].double()]

@@ -11,7 +11,7 @@ from k3rl.kernels.moe import latent_experts_loop
 from k3rl.kernels.moe.triton_decode_experts import decode_experts_reference
 from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.model.attnres import query_vector
-from k3rl.rollout.engine_decode import DecodeRunner, _grouped_experts, _layer, attnres_queries, decode_forward
+from k3rl.rollout.engine_decode import _grouped_experts, attnres_queries, decode_forward
 from k3rl.rollout.state_pool import StatePool
 
 torch.set_num_threads(1)
@@ -52,30 +52,6 @@ def test_decode_forward_over_the_pool_equals_the_model_forward():
         pool.write_back(view)
     torch.testing.assert_close(logits, full[:, -1], rtol=1e-4, atol=1e-4)
     assert torch.equal(experts, routing[:, -1])
-
-
-def test_each_batch_rung_compiles_its_own_copy_of_the_layer_step():
-    """compile: one compiled copy of `_layer` per batch size, each with a code object of its own (dynamo's
-    graphs and guards live on the code object, so a rung never sees another's batch and stays static);
-    the copies compute what `_layer` computes. Without compile every size runs `_layer` itself."""
-    torch.manual_seed(0)
-    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
-    pool = StatePool(model, num_slots=4, max_len=64, initial_capacity=16)
-    runner = DecodeRunner(model, pool, None, use_graphs=False, compile=True)
-    f1, f4 = runner.layer_fn(1), runner.layer_fn(4)
-    assert f1 is runner.layer_fn(1) and f1 is not f4 and set(runner.compiled) == {1, 4}
-    c1, c4 = f1._torchdynamo_orig_callable, f4._torchdynamo_orig_callable
-    assert len({id(c1.__code__), id(c4.__code__), id(_layer.__code__)}) == 3
-    assert c1.__code__.co_code == _layer.__code__.co_code
-    assert DecodeRunner(model, pool, None, use_graphs=False).layer_fn(4) is _layer
-    ids = torch.tensor([[5], [9]])
-    with torch.no_grad():
-        outs = []
-        for fn in (_layer, c4):
-            cache = model.new_cache(2)
-            model(torch.tensor([[3, 4, 5], [6, 7, 8]]), cache=cache)
-            outs.append(decode_forward(model, ids, cache, fn))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_padding_rows_of_a_rung_change_nothing():

@@ -1,0 +1,82 @@
+"""What one engine prefill forward costs, by size, and where its time goes (issue [12] item 5).
+
+    python3 benchmarks/prefill_forward.py --preset k3-small --device cuda      # on the H200
+    python3 benchmarks/prefill_forward.py                                      # k3-tiny on the CPU
+
+The embedded engine's prefill is the model's forward over a fresh cache (`rollout/engine_prefill.py`),
+eager. For each (rows, tokens) the median of 8 timed forwards after 3 warm-ups, then a torch.profiler
+table of one forward (host time by op, GPU time by kernel) and its host-device copies and syncs: when
+the host time is many times the GPU's, the forward is launch-bound and its size barely moves its time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import build, sync  # noqa: E402
+
+SYNCS = ("Synchronize", "MemcpyAsync", "_local_scalar", "nonzero", "bincount")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="k3-tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shapes", default="1x32,1x128,8x128,32x128,8x512", help="rows x tokens, comma separated")
+    ap.add_argument("--profile", default="8x128", help="the shape profiled ('' for none)")
+    args = ap.parse_args()
+    from k3rl.rollout.engine import EmbeddedEngine
+
+    device = torch.device(args.device)
+    model = build(args.preset, args.device, "bfloat16" if device.type == "cuda" else "float32")
+    eng = EmbeddedEngine(model, background=False)  # the engine's own preparation of the model (fp32 islands)
+    autocast = (torch.autocast(device.type, dtype=eng.autocast_dtype, cache_enabled=False)
+                if eng.autocast_dtype else contextlib.nullcontext())
+
+    def forward(rows: int, tokens: int) -> torch.Tensor:
+        ids = torch.randint(1, 200, (rows, tokens), device=device)
+        return model(ids, cache=model.new_cache(rows))[:, -1]
+
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    print(f"# prefill forward: {args.preset} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    print("| rows x tokens | median ms | min ms |\n|---|---|---|")
+    with torch.no_grad(), autocast:
+        for rows, tokens in shapes:
+            for _ in range(3):
+                forward(rows, tokens)
+            sync(device)
+            times = []
+            for _ in range(8):
+                t = time.perf_counter()
+                forward(rows, tokens)
+                sync(device)
+                times.append(1e3 * (time.perf_counter() - t))
+            print(f"| {rows} x {tokens} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+        if not args.profile:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        rows, tokens = (int(x) for x in args.profile.split("x"))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            forward(rows, tokens)
+            sync(device)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=30))
+    if device.type == "cuda":
+        print(table.table(sort_by="cuda_time_total", row_limit=20))
+    for e in table:
+        if any(s in e.key for s in SYNCS):
+            print(f"host-device: {e.key} x {e.count}, {e.self_cpu_time_total / 1e3:.2f} ms of host time")
+
+
+if __name__ == "__main__":
+    main()
