@@ -4,6 +4,12 @@ Ops (one sub-package each): ``kda`` (chunk and recurrent Kimi Delta Attention), 
 (SiTU-GLU), ``moe`` (latent experts), ``attention`` (causal attention, fp32 output),
 ``qb_histogram`` (Quantile Balancing), ``newton_schulz`` (batched Muon orthogonalisation).
 This package imports nothing else of the project.
+
+Triton compiles a kernel once per specialisation of its integer arguments: a value of 1, a multiple
+of 16, any other. An argument that counts tokens (``n_rows``, ``T``, ``N``, ``n``, ``m``, ``per_prog``)
+changes with every packed batch and prompt, so its kernels are declared ``do_not_specialize`` on it:
+one compile serves every length, and a train step or a prefill whose length first happens to be a
+multiple of 16 does not stop for seconds to compile every such kernel again.
 """
 
 _handed_over = False

@@ -34,7 +34,7 @@ DQ_PARTIALS = 2**23  # ... and at most this many fp32 dq partials (programs x pa
 # programs 1,144 us, 8,192 programs 1,303 us (16,384 rows, 4 sources), the partials' sum grows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def aggregate_fwd_kernel(srcs, q, h, logit, rstd, n_rows, eps, S: tl.constexpr, D: tl.constexpr,
                          BD: tl.constexpr, BR: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -66,7 +66,7 @@ def softmax_weight(logit, rows, mr, n_rows, i, run_max, z):
     return tl.exp(tl.load(logit + i * n_rows + rows, mask=mr, other=0.0) - run_max) / z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "per_prog"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def aggregate_bwd_kernel(srcs, q, h, logit, rstd, dh, dsrcs, dq_part, n_rows, per_prog, S: tl.constexpr,
                          D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr, H_SAVED: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)

@@ -14,7 +14,7 @@ import triton.language as tl
 from .gate import L2NORM_EPS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def l2norm_fwd_kernel(
     x, y, rstd, n_rows, scale, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, EPS: tl.constexpr
 ):
@@ -28,7 +28,7 @@ def l2norm_fwd_kernel(
     tl.store(y + off, (b_x * (r * scale)[:, None]).to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def l2norm_bwd_kernel(x, rstd, dy, dx, n_rows, scale, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BK)

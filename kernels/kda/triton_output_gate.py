@@ -18,7 +18,7 @@ ROWS = 4096  # elements per row block (rows x D)
 MAX_PROGRAMS = 1024  # backward programs at most, each over consecutive row blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def norm_gate_fwd_kernel(o, g, w, y, rstd, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
@@ -34,7 +34,7 @@ def norm_gate_fwd_kernel(o, g, w, y, rstd, n_rows, eps, D: tl.constexpr, BD: tl.
     tl.store(y + off, out.to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "per_prog"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def norm_gate_bwd_kernel(
     o, g, w, rstd, dy, do, dg, dw_part, n_rows, per_prog, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr
 ):

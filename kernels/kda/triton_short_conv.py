@@ -69,7 +69,7 @@ def _positions(pos, u, mu, HAS_POS: tl.constexpr):
     return u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def short_conv_fwd_kernel(
     x, w, pos, left, y, T, C,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -81,7 +81,7 @@ def short_conv_fwd_kernel(
     tl.store(ptr, out.to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def short_conv_da_kernel(
     x, w, pos, left, dy, da, dw_part, T, C,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr, HAS_POS: tl.constexpr,
@@ -127,7 +127,7 @@ def short_conv_da_kernel(
         tl.store(part + (W - 4) * C, tl.sum(acc3, axis=0), mask=mc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def short_conv_dx_kernel(
     da, w, pos, dx, T, C,
     W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,

@@ -23,7 +23,7 @@ import triton.language as tl
 BN = 4  # tokens a program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def gather_sum_kernel(Y, pos, w, out, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
                       HAS_W: tl.constexpr):  # fmt: skip
     """out[n] = sum_j w[n, j] Y[pos[n, j]] (w = 1 without HAS_W), summed in fp32."""
@@ -41,7 +41,7 @@ def gather_sum_kernel(Y, pos, w, out, N, L, K: tl.constexpr, BN: tl.constexpr, B
     tl.store(ptr, acc.to(out.dtype.element_ty), mask=mn[:, None] & mc[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def scatter_rows_kernel(src, pos, w, X, Y, dw, N, L, K: tl.constexpr, BN: tl.constexpr, BL: tl.constexpr,
                         HAS_W: tl.constexpr):  # fmt: skip
     """X[pos[n, j]] = w[n, j] src[n] (src[n] without HAS_W); with HAS_W also dw[n, j] = src[n] . Y[pos[n, j]]."""

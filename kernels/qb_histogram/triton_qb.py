@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def qb_hist_kernel(
     r,
     mask,

@@ -20,7 +20,7 @@ BWD_ROWS = 2048
 MAX_PROGRAMS = 4096  # backward programs at most, each over consecutive row blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def rms_norm_fwd_kernel(x, w, y, rstd, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
@@ -35,7 +35,7 @@ def rms_norm_fwd_kernel(x, w, y, rstd, n_rows, eps, D: tl.constexpr, BD: tl.cons
     tl.store(y + off, (b_w[None, :] * n).to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "per_prog"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw_part, n_rows, per_prog, D: tl.constexpr, BD: tl.constexpr,
                         BR: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)

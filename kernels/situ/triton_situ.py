@@ -20,7 +20,7 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)  # saturates cleanly to +-1 for large |x|
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def situ_fwd_kernel(g_ptr, u_ptr, o_ptr, n, B1: tl.constexpr, B2: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -30,7 +30,7 @@ def situ_fwd_kernel(g_ptr, u_ptr, o_ptr, n, B1: tl.constexpr, B2: tl.constexpr, 
     tl.store(o_ptr + offs, (a * B2 * _tanh(u / B2)).to(o_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def situ_bwd_kernel(
     g_ptr, u_ptr, do_ptr, dg_ptr, du_ptr, n, B1: tl.constexpr, B2: tl.constexpr, BLOCK: tl.constexpr
 ):
