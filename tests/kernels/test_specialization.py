@@ -10,7 +10,6 @@ import os
 import pkgutil
 
 import pytest
-import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
