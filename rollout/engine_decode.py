@@ -155,9 +155,11 @@ def _layer(layer, bank: list, partial: torch.Tensor, entry, step, queries):
 
 
 def decode_forward(model, ids: torch.Tensor, cache, layer_fn=_layer) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits [B, V] of ids [B, 1] appended to `cache`, and the experts used [B, n_moe, k] (None without MoE).
-    `layer_fn`: `_layer` or a compiled `_layer` (DecodeRunner's `compile`)."""
-    step = cache.decode_step(1)
+    """Logits [B, V] of the last of ids [B, T] appended to `cache`, and the experts used [B, n_moe, k] (None
+    without MoE; for T = 1, a decode step). `layer_fn`: `_layer` or a compiled `_layer` (DecodeRunner's
+    `compile`). With T > 1 over a K3Cache (then `cache.advance(T)`) it is a prefill forward without the
+    model forward's host syncs, which a CUDA graph can capture."""
+    step = cache.decode_step(ids.shape[1])
     queries = iter(attnres_queries(model))
     bank, partial, routes = [], model.model.embed_tokens(ids), []
     for layer in model.model.layers:
@@ -165,9 +167,11 @@ def decode_forward(model, ids: torch.Tensor, cache, layer_fn=_layer) -> tuple[to
         if experts is not None:
             routes.append(experts)
     m = model.model
-    hidden = aggregate(bank + [partial], next(queries), model.config.rms_norm_eps, model.config.kernel_backend)
-    logits = model.lm_head(m.norm(hidden))[:, -1]
-    return logits, (torch.stack(routes, dim=1) if routes else None)
+    last = [x[:, -1:] for x in bank + [partial]]  # Agg is per position: only the last one's logits are needed
+    logits = model.lm_head(m.norm(aggregate(last, next(queries), model.config.rms_norm_eps,
+                                            model.config.kernel_backend)))[:, -1]
+    return logits, (torch.stack([r.view(ids.shape[0], ids.shape[1], -1)[:, -1] for r in routes], dim=1)
+                    if routes else None)
 
 
 def rung(n: int, rungs) -> int:

@@ -177,3 +177,25 @@ def test_the_fp32_island_weights_held_in_fp32_decode_bit_for_bit_the_same():
 
     (a, ea), (b, eb) = decode(model), decode(widened)
     assert torch.equal(a, b) and torch.equal(ea, eb)
+
+
+def test_decode_forward_of_several_tokens_is_the_models_prefill_forward():
+    """T > 1 over a fresh K3Cache (a prefill, as a CUDA graph would capture it): the last position's logits,
+    its routed experts and every layer's cache equal the model forward's."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    ids = torch.tensor([[5, 9, 33, 2, 71, 8, 40], [12, 4, 4, 100, 3, 17, 1]])
+    with torch.no_grad():
+        ref_cache, cache = model.new_cache(2), model.new_cache(2)
+        full, routing = model(ids, cache=ref_cache, return_routing=True)
+        logits, experts = decode_forward(model, ids, cache)
+        cache.advance(ids.shape[1])
+    torch.testing.assert_close(logits, full[:, -1], rtol=1e-4, atol=1e-4)
+    assert torch.equal(experts, routing[:, -1])
+    assert cache.host_lengths == ref_cache.host_lengths == [7, 7] and torch.equal(cache.lengths, ref_cache.lengths)
+    for i, e in ref_cache.kda.items():
+        torch.testing.assert_close(cache.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache.kda[i].conv, e.conv)
+    for i, e in ref_cache.mla.items():
+        n = 7
+        torch.testing.assert_close(cache.mla[i].latent[:, :n], e.latent[:, :n], rtol=1e-4, atol=1e-5)
