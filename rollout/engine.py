@@ -71,6 +71,7 @@ from k3rl.types import SamplingParams, WeightUpdate
 from .engine_contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
 from .engine_decode import DecodeRunner, keep_fp32_island_weights
 from .engine_prefill import AdmitAndPrefill
+from .engine_prefill_graphs import ALIGN, PrefillGraphs
 from .engine_sample import DecodeAndSample
 from .engine_seq import Launch, Seq, as_pil, image_digest
 from .prefix_cache import PrefixCache
@@ -117,6 +118,10 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                      fused kernels a step (k3-small on an H200 at batch 64: 3.93 -> 3.11 ms a step, BENCHMARKS.md).
                      Off by default: each new shape's first step compiles (about a minute on a GPU the first
                      time, longer on a CPU)
+    prefill_graphs   a fresh prompt's first chunk, cut to a multiple of 64 tokens (the rest fed by decode
+                     steps), prefills through a CUDA graph per (row rung, tokens) (engine_prefill_graphs.py);
+                     default: on CUDA with decode_append >= 63, unless enforce_eager. True on the CPU runs
+                     the same bucketing eagerly (for tests)
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -129,7 +134,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
                  decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False,
-                 prefill_wait_steps: int | None = None):
+                 prefill_wait_steps: int | None = None, prefill_graphs: bool | None = None):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
@@ -179,6 +184,13 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
         self._feeders: list[Seq] = []  # admitted to decode_append: join the pool this step
+        if prefill_graphs is None:
+            prefill_graphs = self.device.type == "cuda" and not enforce_eager and self.decode_append >= ALIGN - 1
+        if prefill_graphs and self.decode_append < ALIGN - 1:
+            raise ValueError(f"prefill_graphs feeds up to {ALIGN - 1} prompt tokens by decode steps: it needs "
+                             f"decode_append >= {ALIGN - 1}, got {self.decode_append}")
+        self._prefill_graphs = (PrefillGraphs(model, autocast_dtype, prefill_chunk, use_graphs=not enforce_eager)
+                                if prefill_graphs else None)
         share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
         self._prefix = PrefixCache(prefix_cache_size, share_prefix, self.config.media_placeholder_token_id)
         self._inflight: Launch | None = None  # a decode step launched ahead, its rows not yet read

@@ -174,6 +174,19 @@ def decode_forward(model, ids: torch.Tensor, cache, layer_fn=_layer) -> tuple[to
                     if routes else None)
 
 
+def end_failed_capture(stream_before, mempool, device: torch.device) -> None:
+    """After a failed CUDA graph capture: the stream current before it made current again, and the caching
+    allocator no longer routing this thread's allocations to the graphs' memory pool (the capture context
+    can leave both behind, and every later capture then fails with "already recording to mempool")."""
+    torch.cuda.set_stream(stream_before)
+    end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)  # private: torch 2.11 and 2.13 have it
+    if mempool is not None and end_allocate is not None:
+        try:
+            end_allocate(device.index or 0, mempool)
+        except RuntimeError:
+            pass  # capture_end had ended it
+
+
 def rung(n: int, rungs) -> int:
     return next(r for r in rungs if r >= n)
 
@@ -271,13 +284,7 @@ class DecodeRunner:
         undone, and later captures get a new pool. The shape stays eager; after MAX_CAPTURE_FAILURES
         failures the runner stops capturing."""
         if self.pool.device.type == "cuda":
-            torch.cuda.set_stream(self._stream_before_capture)
-            end_allocate = getattr(torch._C, "_cuda_endAllocateToPool", None)  # private: torch 2.11 and 2.13 have it
-            if self.mempool is not None and end_allocate is not None:
-                try:
-                    end_allocate(self.pool.device.index or 0, self.mempool)
-                except RuntimeError:
-                    pass  # capture_end had ended it
+            end_failed_capture(self._stream_before_capture, self.mempool, self.pool.device)
         self.graphs.clear()  # their pool is abandoned (not released: a failed capture's count is unknown)
         self.mempool = None
         self.eager_keys.add(key)

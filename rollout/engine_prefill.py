@@ -10,6 +10,7 @@ import torch
 
 from k3rl.kernels.varlen import remember_host_copy
 
+from .engine_prefill_graphs import bucket
 from .engine_seq import Seq
 
 
@@ -66,7 +67,7 @@ class AdmitAndPrefill:
                 continue
             if entry is not None:
                 seq.cache = entry.cache.clone()
-            if self._prefix.share_prefix and any(p.split_at > p.computed and p.state_version == self._version
+            if self._prefix.share_prefix and not self._graph_first_chunk(seq) and any(p.split_at > p.computed and p.state_version == self._version
                                                  and p.split_at - seq.computed >= self._prefix.share_prefix
                                                  and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
                 self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
@@ -74,7 +75,10 @@ class AdmitAndPrefill:
                 deferred.append(seq)
                 active -= 1
                 continue
-            seq.split_at = self._prefix.split_point(seq.prompt, bool(seq.images), seq.computed)
+            # a fresh prompt that a prefill graph takes is prefilled whole: a captured forward costs its
+            # kernels, so sharing a prefix (an eager forward for it, another for the rest) saves nothing
+            seq.split_at = 0 if self._graph_first_chunk(seq) else \
+                self._prefix.split_point(seq.prompt, bool(seq.images), seq.computed)
             if seq.cache is None:
                 seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
             self._prefilling.append(seq)
@@ -123,8 +127,13 @@ class AdmitAndPrefill:
         for seq in self._prefilling:
             room = seq.split_at - seq.computed if seq.split_at > seq.computed else self.prefill_chunk
             limits[seq.id] = min(self.prefill_chunk, room, len(seq.prompt) - seq.computed)
+        graphed = {s.id for s in self._prefilling if self._graph_first_chunk(s)}
+        for seq in self._prefilling:  # cut to a graph's bucket; the rest (< ALIGN tokens) is fed by decode steps
+            if seq.id in graphed:
+                limits[seq.id] = bucket(len(seq.prompt), self.prefill_chunk)
         if self.decode_append:
-            plain = sorted((s for s in self._prefilling if s.image_cursor == len(s.images)), key=lambda s: limits[s.id])
+            plain = sorted((s for s in self._prefilling if s.image_cursor == len(s.images) and s.id not in graphed),
+                           key=lambda s: limits[s.id])
             shortest = None
             for seq in plain:  # ascending: a chunk within decode_append of the group's shortest joins it
                 if shortest is None or limits[seq.id] - shortest > self.decode_append:
@@ -136,10 +145,11 @@ class AdmitAndPrefill:
             end, n_img = self._chunk_end(seq, seq.computed, min(limits[seq.id], budget))
             plan.append((seq, seq.computed, end, n_img))
             budget -= end - seq.computed
-        groups: dict[int, list[tuple[Seq, int, int, int]]] = {}
+        groups: dict[tuple[int, bool], list[tuple[Seq, int, int, int]]] = {}
         for item in plan:
-            _, start, end, n_img = item
-            groups.setdefault(-1 - len(groups) if n_img else end - start, []).append(item)
+            seq, start, end, n_img = item
+            key = (-1 - len(groups), False) if n_img else (end - start, seq.id in graphed)
+            groups.setdefault(key, []).append(item)
         for items in groups.values():
             self.stats["prefill_forwards"] += 1
             for (seq, start, end, n_img), logits in self._prefill_forward(items):
@@ -153,6 +163,14 @@ class AdmitAndPrefill:
                 if len(seq.prompt) - end <= self.decode_append and seq.image_cursor == len(seq.images):
                     self._feed_rest(seq)
         return ready
+
+    def _graph_first_chunk(self, seq: Seq) -> bool:
+        """A fresh prompt whose first chunk prefill_graphs takes: no images, nothing cached or shared, and
+        short enough that one bucketed chunk and decode_append cover it."""
+        return (self._prefill_graphs is not None and seq.computed == 0 and not seq.images and seq.split_at <= 0
+                and (seq.cache is None or seq.cache.host_lengths == [0])
+                and self._prefill_graphs.takes(bucket(len(seq.prompt), self.prefill_chunk))
+                and len(seq.prompt) - bucket(len(seq.prompt), self.prefill_chunk) <= self.decode_append)
 
     def _feed_rest(self, seq: Seq) -> None:
         """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt
@@ -181,6 +199,22 @@ class AdmitAndPrefill:
         """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
 
         A chunk whose forward fails fails its own request (and the group waiting on it) only."""
+        graphs = self._prefill_graphs
+        if graphs is not None and all(start == 0 and self._graph_first_chunk(seq) for seq, start, *_ in items) \
+                and graphs.takes(items[0][2]):
+            done = []
+            try:
+                for i in range(0, len(items), graphs.max_rows):
+                    part = items[i : i + graphs.max_rows]
+                    logits, caches = graphs.run([seq.prompt[start:end] for seq, start, end, _ in part])
+                    done += list(zip(part, caches, logits, strict=True))
+            except Exception:  # noqa: BLE001 - the eager path below finds the request at fault, if any
+                done = None
+            if done is not None:
+                for (seq, *rest), cache, row in done:
+                    seq.cache = cache
+                    yield (seq, *rest), row
+                return
         if len(items) > 1:
             from k3rl.learner.model import K3Cache
 

@@ -200,3 +200,26 @@ def test_compiled_decode_runs_in_graphs_and_stays_close_to_the_eager_engine():
     # positions, |d| summing to 1.10 on 2026-12-02; 57 of 80 under 1e-2 on 2026-12-03), so the typical
     # position is held, not a share: the accuracy itself is the teacher-forced test's above
     assert statistics.median(diffs) < 1e-2, diffs
+
+
+def test_prefill_graphs_are_captured_and_agree_with_the_eager_prefill():
+    """Fresh prompts of 64+ tokens prefill their bucketed first chunk through a captured graph (the rest fed
+    by decode steps): captured, no capture failing, replayed again for a second batch of one bucket; the
+    sampled tokens are the eager-prefill engine's up to a near tie of bf16 rounding (the tail goes through
+    the decode step's recurrent kernel instead of the chunk kernel)."""
+    model = _model()
+    prompts = [_prompt(n, n) for n in (70, 75, 130, 200)]
+    eager = _run(EmbeddedEngine(model, background=False, prefill_graphs=False), prompts, PARAMS)
+    eng = EmbeddedEngine(model, background=False)
+    graphed = _run(eng, prompts, PARAMS)
+    g = eng._prefill_graphs
+    assert g is not None and g.captures >= 1 and not g.failed and g.replays >= 1
+    again = _run(eng, [_prompt(n, n + 1) for n in (66, 90)], PARAMS[:2])  # bucket 64 again: a replay
+    assert all(len(r.token_ids) == 40 for r in again) and g.replays >= 2
+    diffs = []
+    for a, b in zip(eager, graphed, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                    len(a.token_ids))
+        assert same >= 4, (a.token_ids, b.token_ids)
+        diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=False)]
+    assert statistics.median(diffs) < 5e-2, diffs

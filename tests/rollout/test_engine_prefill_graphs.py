@@ -1,0 +1,75 @@
+"""The prefill graphs' path on the CPU (engine_prefill_graphs.py): bucketed first chunks, padding rows,
+the rest fed by decode steps, run eagerly over the same static buffers the CUDA graphs capture. Every
+request's tokens equal the plain engine's, its log-probs to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.rollout.engine import EmbeddedEngine
+from k3rl.rollout.engine_prefill_graphs import ALIGN, PrefillGraphs, bucket
+from k3rl.types import SamplingParams
+
+torch.set_num_threads(1)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # sharp logits: no near ties between the two paths' roundings
+    return model
+
+
+def _run(eng, prompts, params):
+    futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
+    while not all(f.done() for f in futures):
+        eng.step()
+    return [f.result() for f in futures]
+
+
+def test_bucket_is_the_largest_multiple_of_align_in_the_chunk():
+    assert [bucket(n, 512) for n in (63, 64, 100, 128, 511, 700)] == [0, 64, 64, 128, 448, 512]
+
+
+def test_graphed_prefill_gives_the_plain_engines_tokens():
+    model = _model()
+    lengths = (70, 75, 130, 64, 200, 40, 600, 128)  # 40: too short; 600: past the chunk and decode_append
+    prompts = [[(7 * i + 3 + n) % 250 + 1 for i in range(n)] for n in lengths]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=1.0, max_tokens=7, seed=11),
+              SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_tokens=5, seed=5),
+              SamplingParams(temperature=0, max_tokens=4, return_routed_experts=True),
+              SamplingParams(temperature=0.7, max_tokens=8, seed=2), SamplingParams(temperature=0, max_tokens=5),
+              SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=1.0, max_tokens=6, seed=3)]
+    plain = _run(EmbeddedEngine(model, background=False, max_model_len=1024), prompts, params)
+    eng = EmbeddedEngine(model, background=False, max_model_len=1024, decode_append=64, prefill_graphs=True)
+    graphed = _run(eng, prompts, params)
+    for a, b in zip(plain, graphed, strict=True):
+        assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
+        assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
+    g = eng._prefill_graphs
+    assert g.runs >= 1 and g.captures == 0  # no graphs on the CPU: the same path eagerly
+    # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps
+    assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8
+
+
+def test_padding_rows_and_one_forward_per_bucket():
+    """Three prompts of one bucket: one forward of a row rung of 4 (a padding row of token 0, dropped),
+    each row's logits and cache equal its own forward's."""
+    model = _model()
+    g = PrefillGraphs(model, None, max_tokens=512, use_graphs=True)  # the CPU: eager, same buffers
+    rows = [[(5 * i + r) % 250 + 1 for i in range(ALIGN)] for r in range(3)]
+    with torch.no_grad():
+        logits, caches = g.run(rows)
+        for row, got, cache in zip(rows, logits, caches, strict=True):
+            ref_cache = model.new_cache(1)
+            ref = model(torch.tensor([row]), cache=ref_cache)[0, -1]
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            assert cache.host_lengths == [ALIGN]
+            for i, e in ref_cache.kda.items():
+                torch.testing.assert_close(cache.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
+    assert g.runs == 1 and logits.shape[0] == 3
+    with pytest.raises(ValueError, match="multiple of 64"):
+        g.run([[1] * 65])
