@@ -119,9 +119,9 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                      Off by default: each new shape's first step compiles (about a minute on a GPU the first
                      time, longer on a CPU)
     prefill_graphs   a fresh prompt's first chunk, cut to a multiple of 64 tokens (the rest fed by decode
-                     steps), prefills through a CUDA graph per (row rung, tokens) (engine_prefill_graphs.py);
-                     default: on CUDA with decode_append >= 63, unless enforce_eager. True on the CPU runs
-                     the same bucketing eagerly (for tests)
+                     steps), prefills through a CUDA graph per (row rung, tokens) (engine_prefill_graphs.py;
+                     needs decode_append >= 63). Off by default until it is measured on a GPU. On the CPU
+                     (or with enforce_eager) the same bucketing runs eagerly
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -134,7 +134,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
                  decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False,
-                 prefill_wait_steps: int | None = None, prefill_graphs: bool | None = None):
+                 prefill_wait_steps: int | None = None, prefill_graphs: bool = False):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
@@ -182,10 +182,10 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                                     use_graphs=not enforce_eager, compile=compile_decode)
         self._pending_ready: list[Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
-        self.decode_append = (64 if self.device.type == "cuda" else 0) if decode_append is None else decode_append
+        if decode_append is None:  # prefill graphs feed their prompts' tails by decode steps, on the CPU too
+            decode_append = 64 if self.device.type == "cuda" or prefill_graphs else 0
+        self.decode_append = decode_append
         self._feeders: list[Seq] = []  # admitted to decode_append: join the pool this step
-        if prefill_graphs is None:
-            prefill_graphs = self.device.type == "cuda" and not enforce_eager and self.decode_append >= ALIGN - 1
         if prefill_graphs and self.decode_append < ALIGN - 1:
             raise ValueError(f"prefill_graphs feeds up to {ALIGN - 1} prompt tokens by decode steps: it needs "
                              f"decode_append >= {ALIGN - 1}, got {self.decode_append}")

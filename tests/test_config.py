@@ -105,6 +105,8 @@ def test_vllm_needs_a_checkpoint_and_no_routing_replay():
     assert "rollout.compile_decode" not in msg
     assert "rollout.compile_decode: compiles the embedded engine's decode step" in refusal(
         "rollout.engine=vllm", "rollout.compile_decode=true")
+    assert "rollout.prefill_graphs: graphs the embedded engine's prefill" in refusal(
+        "rollout.engine=vllm", "rollout.prefill_graphs=true")
     assert "rollout.prefill_wait_steps: schedules the embedded engine's prefills" in refusal(
         "rollout.engine=vllm", "rollout.prefill_wait_steps=8")
     cfg = JobConfig.load(None, ["rollout.engine=vllm", "learner.routing_replay=false", "model.checkpoint=/ckpt"])

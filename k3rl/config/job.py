@@ -126,6 +126,9 @@ class JobConfig(_Section):
         if self.rollout.compile_decode:
             problems.append(("rollout.compile_decode", "compiles the embedded engine's decode step; vLLM compiles "
                                                        "its own: set false with rollout.engine: vllm"))
+        if self.rollout.prefill_graphs:
+            problems.append(("rollout.prefill_graphs", "graphs the embedded engine's prefill; vLLM captures its "
+                                                       "own: set false with rollout.engine: vllm"))
         if self.rollout.prefill_wait_steps:
             problems.append(("rollout.prefill_wait_steps", "schedules the embedded engine's prefills; vLLM schedules "
                                                            "its own: set 0 with rollout.engine: vllm"))

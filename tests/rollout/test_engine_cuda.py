@@ -210,7 +210,7 @@ def test_prefill_graphs_are_captured_and_agree_with_the_eager_prefill():
     model = _model()
     prompts = [_prompt(n, n) for n in (70, 75, 130, 200)]
     eager = _run(EmbeddedEngine(model, background=False, prefill_graphs=False), prompts, PARAMS)
-    eng = EmbeddedEngine(model, background=False)
+    eng = EmbeddedEngine(model, background=False, prefill_graphs=True)
     graphed = _run(eng, prompts, PARAMS)
     g = eng._prefill_graphs
     assert g is not None and g.captures >= 1 and not g.failed and g.replays >= 1

@@ -44,13 +44,13 @@ def test_graphed_prefill_gives_the_plain_engines_tokens():
               SamplingParams(temperature=0.7, max_tokens=8, seed=2), SamplingParams(temperature=0, max_tokens=5),
               SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=1.0, max_tokens=6, seed=3)]
     plain = _run(EmbeddedEngine(model, background=False, max_model_len=1024), prompts, params)
-    eng = EmbeddedEngine(model, background=False, max_model_len=1024, decode_append=64, prefill_graphs=True)
+    eng = EmbeddedEngine(model, background=False, max_model_len=1024, prefill_graphs=True)  # decode_append: 64
     graphed = _run(eng, prompts, params)
     for a, b in zip(plain, graphed, strict=True):
         assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
     g = eng._prefill_graphs
-    assert g.runs >= 1 and g.captures == 0  # no graphs on the CPU: the same path eagerly
+    assert eng.decode_append == 64 and g.runs >= 1 and g.captures == 0  # no graphs on the CPU: the same path eagerly
     # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps
     assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8
 
@@ -73,3 +73,8 @@ def test_padding_rows_and_one_forward_per_bucket():
     assert g.runs == 1 and logits.shape[0] == 3
     with pytest.raises(ValueError, match="multiple of 64"):
         g.run([[1] * 65])
+
+
+def test_prefill_graphs_need_decode_append_for_the_tails():
+    with pytest.raises(ValueError, match="decode_append >= 63"):
+        EmbeddedEngine(_model(), background=False, prefill_graphs=True, decode_append=16)
