@@ -85,7 +85,7 @@ def run(layout: str, args, root: Path) -> dict:
         "train_tokens_per_s": statistics.median(m["throughput/train_tokens_per_s"] for m in h),
         "train_s": statistics.median(m["time/train_s"] for m in h),
         # the last step pushes no weights (nothing samples from them) unless an eval follows it
-        "weight_sync_s": statistics.median(m["time/weight_sync_s"] for m in h if "time/weight_sync_s" in m),
+        "weight_sync_s": statistics.median([m["time/weight_sync_s"] for m in h if "time/weight_sync_s" in m] or [0.0]),
         "learner_idle": sum(m["time/wait_for_rollouts_s"] for m in h) / step_s,
         "step_s": step_s / len(h),
         "reward": h[-1]["reward/mean"],
