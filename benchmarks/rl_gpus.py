@@ -93,7 +93,8 @@ def run(layout: str, args, root: Path) -> dict:
         "history": [{k: round(v, 3) for k, v in m.items() if k.startswith(("time/", "weight_sync/wait"))
                      or k in ("learner/idle_fraction", "throughput/episodes_per_s", "loss_tokens",
                               "engine/graph_captures", "engine/capture_s", "engine/decode_s", "engine/prefill_s",
-                              "engine/prefill_forwards", "engine/prefill_tokens", "engine/fed_prompt_tokens")}
+                              "engine/prefill_forwards", "engine/prefill_tokens", "engine/fed_prompt_tokens",
+                              "engine/prefill_graph_runs", "engine/prefill_graph_captures")}
                     for m in summary["history"]],
     }
     synced = [m for m in h if "weight_sync/broadcast_gbps" in m]

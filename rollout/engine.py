@@ -286,9 +286,11 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         """Counters since the engine started: tokens prefilled and decoded, prefix-cache hits, host seconds
         per scheduler phase, CUDA graphs captured (recaptures after the state pool grows included) and the
         seconds they took."""
-        r = self._runner
+        r, g = self._runner, self._prefill_graphs
         return {**{k: float(v) for k, v in self.stats.items()}, "graph_captures": float(r.captures),
-                "capture_s": r.capture_s, "graphs": float(len(r.graphs))}
+                "capture_s": r.capture_s, "graphs": float(len(r.graphs)),
+                **({"prefill_graph_runs": float(g.runs), "prefill_graph_captures": float(g.captures),
+                    "prefill_graph_replays": float(g.replays)} if g is not None else {})}
 
     def close(self) -> None:
         with self._cv:

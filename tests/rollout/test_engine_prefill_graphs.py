@@ -50,7 +50,7 @@ def test_graphed_prefill_gives_the_plain_engines_tokens():
         assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
     g = eng._prefill_graphs
-    assert eng.decode_append == 64 and g.runs >= 1 and g.captures == 0  # no graphs on the CPU: the same path eagerly
+    assert eng.decode_append == 64 and g.runs >= 1 and eng.metrics()["prefill_graph_runs"] == g.runs and g.captures == 0  # no graphs on the CPU: the same path eagerly
     # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps
     assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8
 
