@@ -120,12 +120,12 @@ class Arm:
     its task stream (the same seeds in both arms) and the rows of its curve."""
 
     def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, clip: float | None,
-                 seed: int, discount: float = 0.0):
+                 seed: int, discount: float = 0.0, env_coef: float = 1.0):
         teachers = ([{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "clip": clip, "discount": discount,
                       "engines": 0}]
                     if teacher_dir else [])
         learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
-                                                    "distill": {"teachers": teachers}})
+                                                    "distill": {"teachers": teachers, "env_coef": env_coef}})
         self.cfg = cfg
         # the trained policy is softmax(logits / tau) at the sampling temperature, as in the job
         self.trainer = Trainer(copy.deepcopy(student), learner, temperature=cfg.rollout.sampling.policy_temperature)
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--rl-steps", type=int, default=12)
     ap.add_argument("--rl-lr", type=float, default=3e-4, help="learner.lr of both arms (the demo's: 1e-4)")
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
+    ap.add_argument("--env-coef", type=float, default=1.0,
+                    help="learner.distill.env_coef of the teacher's arm: 0 = pure on-policy distillation")
     ap.add_argument("--clip", type=float, help="the teacher's clip R: log T - log mu clipped to [-R, R] (default none)")
     ap.add_argument("--discount", default="0",
                     help="the teacher's discount gamma: each token also carries gamma^k of the k-th sampled token's "
@@ -254,7 +256,8 @@ def main() -> None:
     for g in discounts:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         name += f", coef {args.coef:g}" if args.coef != 1 else ""
-        arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g)
+        name = name.replace("RL + teacher", "teacher alone") if args.env_coef == 0 else name
+        arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g, args.env_coef)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
         for arm in arms.values():

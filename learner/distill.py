@@ -171,11 +171,12 @@ def returns_to_go(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Te
 
 
 def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Tensor, teachers: Sequence[Teacher],
-                       micro_batch_tokens: int = 4096, temperature: float = 1.0) -> torch.Tensor:
+                       micro_batch_tokens: int = 4096, temperature: float = 1.0, env_coef: float = 1.0) -> torch.Tensor:
     """[N, C] per-token advantages: the env's (`env_advantages` [N] per episode or [N, >= C] per
-    token) plus, on sampled tokens, coef * clip(log T - log mu) of the episode's teacher (its log T
-    attached by the teacher's engines, or scored here at the policy `temperature`), summed over the
-    tokens that follow with the teacher's `discount` (`returns_to_go`)."""
+    token), times `env_coef` on the episodes a teacher scores, plus, on sampled tokens, coef * clip(log T -
+    log mu) of the episode's teacher (its log T attached by the teacher's engines, or scored here at the
+    policy `temperature`), summed over the tokens that follow with the teacher's `discount` (`returns_to_go`).
+    env_coef 0 is pure on-policy distillation: A_t = coef * sum_s gamma^(s-t) clip(log T - log mu)_s."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
@@ -191,5 +192,6 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
             ratio = log_t - log_mu
             if teacher.clip is not None:
                 ratio = ratio.clamp(-teacher.clip, teacher.clip)
+            out[i] *= env_coef
             out[i, :len(t.completion_ids)] += teacher.coef * returns_to_go(ratio, mask, teacher.discount)
     return out

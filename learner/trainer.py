@@ -153,6 +153,7 @@ class Trainer:
         # on-policy distillation: teachers scoring the student's sampled tokens (learner/distill.py)
         distill = getattr(config, "distill", None)
         self.teachers = load_teachers(distill.teachers if distill else [], device=str(self.device))
+        self.env_coef = distill.env_coef if distill else 1.0  # 0: pure on-policy distillation
 
         self.step = 0  # RL optimizer steps done
         self.lr_scale = 1.0  # cut by the collapse guard's rollbacks (k3rl/guard.py)
@@ -354,7 +355,8 @@ class Trainer:
         adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0),
                               format_penalty=penalty)  # [N], or [N, C] per token
         if self.teachers:
-            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens, self.temperature)
+            adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens, self.temperature,
+                                     self.env_coef)
         keep = [i for i in range(len(trajectories)) if not (mode == "filter" and overlong[i])]
         epochs = getattr(cfg, "ppo_epochs", 1)
         parts = []  # (micro-batches, prepared inputs) of each minibatch

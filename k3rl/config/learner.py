@@ -36,6 +36,9 @@ class DistillSection(_Section):
     reverse-KL advantage is added to the env's (a teacher per env: the multi-teacher setup)."""
 
     teachers: list[TeacherSpec] = Field(default_factory=list)
+    env_coef: float = Field(1.0, ge=0, description="weight of the env's advantage on the episodes a teacher scores: "
+                                                   "1 = the two mixed; 0 = pure on-policy distillation (the teacher's "
+                                                   "term alone); episodes no teacher scores keep the env's")
 
     @model_validator(mode="after")
     def _one_teacher_per_env(self):

@@ -135,6 +135,25 @@ def test_teachers_are_checked_before_the_job_starts(tmp_path):
         preflight(job(tmp_path / "t", overrides={"moe_intermediate_size": 32}))
 
 
+def test_env_coef_zero_is_pure_distillation_on_the_taught_episodes():
+    """env_coef scales the env's advantage where a teacher scores: 0 leaves the teacher's term alone there,
+    and the episodes no teacher takes keep the env's advantage whole."""
+    model = tiny(3)
+    batch = make_trajectories(4, n=4)
+    for t, e in zip(batch, ["e/A", "e/B", "e/A", "e/B"], strict=True):
+        t.env_id = e
+    env_adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    teacher = Teacher(model, envs=("e/A",))
+    mixed = distill_advantages(batch, env_adv, [teacher])
+    pure = distill_advantages(batch, env_adv, [teacher], env_coef=0.0)
+    half = distill_advantages(batch, env_adv, [teacher], env_coef=0.5)
+    for i in (0, 2):
+        torch.testing.assert_close(pure[i], mixed[i] - env_adv[i])
+        torch.testing.assert_close(half[i], mixed[i] - 0.5 * env_adv[i])
+    for i in (1, 3):
+        assert torch.equal(pure[i], env_adv[i].expand(pure.shape[1])) and torch.equal(pure[i], mixed[i])
+
+
 def test_clip_bounds_each_tokens_log_ratio():
     model = tiny(5)
     batch = make_trajectories(6, n=4)  # behaviour log-probs around -5.5, the teacher's elsewhere
