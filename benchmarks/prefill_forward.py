@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--shapes", default="1x32,1x128,8x128,32x128,8x512", help="rows x tokens, comma separated")
     ap.add_argument("--profile", default="8x128", help="the shape profiled ('' for none)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time the engine's prefill graphs (engine_prefill_graphs.py) at the shapes whose tokens "
+                         "are a multiple of 64: a replay and the copy of its caches (the first call captures)")
     args = ap.parse_args()
     from k3rl.rollout.engine import EmbeddedEngine
 
@@ -60,6 +63,26 @@ def main() -> None:
                 sync(device)
                 times.append(1e3 * (time.perf_counter() - t))
             print(f"| {rows} x {tokens} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+        if args.graphs:
+            from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
+
+            graphs = PrefillGraphs(model, eng.autocast_dtype, max_tokens=max(t for _, t in shapes), use_graphs=True)
+            print("\n| rows x tokens, prefill graphs | median ms | min ms |\n|---|---|---|")
+            for rows, tokens in shapes:
+                if not graphs.takes(tokens) or rows > graphs.max_rows:
+                    continue
+                batch = [[(7 * i + r) % 200 + 1 for i in range(tokens)] for r in range(rows)]
+                for _ in range(3):
+                    graphs.run(batch)
+                sync(device)
+                times = []
+                for _ in range(8):
+                    t = time.perf_counter()
+                    graphs.run(batch)
+                    sync(device)
+                    times.append(1e3 * (time.perf_counter() - t))
+                print(f"| {rows} x {tokens} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+            print(f"captures {graphs.captures}, failed {sorted(graphs.failed)}")
         if not args.profile:
             return
         from torch.profiler import ProfilerActivity, profile
