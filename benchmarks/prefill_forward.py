@@ -26,6 +26,20 @@ from engine import build, sync  # noqa: E402
 SYNCS = ("Synchronize", "MemcpyAsync", "_local_scalar", "nonzero", "bincount")
 
 
+def timed_row(label: str, fn, device: torch.device) -> None:
+    """A table row: median and min ms of 8 calls of `fn` after 3 warm-ups, each to the device's sync."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(8):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t))
+    print(f"| {label} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="k3-tiny")
@@ -53,16 +67,7 @@ def main() -> None:
     print("| rows x tokens | median ms | min ms |\n|---|---|---|")
     with torch.no_grad(), autocast:
         for rows, tokens in shapes:
-            for _ in range(3):
-                forward(rows, tokens)
-            sync(device)
-            times = []
-            for _ in range(8):
-                t = time.perf_counter()
-                forward(rows, tokens)
-                sync(device)
-                times.append(1e3 * (time.perf_counter() - t))
-            print(f"| {rows} x {tokens} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+            timed_row(f"{rows} x {tokens}", lambda r=rows, t=tokens: forward(r, t), device)
         if args.graphs:
             from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
 
@@ -72,16 +77,7 @@ def main() -> None:
                 if not graphs.takes(tokens) or rows > graphs.max_rows:
                     continue
                 batch = [[(7 * i + r) % 200 + 1 for i in range(tokens)] for r in range(rows)]
-                for _ in range(3):
-                    graphs.run(batch)
-                sync(device)
-                times = []
-                for _ in range(8):
-                    t = time.perf_counter()
-                    graphs.run(batch)
-                    sync(device)
-                    times.append(1e3 * (time.perf_counter() - t))
-                print(f"| {rows} x {tokens} | {statistics.median(times):.1f} | {min(times):.1f} |", flush=True)
+                timed_row(f"{rows} x {tokens}", lambda b=batch: graphs.run(b), device)
             print(f"captures {graphs.captures}, failed {sorted(graphs.failed)}")
         if not args.profile:
             return

@@ -167,10 +167,11 @@ class AdmitAndPrefill:
     def _graph_first_chunk(self, seq: Seq) -> bool:
         """A fresh prompt whose first chunk prefill_graphs takes: no images, nothing cached or shared, and
         short enough that one bucketed chunk and decode_append cover it."""
-        return (self._prefill_graphs is not None and seq.computed == 0 and not seq.images and seq.split_at <= 0
-                and (seq.cache is None or seq.cache.host_lengths == [0])
-                and self._prefill_graphs.takes(bucket(len(seq.prompt), self.prefill_chunk))
-                and len(seq.prompt) - bucket(len(seq.prompt), self.prefill_chunk) <= self.decode_append)
+        if self._prefill_graphs is None or seq.computed or seq.images or seq.split_at > 0:
+            return False
+        T = bucket(len(seq.prompt), self.prefill_chunk)
+        return ((seq.cache is None or seq.cache.host_lengths == [0]) and self._prefill_graphs.takes(T)
+                and len(seq.prompt) - T <= self.decode_append)
 
     def _feed_rest(self, seq: Seq) -> None:
         """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt
