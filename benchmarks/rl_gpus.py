@@ -94,7 +94,8 @@ def run(layout: str, args, root: Path) -> dict:
                      or k in ("learner/idle_fraction", "throughput/episodes_per_s", "loss_tokens",
                               "engine/graph_captures", "engine/capture_s", "engine/decode_s", "engine/prefill_s",
                               "engine/prefill_forwards", "engine/prefill_tokens", "engine/fed_prompt_tokens",
-                              "engine/prefill_graph_runs", "engine/prefill_graph_captures")}
+                              "engine/prefill_graph_runs", "engine/prefill_graph_captures",
+                              "engine/prefill_graph_cached_runs")}
                     for m in summary["history"]],
     }
     synced = [m for m in h if "weight_sync/broadcast_gbps" in m]

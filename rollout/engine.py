@@ -118,10 +118,11 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                      fused kernels a step (k3-small on an H200 at batch 64: 3.93 -> 3.11 ms a step, BENCHMARKS.md).
                      Off by default: each new shape's first step compiles (about a minute on a GPU the first
                      time, longer on a CPU)
-    prefill_graphs   a fresh prompt's first chunk, cut to a multiple of 64 tokens (the rest fed by decode
-                     steps), prefills through a CUDA graph per (row rung, tokens) (engine_prefill_graphs.py;
-                     needs decode_append >= 63). Off by default until it is measured on a GPU. On the CPU
-                     (or with enforce_eager) the same bucketing runs eagerly
+    prefill_graphs   prefill chunks without images, cut to a multiple of 64 tokens (a prompt's last < 64
+                     fed by decode steps), run through CUDA graphs per (row rung, tokens[, context rung]):
+                     a fresh prompt's first chunk, and a chunk after a cached prefix (a conversation's
+                     next turn) (engine_prefill_graphs.py; needs decode_append >= 63). Off by default until
+                     it is measured on a GPU. On the CPU (or with enforce_eager) the same bucketing runs eagerly
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -189,7 +190,8 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         if prefill_graphs and self.decode_append < ALIGN - 1:
             raise ValueError(f"prefill_graphs feeds up to {ALIGN - 1} prompt tokens by decode steps: it needs "
                              f"decode_append >= {ALIGN - 1}, got {self.decode_append}")
-        self._prefill_graphs = (PrefillGraphs(model, autocast_dtype, prefill_chunk, use_graphs=not enforce_eager)
+        self._prefill_graphs = (PrefillGraphs(model, autocast_dtype, prefill_chunk, use_graphs=not enforce_eager,
+                                              max_context=self.max_model_len)
                                 if prefill_graphs else None)
         share_prefix = (64 if self.device.type == "cuda" else 0) if share_prefix is None else share_prefix
         self._prefix = PrefixCache(prefix_cache_size, share_prefix, self.config.media_placeholder_token_id)
@@ -290,6 +292,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         return {**{k: float(v) for k, v in self.stats.items()}, "graph_captures": float(r.captures),
                 "capture_s": r.capture_s, "graphs": float(len(r.graphs)),
                 **({"prefill_graph_runs": float(g.runs), "prefill_graph_captures": float(g.captures),
+                    "prefill_graph_cached_runs": float(g.cached_runs),
                     "prefill_graph_replays": float(g.replays)} if g is not None else {})}
 
     def close(self) -> None:

@@ -67,7 +67,7 @@ class AdmitAndPrefill:
                 continue
             if entry is not None:
                 seq.cache = entry.cache.clone()
-            if self._prefix.share_prefix and not self._graph_first_chunk(seq) and any(p.split_at > p.computed and p.state_version == self._version
+            if self._prefix.share_prefix and not self._graph_chunk(seq) and any(p.split_at > p.computed and p.state_version == self._version
                                                  and p.split_at - seq.computed >= self._prefix.share_prefix
                                                  and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self._prefilling):
                 self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
@@ -75,9 +75,9 @@ class AdmitAndPrefill:
                 deferred.append(seq)
                 active -= 1
                 continue
-            # a fresh prompt that a prefill graph takes is prefilled whole: a captured forward costs its
+            # a prompt that a prefill graph takes is prefilled whole: a captured forward costs its
             # kernels, so sharing a prefix (an eager forward for it, another for the rest) saves nothing
-            seq.split_at = 0 if self._graph_first_chunk(seq) else \
+            seq.split_at = 0 if self._graph_chunk(seq) else \
                 self._prefix.split_point(seq.prompt, bool(seq.images), seq.computed)
             if seq.cache is None:
                 seq.cache = self.model.new_cache(1, self.autocast_dtype)  # under autocast, activations are in its dtype
@@ -127,10 +127,9 @@ class AdmitAndPrefill:
         for seq in self._prefilling:
             room = seq.split_at - seq.computed if seq.split_at > seq.computed else self.prefill_chunk
             limits[seq.id] = min(self.prefill_chunk, room, len(seq.prompt) - seq.computed)
-        graphed = {s.id for s in self._prefilling if self._graph_first_chunk(s)}
-        for seq in self._prefilling:  # cut to a graph's bucket; the rest (< ALIGN tokens) is fed by decode steps
-            if seq.id in graphed:
-                limits[seq.id] = bucket(len(seq.prompt), self.prefill_chunk)
+        # cut to a graph's bucket; a prompt's last < ALIGN tokens are fed by decode steps
+        graphed = {s.id: T for s in self._prefilling if (T := self._graph_chunk(s))}
+        limits.update(graphed)
         if self.decode_append:
             plain = sorted((s for s in self._prefilling if s.image_cursor == len(s.images) and s.id not in graphed),
                            key=lambda s: limits[s.id])
@@ -148,11 +147,13 @@ class AdmitAndPrefill:
         groups: dict[tuple[int, bool], list[tuple[Seq, int, int, int]]] = {}
         for item in plan:
             seq, start, end, n_img = item
-            key = (-1 - len(groups), False) if n_img else (end - start, seq.id in graphed)
+            # a graph's rows: all fresh or all after a cached prefix, each of its bucket
+            kind = ("cached" if start else "fresh") if graphed.get(seq.id) == end - start else ""
+            key = (-1 - len(groups), "") if n_img else (end - start, kind)
             groups.setdefault(key, []).append(item)
-        for items in groups.values():
+        for (_, kind), items in groups.items():
             self.stats["prefill_forwards"] += 1
-            for (seq, start, end, n_img), logits in self._prefill_forward(items):
+            for (seq, start, end, n_img), logits in self._prefill_forward(items, kind):
                 seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
                 self.stats["prefill_tokens"] += end - start
                 if end == len(seq.prompt):
@@ -164,14 +165,19 @@ class AdmitAndPrefill:
                     self._feed_rest(seq)
         return ready
 
-    def _graph_first_chunk(self, seq: Seq) -> bool:
-        """A fresh prompt whose first chunk prefill_graphs takes: no images, nothing cached or shared, and
-        short enough that one bucketed chunk and decode_append cover it."""
-        if self._prefill_graphs is None or seq.computed or seq.images or seq.split_at > 0:
-            return False
-        T = bucket(len(seq.prompt), self.prefill_chunk)
-        return ((seq.cache is None or seq.cache.host_lengths == [0]) and self._prefill_graphs.takes(T)
-                and len(seq.prompt) - T <= self.decode_append)
+    def _graph_chunk(self, seq: Seq) -> int:
+        """The tokens of `seq`'s next chunk if prefill_graphs takes it, else 0: no images left to prefill,
+        the state so far in `seq.cache` (none or a cached prefix, nothing being shared), and a bucket that
+        leaves at most decode_append tokens or fills a whole chunk (another follows)."""
+        g = self._prefill_graphs
+        if g is None or seq.image_cursor < len(seq.images) or seq.split_at > seq.computed:
+            return 0
+        if (seq.cache.host_lengths if seq.cache is not None else [0]) != [seq.computed]:
+            return 0
+        rest = len(seq.prompt) - seq.computed
+        T = bucket(rest, self.prefill_chunk)
+        whole = T == bucket(self.prefill_chunk, self.prefill_chunk)
+        return T if g.takes(T, seq.computed) and (rest - T <= self.decode_append or whole) else 0
 
     def _feed_rest(self, seq: Seq) -> None:
         """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt
@@ -196,18 +202,19 @@ class AdmitAndPrefill:
         host = torch.tensor(rows)
         return remember_host_copy(host.to(self.device), host)
 
-    def _prefill_forward(self, items):
+    def _prefill_forward(self, items, kind: str = ""):
         """Forward the chunks in `items` (batched when there are several); yields (item, last logits).
+        `kind`: "fresh" or "cached" for the rows of a prefill graph (`_graph_chunk`), else "".
 
         A chunk whose forward fails fails its own request (and the group waiting on it) only."""
         graphs = self._prefill_graphs
-        if graphs is not None and all(start == 0 and self._graph_first_chunk(seq) for seq, start, *_ in items) \
-                and graphs.takes(items[0][2]):
+        if kind:
             done = []
             try:
                 for i in range(0, len(items), graphs.max_rows):
                     part = items[i : i + graphs.max_rows]
-                    logits, caches = graphs.run([seq.prompt[start:end] for seq, start, end, _ in part])
+                    logits, caches = graphs.run([seq.prompt[start:end] for seq, start, end, _ in part],
+                                                [seq.cache for seq, *_ in part] if kind == "cached" else None)
                     done += list(zip(part, caches, logits, strict=True))
             except Exception:  # noqa: BLE001 - the eager path below finds the request at fault, if any
                 done = None

@@ -223,3 +223,34 @@ def test_prefill_graphs_are_captured_and_agree_with_the_eager_prefill():
         assert same >= 4, (a.token_ids, b.token_ids)
         diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=False)]
     assert statistics.median(diffs) < 5e-2, diffs
+
+
+def test_a_next_turn_prefills_through_a_captured_cached_graph():
+    """Conversations' next turns (prompt + completion + 100+ new tokens) hit the prefix cache and prefill
+    their chunk through a captured graph over static state buffers (one per row rung and context rung):
+    captured without failing, replayed by later turns; the tokens are the eager-prefill engine's up to a
+    near tie of bf16 rounding. A second conversation set replays the same graphs with other states."""
+    model = _model()
+    kw = dict(background=False, prefix_cache_size=32)
+    eager, eng = EmbeddedEngine(model, **kw, prefill_graphs=False), EmbeddedEngine(model, **kw, prefill_graphs=True)
+    g = eng._prefill_graphs
+    diffs = []
+    for offset in (0, 1):
+        convs = {id(e): [_prompt(n, n + offset) for n in (70, 90, 130, 75)] for e in (eager, eng)}
+        for turn in range(3):
+            res = {id(e): _run(e, convs[id(e)], PARAMS) for e in (eager, eng)}
+            for a, b in zip(res[id(eager)], res[id(eng)], strict=True):
+                same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+                            len(a.token_ids))
+                assert same >= 4, (turn, a.token_ids, b.token_ids)
+                diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=False)]
+            tool = [_prompt(100 + 10 * c, 3 * turn + c) for c in range(4)]
+            # each engine continues its own conversations (the graphed one's may differ after a near tie)
+            for e in (eager, eng):
+                convs[id(e)] = [p + r.token_ids + t for p, r, t in zip(convs[id(e)], res[id(e)], tool, strict=True)]
+        if offset == 0:
+            runs, captured = g.runs, g.captures
+    assert g.cached_runs >= 2 and g.inputs and not g.failed
+    # every forward of the second set replays a graph; it captures only shapes the first did not reach
+    assert g.runs - runs > g.captures - captured and g.replays == g.runs
+    assert statistics.median(diffs) < 5e-2, diffs

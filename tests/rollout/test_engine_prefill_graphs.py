@@ -1,6 +1,6 @@
-"""The prefill graphs' path on the CPU (engine_prefill_graphs.py): bucketed first chunks, padding rows,
-the rest fed by decode steps, run eagerly over the same static buffers the CUDA graphs capture. Every
-request's tokens equal the plain engine's, its log-probs to float rounding."""
+"""The prefill graphs' path on the CPU (engine_prefill_graphs.py): bucketed chunks (fresh and after a
+cached prefix), padding rows, the rest fed by decode steps, run eagerly over the same static buffers the
+CUDA graphs capture. Every request's tokens equal the plain engine's, its log-probs to float rounding."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def test_graphed_prefill_gives_the_plain_engines_tokens():
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
     g = eng._prefill_graphs
     assert eng.decode_append == 64 and g.runs >= 1 and eng.metrics()["prefill_graph_runs"] == g.runs and g.captures == 0  # no graphs on the CPU: the same path eagerly
-    # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps
-    assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8
+    # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps; 600 went
+    # as a fresh chunk of 512 and a cached one of 64, its last 24 fed
+    assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8 + 24
+    assert eng.stats["prefill_tokens"] == 64 + 64 + 128 + 64 + 192 + 40 + 512 + 64 + 128  # 40: too short, eager
 
 
 def test_padding_rows_and_one_forward_per_bucket():
@@ -78,3 +80,64 @@ def test_padding_rows_and_one_forward_per_bucket():
 def test_prefill_graphs_need_decode_append_for_the_tails():
     with pytest.raises(ValueError, match="decode_append >= 63"):
         EmbeddedEngine(_model(), background=False, prefill_graphs=True, decode_append=16)
+
+
+def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
+    """Three rows after cached prefixes of different lengths (one graph: the latent buffers span the longest,
+    a padding row, lengths masked per row): each row's logits and new state equal the model's forward of
+    the chunk on its own cache, and the caches handed in are not written."""
+    model = _model()
+    g = PrefillGraphs(model, None, max_tokens=512, use_graphs=True)
+    prefixes = [[(3 * i + r) % 250 + 1 for i in range(n)] for r, n in enumerate((10, 70, 33))]
+    rows = [[(11 * i + r) % 250 + 1 for i in range(2 * ALIGN)] for r in range(3)]
+    with torch.no_grad():
+        caches = []
+        for p in prefixes:
+            caches.append(model.new_cache(1))
+            model(torch.tensor([p]), cache=caches[-1])
+        before = [c.clone() for c in caches]
+        logits, out = g.run(rows, caches)
+        for row, got, new, old, kept in zip(rows, logits, out, caches, before, strict=True):
+            ref_cache = old.clone()
+            ref = model(torch.tensor([row]), cache=ref_cache)[0, -1]
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            assert new.host_lengths == ref_cache.host_lengths == [old.host_lengths[0] + 2 * ALIGN]
+            assert new.lengths.tolist() == new.host_lengths
+            for i, e in ref_cache.kda.items():
+                torch.testing.assert_close(new.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(new.kda[i].conv, e.conv, rtol=1e-4, atol=1e-5)
+                assert torch.equal(old.kda[i].state, kept.kda[i].state)
+            for i, e in ref_cache.mla.items():
+                n = new.host_lengths[0]
+                torch.testing.assert_close(new.mla[i].latent, e.latent[:, :n], rtol=1e-4, atol=1e-5)
+                assert torch.equal(old.mla[i].latent, kept.mla[i].latent)
+    assert list(g.inputs) == [(4, 256)]  # rows 3 -> rung 4; 70 + 128 -> 256 positions
+    with pytest.raises(ValueError, match="one cache per row"):
+        g.run(rows, caches[:2])
+
+
+def test_a_conversations_next_turn_prefills_through_a_cached_graph():
+    """Multi-turn: each next turn's prompt extends the last one (prompt + completion + a tool's output of
+    100+ tokens), so the engine's prefix cache hands its state to a cached chunk. The tokens equal the
+    plain engine's turn for turn."""
+    model = _model()
+    kw = dict(background=False, max_model_len=1024, prefix_cache_size=16)
+    plain, graphed = EmbeddedEngine(model, **kw), EmbeddedEngine(model, **kw, prefill_graphs=True)
+    convs = [[(5 * i + c) % 250 + 1 for i in range(40 + 30 * c)] for c in range(3)]
+    outs = {id(plain): [list(c) for c in convs], id(graphed): [list(c) for c in convs]}
+    for turn in range(3):
+        params = [SamplingParams(temperature=0.9, max_tokens=5, seed=turn * 10 + c) for c in range(3)]
+        results = {}
+        for eng in (plain, graphed):
+            results[id(eng)] = _run(eng, outs[id(eng)], params)
+        for a, b in zip(results[id(plain)], results[id(graphed)], strict=True):
+            assert b.token_ids == a.token_ids
+            assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
+        tool = [[(7 * i + turn + c) % 250 + 1 for i in range(100 + 20 * c)] for c in range(3)]
+        for eng in (plain, graphed):
+            outs[id(eng)] = [p + r.token_ids + t for p, r, t in zip(outs[id(eng)], results[id(eng)], tool, strict=True)]
+    g = graphed._prefill_graphs
+    # turns 2 and 3 of each conversation: a prefix hit, then a cached chunk (tool outputs of 100-140 tokens
+    # plus the completion: one 64- or 128-token bucket each, the rest fed)
+    assert graphed.stats["prefix_hit_tokens"] > 0 and g.inputs and g.cached_runs >= 2
+    assert graphed.metrics()["prefill_graph_cached_runs"] == g.cached_runs
