@@ -118,11 +118,11 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                      fused kernels a step (k3-small on an H200 at batch 64: 3.93 -> 3.11 ms a step, BENCHMARKS.md).
                      Off by default: each new shape's first step compiles (about a minute on a GPU the first
                      time, longer on a CPU)
-    prefill_graphs   prefill chunks without images, cut to a multiple of 64 tokens (a prompt's last < 64
-                     fed by decode steps), run through CUDA graphs per (row rung, tokens[, context rung]):
+    prefill_graphs   prefill chunks without images, cut to a multiple of 16 tokens (a prompt's last < 16
+                     fed by decode steps), run through CUDA graphs per (row rung, tokens, context rung):
                      a fresh prompt's first chunk, and a chunk after a cached prefix (a conversation's
-                     next turn) (engine_prefill_graphs.py; needs decode_append >= 63). Off by default until
-                     it is measured on a GPU. On the CPU (or with enforce_eager) the same bucketing runs eagerly
+                     next turn) (engine_prefill_graphs.py). Off by default until it is measured on a GPU.
+                     On the CPU (or with enforce_eager) the same bucketing runs eagerly
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -190,6 +190,8 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         if prefill_graphs and self.decode_append < ALIGN - 1:
             raise ValueError(f"prefill_graphs feeds up to {ALIGN - 1} prompt tokens by decode steps: it needs "
                              f"decode_append >= {ALIGN - 1}, got {self.decode_append}")
+        # the prompt tokens fed by decode steps at most: with prefill graphs, what no graph's bucket covers
+        self._feed_max = ALIGN - 1 if prefill_graphs else self.decode_append
         self._prefill_graphs = (PrefillGraphs(model, autocast_dtype, prefill_chunk, use_graphs=not enforce_eager,
                                               max_context=self.max_model_len)
                                 if prefill_graphs else None)

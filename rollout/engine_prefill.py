@@ -56,7 +56,7 @@ class AdmitAndPrefill:
                     seq.cache, seq.logits = entry.cache, entry.logits.clone()
                     self._pending_ready.append(seq)
                     continue
-                if rest <= self.decode_append and seq.image_cursor == len(seq.images):
+                if rest <= self._feed_max and seq.image_cursor == len(seq.images):
                     self._feed(seq, entry.cache, seq.prompt[seq.computed:])  # the pool copies the cache
                     continue
             if not release:
@@ -161,14 +161,14 @@ class AdmitAndPrefill:
                     continue
                 if end == seq.split_at:  # the shared prefix: cached for the prompts that wait for it
                     self._remember(seq, seq.prompt[:end], seq.cache.clone(), logits)
-                if len(seq.prompt) - end <= self.decode_append and seq.image_cursor == len(seq.images):
+                if len(seq.prompt) - end <= self._feed_max and seq.image_cursor == len(seq.images):
                     self._feed_rest(seq)
         return ready
 
     def _graph_chunk(self, seq: Seq) -> int:
         """The tokens of `seq`'s next chunk if prefill_graphs takes it, else 0: no images left to prefill,
         the state so far in `seq.cache` (none or a cached prefix, nothing being shared), and a bucket that
-        leaves at most decode_append tokens or fills a whole chunk (another follows)."""
+        leaves fewer than ALIGN tokens (fed by decode steps) or fills a whole chunk (another follows)."""
         g = self._prefill_graphs
         if g is None or seq.image_cursor < len(seq.images) or seq.split_at > seq.computed:
             return 0
@@ -177,7 +177,7 @@ class AdmitAndPrefill:
         rest = len(seq.prompt) - seq.computed
         T = bucket(rest, self.prefill_chunk)
         whole = T == bucket(self.prefill_chunk, self.prefill_chunk)
-        return T if g.takes(T, seq.computed) and (rest - T <= self.decode_append or whole) else 0
+        return T if g.takes(T, seq.computed) and (rest - T <= self._feed_max or whole) else 0
 
     def _feed_rest(self, seq: Seq) -> None:
         """decode_append for a prefilling sequence (and the group waiting on it): the rest of the prompt

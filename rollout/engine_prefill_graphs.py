@@ -5,23 +5,26 @@ tokens), of which the GPU works ~5 ms: it is bound by its ~1,000 launches, and i
 the engine's time (BENCHMARKS.md, "the engines' counters"). Captured, a forward costs its kernels.
 
 Shapes are made few. A chunk of a prompt without images, with `rest` tokens left to prefill, goes
-here when its T = ALIGN * floor(min(rest, prefill_chunk) / ALIGN) tokens leave at most `decode_append`
-(fed by decode steps) or fill a whole chunk (another chunk follows). Chunks of one T batch into one
-forward, padded to a row rung R of ROW_RUNGS with rows of token 0 whose results are dropped (rows
-are independent sequences). Two kinds of graph, each captured on first use after an eager warm-up:
+here when its T = ALIGN * floor(min(rest, prefill_chunk) / ALIGN) tokens leave fewer than ALIGN (fed by
+decode steps) or fill a whole chunk (another chunk follows). Chunks of one T and kind batch into one
+forward, padded to a row rung R of ROW_RUNGS with rows of token 0 whose results are dropped (rows are
+independent sequences). Every forward runs over static state buffers of (R, S), S = the next power of
+two >= the longest row's cached tokens + T: the rows' states are copied in (one `cat` per KDA tensor,
+MLA latents row by row), and the forward writes its new states back into them:
 
-  fresh  (R, T)      a prompt's first chunk, nothing cached:
-                       cache  = model.new_cache(R)                          (zeros: fresh every replay)
-                       logits = decode_forward(model, ids[:R, :T], cache)   (the engine's sync-free layer path)
-  cached (R, T, S)   a chunk after a cached prefix of P_b tokens (a prefix-cache hit: the conversation's
-                     earlier turns; or the chunk before): the rows' states copied into static buffers of
-                     S = the next power of two >= max(P_b) + T latent positions, lengths P_b, then the same
-                     forward; the MLA attention masks each row past P_b + t, so one graph serves any P_b.
+  fresh  (R, T, S)   a prompt's first chunk: the KDA states zeroed, then
+                       logits = decode_forward(model, ids[:R, :T], cache over the buffers)
+                     (the engine's sync-free layer path; the MLA attention the naive form over the chunk)
+  cached (R, T, S)   a chunk after a cached prefix of P_b tokens (a prefix-cache hit: a conversation's
+                     earlier turns; or the chunk before): the same forward at lengths P_b, the MLA
+                     attention masked per row past P_b + t, so one graph serves any P_b.
 
-After a replay the graph's output buffers are copied out (`K3Cache.split` clones each row), since the
-next replay writes them again. A capture that fails leaves that shape eager (as DecodeRunner does).
-Without graphs (CPU, `enforce_eager`) the same path runs eagerly: the bucketing, padding, copying in
-and splitting are tested on the CPU; only the capture is the GPU's.
+Each (R, T, S, kind) is captured in a CUDA graph on first use, after an eager warm-up, and replayed;
+its only output of its own is the logits (the states live in the shared (R, S) buffers), so graphs
+cost little memory. After a replay the rows' states are copied out (`K3Cache.split` clones each row).
+A capture that fails leaves that shape eager (as DecodeRunner does). Without graphs (CPU,
+`enforce_eager`) the same path runs eagerly: the bucketing, padding, copying in and out are tested
+on the CPU; only the capture is the GPU's.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from k3rl.learner.model.mla import MLACacheEntry
 
 from .engine_decode import MIN_CONTEXT, decode_forward, end_failed_capture, rung
 
-ALIGN = 64
+ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)
 
 
@@ -58,10 +61,10 @@ class PrefillGraphs:
         self.model, self.autocast_dtype = model, autocast_dtype
         self.device = model.lm_head.weight.device
         self.max_rows, self.max_tokens = ROW_RUNGS[-1], max_tokens // ALIGN * ALIGN
-        self.max_context = max_context  # the engine's max_model_len: no graph's buffers past it
+        self.max_context = max_context  # the engine's max_model_len: no buffers past it
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.ids = torch.zeros(self.max_rows, max(self.max_tokens, ALIGN), dtype=torch.int64, device=self.device)
-        self.inputs: dict[tuple[int, int], K3Cache] = {}  # (R, S): the cached graphs' static input states
+        self.inputs: dict[tuple[int, int], K3Cache] = {}  # (R, S): the static states every forward runs over
         self.graphs: dict[tuple, tuple] = {}
         self.failed: set[tuple] = set()
         self.mempool = None
@@ -71,89 +74,97 @@ class PrefillGraphs:
     def takes(self, T: int, cached: int = 0) -> bool:
         """Whether a chunk of T tokens after `cached` ones goes here."""
         return (T >= ALIGN and T % ALIGN == 0 and T <= self.max_tokens
-                and (not cached or context_rung(cached + T) <= self.max_context))
+                and context_rung(cached + T) <= context_rung(self.max_context))
 
     def run(self, rows: list[list[int]], caches: list[K3Cache] | None = None):
         """Prefill chunks of T tokens each (T bucketed), fresh or after `caches` (batch-1 caches, read
         only): (logits [B, V] of each chunk's last token, one new K3Cache per row)."""
         B, T = len(rows), len(rows[0])
-        cached = [c.host_lengths[0] for c in caches] if caches is not None else []
-        if not self.takes(T, max(cached, default=0)) or B > self.max_rows or any(len(r) != T for r in rows) \
-                or (caches is not None and len(caches) != B):
+        cached = [c.host_lengths[0] for c in caches] if caches is not None else [0] * B
+        if not self.takes(T, max(cached)) or B > self.max_rows or any(len(r) != T for r in rows) \
+                or len(cached) != B:
             raise ValueError(f"PrefillGraphs: {B} rows of {T} tokens (rows of one length, a multiple of {ALIGN} "
                              f"up to {self.max_tokens}, at most {self.max_rows} rows, one cache per row if any, "
                              f"at most {self.max_context} positions)")
         R = rung(B, ROW_RUNGS)
+        key = (R, T, context_rung(max(cached) + T), caches is None)
         self.runs += 1
+        self.cached_runs += caches is not None
         self.ids[:B, :T].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         self.ids[B:R, :T].zero_()  # padding rows: token 0, results dropped
-        key = (R, T) if caches is None else (R, T, context_rung(max(cached) + T))
-        if caches is not None:
-            self.cached_runs += 1
-            self._load(key, caches, cached)
+        self._load(key, caches, cached)
         if not self.use_graphs or key in self.failed:
-            logits, cache = self._forward(key)
-        else:
-            if key not in self.graphs:
-                try:
-                    self.graphs[key] = self._capture(key)
-                    self.captures += 1
-                except RuntimeError as e:  # e.g. an op that syncs: this shape stays eager
-                    end_failed_capture(self._stream_before, self.mempool, self.device)
-                    self.failed.add(key)
-                    self.graphs.clear()  # their pool is abandoned with the failed capture's
-                    self.mempool = None
-                    warnings.warn(f"engine: CUDA graph capture of prefill shape {key} (rows, tokens[, context]) "
-                                  f"failed ({str(e).splitlines()[0][:300]}); prefilling that shape eagerly",
-                                  RuntimeWarning, stacklevel=2)
-                    if caches is not None:
-                        self._load(key, caches, cached)  # the warm-up ran over the inputs: load them again
-                    logits, cache = self._forward(key)
-                    return logits[:B].clone(), self._rows(cache, B, T, cached)
-            graph, (logits, cache) = self.graphs[key]
+            logits = self._forward(key)
+        elif key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(key)
+                self.captures += 1
+                self._load(key, caches, cached)  # the warm-up wrote the buffers: load them again
+            except RuntimeError as e:  # e.g. an op that syncs: this shape stays eager
+                end_failed_capture(self._stream_before, self.mempool, self.device)
+                self.failed.add(key)
+                self.graphs.clear()  # their pool is abandoned with the failed capture's
+                self.mempool = None
+                warnings.warn(f"engine: CUDA graph capture of prefill shape {key} (rows, tokens, context, fresh) "
+                              f"failed ({str(e).splitlines()[0][:300]}); prefilling that shape eagerly",
+                              RuntimeWarning, stacklevel=2)
+                self._load(key, caches, cached)  # the warm-up wrote the buffers: load them again
+                logits = self._forward(key)
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
             graph.replay()
             self.replays += 1
-        return logits[:B].clone(), self._rows(cache, B, T, cached)
+        return logits[:B].clone(), self._rows(key, B, cached)
 
-    def _load(self, key: tuple, caches: list[K3Cache], cached: list[int]) -> None:
-        """Copy the rows' states into the static inputs of (R, S): KDA states and conv windows one `cat` per
-        tensor, MLA latents row by row (their lengths differ), lengths P_b (0 for padding rows)."""
-        R, _, S = key
-        B = len(caches)
+    def _load(self, key: tuple, caches: list[K3Cache] | None, cached: list[int]) -> None:
+        """The rows' states into the (R, S) buffers: KDA states and conv windows one `cat` per tensor, MLA
+        latents row by row (their lengths differ), lengths P_b (0 for padding rows). A fresh chunk's
+        states are zeroed by its forward."""
+        R, _, S, _ = key
         if (R, S) not in self.inputs:
-            self.inputs[(R, S)] = self._static_inputs(R, S)
+            template = self.model.new_cache(R, self.autocast_dtype)
+            mla = {i: MLACacheEntry(e.latent.new_zeros(R, S, e.latent.shape[-1])) for i, e in template.mla.items()}
+            self.inputs[(R, S)] = K3Cache(template.kda, mla, template.lengths, [0] * R)
         inp = self.inputs[(R, S)]
-        for i, e in inp.kda.items():
-            torch.cat([c.kda[i].state for c in caches], out=e.state[:B])
-            torch.cat([c.kda[i].conv for c in caches], out=e.conv[:B])
-        for i, e in inp.mla.items():
-            for b, (c, n) in enumerate(zip(caches, cached, strict=True)):
-                e.latent[b, :n].copy_(c.mla[i].latent[0, :n])
-        inp.lengths.copy_(torch.tensor(cached + [0] * (R - B), dtype=torch.int64), non_blocking=True)
+        if caches is not None:
+            B = len(caches)
+            for i, e in inp.kda.items():
+                torch.cat([c.kda[i].state for c in caches], out=e.state[:B])
+                torch.cat([c.kda[i].conv for c in caches], out=e.conv[:B])
+            for i, e in inp.mla.items():
+                for b, (c, n) in enumerate(zip(caches, cached, strict=True)):
+                    e.latent[b, :n].copy_(c.mla[i].latent[0, :n])
+        inp.lengths.copy_(torch.tensor(cached + [0] * (R - len(cached)), dtype=torch.int64), non_blocking=True)
 
-    def _static_inputs(self, R: int, S: int) -> K3Cache:
-        template = self.model.new_cache(R, self.autocast_dtype)
-        mla = {i: MLACacheEntry(e.latent.new_zeros(R, S, e.latent.shape[-1])) for i, e in template.mla.items()}
-        return K3Cache(template.kda, mla, template.lengths, [0] * R)
-
-    def _rows(self, cache: K3Cache, B: int, T: int, cached: list[int]) -> list[K3Cache]:
-        """Each real row's state as its own batch-1 cache (copies: the graph writes its outputs again)."""
-        head = K3Cache({i: KDACacheEntry(e.state[:B], e.conv[:B]) for i, e in cache.kda.items()},
-                       {i: MLACacheEntry(e.latent[:B]) for i, e in cache.mla.items()},
-                       cache.lengths[:B] + T, [n + T for n in cached] if cached else [T] * B)
+    def _rows(self, key: tuple, B: int, cached: list[int]) -> list[K3Cache]:
+        """Each real row's state as its own batch-1 cache (copies: the next forward writes the buffers)."""
+        R, T, S, _ = key
+        inp = self.inputs[(R, S)]
+        head = K3Cache({i: KDACacheEntry(e.state[:B], e.conv[:B]) for i, e in inp.kda.items()},
+                       {i: MLACacheEntry(e.latent[:B]) for i, e in inp.mla.items()},
+                       inp.lengths[:B] + T, [n + T for n in cached])
         return head.split()
 
-    def _forward(self, key: tuple):
-        R, T = key[0], key[1]
-        if len(key) == 2:
-            cache = self.model.new_cache(R, self.autocast_dtype)
-        else:  # new entry objects over the static inputs: KDA puts its new state in the entry
-            inp, S = self.inputs[(R, key[2])], key[2]
-            cache = K3Cache({i: KDACacheEntry(e.state, e.conv) for i, e in inp.kda.items()},
-                            {i: MLACacheEntry(e.latent) for i, e in inp.mla.items()},
-                            inp.lengths, [S - T] * R)  # the bookkeeping sees S positions: one graph, any P_b
+    def _forward(self, key: tuple) -> torch.Tensor:
+        """The chunk's forward over the (R, S) buffers, its new states written back into them; the logits."""
+        R, T, S, fresh = key
+        inp = self.inputs[(R, S)]
+        if fresh:
+            for e in inp.kda.values():
+                e.state.zero_()
+                e.conv.zero_()
+        # new entry objects (KDA puts its new state in the entry); for a cached chunk the bookkeeping sees
+        # S positions, so one graph serves any P_b (the attention masks by the lengths on the device)
+        cache = K3Cache({i: KDACacheEntry(e.state, e.conv) for i, e in inp.kda.items()},
+                        {i: MLACacheEntry(e.latent) for i, e in inp.mla.items()},
+                        inp.lengths, [0] * R if fresh else [S - T] * R)
         logits, _ = decode_forward(self.model, self.ids[:R, :T], cache)
-        return logits, cache
+        for i, e in cache.kda.items():
+            inp.kda[i].state.copy_(e.state)
+            inp.kda[i].conv.copy_(e.conv)
+        if any(e.latent.data_ptr() != inp.mla[i].latent.data_ptr() for i, e in cache.mla.items()):
+            raise RuntimeError("PrefillGraphs: the forward reallocated an MLA latent buffer")  # S covers it
+        return logits
 
     def _capture(self, key: tuple):
         self._stream_before = torch.cuda.current_stream()
@@ -166,5 +177,5 @@ class PrefillGraphs:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            outputs = self._forward(key)
-        return graph, outputs
+            logits = self._forward(key)
+        return graph, logits

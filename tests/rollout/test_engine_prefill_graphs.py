@@ -31,12 +31,12 @@ def _run(eng, prompts, params):
 
 
 def test_bucket_is_the_largest_multiple_of_align_in_the_chunk():
-    assert [bucket(n, 512) for n in (63, 64, 100, 128, 511, 700)] == [0, 64, 64, 128, 448, 512]
+    assert [bucket(n, 512) for n in (15, 63, 64, 100, 128, 511, 700)] == [0, 48, 64, 96, 128, 496, 512]
 
 
 def test_graphed_prefill_gives_the_plain_engines_tokens():
     model = _model()
-    lengths = (70, 75, 130, 64, 200, 40, 600, 128)  # 40: too short; 600: past the chunk and decode_append
+    lengths = (70, 75, 130, 64, 200, 40, 600, 128)  # 600: past the chunk
     prompts = [[(7 * i + 3 + n) % 250 + 1 for i in range(n)] for n in lengths]
     params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=1.0, max_tokens=7, seed=11),
               SamplingParams(temperature=0.8, top_p=0.8, top_k=30, max_tokens=5, seed=5),
@@ -51,10 +51,11 @@ def test_graphed_prefill_gives_the_plain_engines_tokens():
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
     g = eng._prefill_graphs
     assert eng.decode_append == 64 and g.runs >= 1 and eng.metrics()["prefill_graph_runs"] == g.runs and g.captures == 0  # no graphs on the CPU: the same path eagerly
-    # the graphed prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192) were fed by decode steps; 600 went
-    # as a fresh chunk of 512 and a cached one of 64, its last 24 fed
-    assert eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8 + 24
-    assert eng.stats["prefill_tokens"] == 64 + 64 + 128 + 64 + 192 + 40 + 512 + 64 + 128  # 40: too short, eager
+    # buckets of 16: the prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192, 40 - 32) were fed by decode
+    # steps; 600 went as a fresh chunk of 512 and a cached one of 80, its last 8 fed
+    assert ALIGN == 16 and eng.stats["fed_prompt_tokens"] == 6 + 11 + 2 + 8 + 8 + 8
+    assert eng.stats["prefill_tokens"] == 64 + 64 + 128 + 64 + 192 + 32 + 512 + 80 + 128
+    assert g.cached_runs == 1
 
 
 def test_padding_rows_and_one_forward_per_bucket():
@@ -73,13 +74,13 @@ def test_padding_rows_and_one_forward_per_bucket():
             for i, e in ref_cache.kda.items():
                 torch.testing.assert_close(cache.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
     assert g.runs == 1 and logits.shape[0] == 3
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="multiple of 16"):
         g.run([[1] * 65])
 
 
 def test_prefill_graphs_need_decode_append_for_the_tails():
-    with pytest.raises(ValueError, match="decode_append >= 63"):
-        EmbeddedEngine(_model(), background=False, prefill_graphs=True, decode_append=16)
+    with pytest.raises(ValueError, match="decode_append >= 15"):
+        EmbeddedEngine(_model(), background=False, prefill_graphs=True, decode_append=8)
 
 
 def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
@@ -89,7 +90,7 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
     model = _model()
     g = PrefillGraphs(model, None, max_tokens=512, use_graphs=True)
     prefixes = [[(3 * i + r) % 250 + 1 for i in range(n)] for r, n in enumerate((10, 70, 33))]
-    rows = [[(11 * i + r) % 250 + 1 for i in range(2 * ALIGN)] for r in range(3)]
+    rows = [[(11 * i + r) % 250 + 1 for i in range(128)] for r in range(3)]
     with torch.no_grad():
         caches = []
         for p in prefixes:
@@ -101,7 +102,7 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
             ref_cache = old.clone()
             ref = model(torch.tensor([row]), cache=ref_cache)[0, -1]
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-            assert new.host_lengths == ref_cache.host_lengths == [old.host_lengths[0] + 2 * ALIGN]
+            assert new.host_lengths == ref_cache.host_lengths == [old.host_lengths[0] + 128]
             assert new.lengths.tolist() == new.host_lengths
             for i, e in ref_cache.kda.items():
                 torch.testing.assert_close(new.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
@@ -112,6 +113,16 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
                 torch.testing.assert_close(new.mla[i].latent, e.latent[:, :n], rtol=1e-4, atol=1e-5)
                 assert torch.equal(old.mla[i].latent, kept.mla[i].latent)
     assert list(g.inputs) == [(4, 256)]  # rows 3 -> rung 4; 70 + 128 -> 256 positions
+    # a fresh chunk over the same buffers starts from zero states, not from what the cached rows left
+    fresh = [[(13 * i + r) % 250 + 1 for i in range(256)] for r in range(3)]
+    with torch.no_grad():
+        logits, out = g.run(fresh)
+        for row, got, new in zip(fresh, logits, out, strict=True):
+            ref_cache = model.new_cache(1)
+            torch.testing.assert_close(got, model(torch.tensor([row]), cache=ref_cache)[0, -1], rtol=1e-4, atol=1e-4)
+            for i, e in ref_cache.kda.items():
+                torch.testing.assert_close(new.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
+    assert list(g.inputs) == [(4, 256)]
     with pytest.raises(ValueError, match="one cache per row"):
         g.run(rows, caches[:2])
 
@@ -138,6 +149,6 @@ def test_a_conversations_next_turn_prefills_through_a_cached_graph():
             outs[id(eng)] = [p + r.token_ids + t for p, r, t in zip(outs[id(eng)], results[id(eng)], tool, strict=True)]
     g = graphed._prefill_graphs
     # turns 2 and 3 of each conversation: a prefix hit, then a cached chunk (tool outputs of 100-140 tokens
-    # plus the completion: one 64- or 128-token bucket each, the rest fed)
+    # plus the completion: one bucket of 16s each, the rest fed)
     assert graphed.stats["prefix_hit_tokens"] > 0 and g.inputs and g.cached_runs >= 2
     assert graphed.metrics()["prefill_graph_cached_runs"] == g.cached_runs
