@@ -181,7 +181,8 @@ class Job:
                           device="cuda" if r.gpus_per_inference_worker > 0 else "cpu",
                           engine_kwargs={"max_num_seqs": r.max_batch_sequences,
                                          **({"compile_decode": True} if r.compile_decode else {}),
-                                         **({"prefill_graphs": True} if r.prefill_graphs else {}),
+                                         **({"prefill_graphs": r.prefill_graphs}
+                                            if r.prefill_graphs is not None else {}),
                                          **({"prefill_wait_steps": r.prefill_wait_steps}
                                             if r.prefill_wait_steps is not None else {})})  # embedded only
         pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={

@@ -121,8 +121,9 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
     prefill_graphs   prefill chunks without images, cut to a multiple of 16 tokens (a prompt's last < 16
                      fed by decode steps), run through CUDA graphs per (row rung, tokens, context rung):
                      a fresh prompt's first chunk, and a chunk after a cached prefix (a conversation's
-                     next turn) (engine_prefill_graphs.py). Off by default until it is measured on a GPU.
-                     On the CPU (or with enforce_eager) the same bucketing runs eagerly
+                     next turn) (engine_prefill_graphs.py). Default: on for CUDA without enforce_eager (the RL
+                     job on an H200 1.28-1.35x the episodes/s, BENCHMARKS.md); off on the CPU, where set on the
+                     same bucketing runs eagerly
     autocast_dtype   run every forward under torch.autocast(autocast_dtype): an fp32 model then computes
                      as the learner does with learner.bf16 (fp32 weights and norms, bf16 products), the
                      mode that brings the engine's log-probs closest to the learner's (benchmarks/mismatch.py);
@@ -135,7 +136,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                  background: bool = True, name: str = "embedded", enforce_eager: bool = False,
                  autocast_dtype: torch.dtype | None = None, overlap: bool | None = None,
                  decode_append: int | None = None, share_prefix: int | None = None, compile_decode: bool = False,
-                 prefill_wait_steps: int | None = None, prefill_graphs: bool = False):
+                 prefill_wait_steps: int | None = None, prefill_graphs: bool | None = None):
         if max_prefill_tokens is None:  # a CUDA forward costs its launches (~100 ms eager) more than its tokens
             max_prefill_tokens = 8192 if str(model.lm_head.weight.device).startswith("cuda") else 2048
         if max_num_seqs < 1 or prefill_chunk < 1 or max_prefill_tokens < 1:
@@ -183,6 +184,8 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
                                     use_graphs=not enforce_eager, compile=compile_decode)
         self._pending_ready: list[Seq] = []  # admitted with the whole prompt cached: sample this step
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        if prefill_graphs is None:
+            prefill_graphs = self.device.type == "cuda" and not enforce_eager
         if decode_append is None:  # prefill graphs feed their prompts' tails by decode steps, on the CPU too
             decode_append = 64 if self.device.type == "cuda" or prefill_graphs else 0
         self.decode_append = decode_append

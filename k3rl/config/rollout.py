@@ -52,9 +52,10 @@ class RolloutSection(_Section):
     compile_decode: bool = Field(
         False, description="embedded engine: torch.compile each decode step's layers (fewer, fused kernels; "
                            "the first step of each new shape compiles, about a minute on a GPU)")
-    prefill_graphs: bool = Field(
-        False, description="embedded engine on CUDA: a fresh prompt's first chunk (a multiple of 64 tokens; the "
-                           "rest fed by decode steps) prefills through a CUDA graph (not yet measured on a GPU)")
+    prefill_graphs: bool | None = Field(
+        None, description="embedded engine: prefill chunks without images (multiples of 16 tokens; a prompt's last "
+                          "< 16 fed by decode steps) through CUDA graphs, fresh or after a cached prefix (default: "
+                          "on a GPU; false: every chunk an eager forward)")
     prefill_wait_steps: int | None = Field(
         None, ge=0, description="embedded engine: while it decodes, a request needing a prefill forward waits until "
                                 "the oldest such has waited this many steps, then they prefill together (one batched "

@@ -46,14 +46,14 @@ def test_graph_decode_equals_eager_decode_token_for_token():
     model = _model()
     prompts = [_prompt(n, n) for n in (5, 23, 11, 40)]  # 4 sequences: a batch rung, so eager runs the same shapes
     eager = _run(EmbeddedEngine(model, background=False, enforce_eager=True), prompts, PARAMS)
-    eng = EmbeddedEngine(model, background=False)
+    eng = EmbeddedEngine(model, background=False, prefill_graphs=False)  # the decode graphs alone
     graphed = _run(eng, prompts, PARAMS)
     assert eng._runner.graphs, "no decode step was captured"
     for a, b in zip(eager, graphed, strict=True):
         assert b.token_ids == a.token_ids
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
     # 3 sequences run padded to the rung of 4: the padding row changes nothing for the real ones
-    three = _run(EmbeddedEngine(model, background=False), prompts[:3], PARAMS[:3])
+    three = _run(EmbeddedEngine(model, background=False, prefill_graphs=False), prompts[:3], PARAMS[:3])
     assert [r.token_ids for r in three] == [r.token_ids for r in graphed[:3]]
 
 
@@ -117,10 +117,11 @@ def test_overlap_on_the_gpu_gives_the_serial_engines_results():
     assert serial[-1].cached_prompt_tokens > 0
 
 
-def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results():
-    """decode_append and share_prefix (on by default on CUDA) against an engine that prefills every
-    prompt token: a shared 80-token start, tails of 3-30 tokens, a second turn; an fp32 model, so the
-    chunk kernel and the decode kernel agree to float rounding."""
+@pytest.mark.parametrize("prefill_graphs", [False, True])
+def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results(prefill_graphs):
+    """decode_append and share_prefix, or the prefill graphs (each on by default on CUDA), against an
+    engine that prefills every prompt token eagerly: a shared 80-token start, tails of 3-30 tokens, a
+    second turn; an fp32 model, so the chunk kernel and the decode kernel agree to float rounding."""
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()
     with torch.no_grad():
@@ -134,9 +135,15 @@ def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results():
         turn2 = [p + r.token_ids + _prompt(9, 60) for p, r in zip(prompts, first, strict=True)]
         return first + _run(eng, turn2, PARAMS), eng.stats
 
-    ref, ref_stats = run(EmbeddedEngine(model, background=False, decode_append=0, share_prefix=0))
-    got, stats = run(EmbeddedEngine(model, background=False))
-    assert stats["fed_prompt_tokens"] > 0 and stats["prefill_forwards"] < ref_stats["prefill_forwards"]
+    ref, ref_stats = run(EmbeddedEngine(model, background=False, decode_append=0, share_prefix=0,
+                                        prefill_graphs=False))
+    eng = EmbeddedEngine(model, background=False, prefill_graphs=prefill_graphs)
+    got, stats = run(eng)
+    assert stats["fed_prompt_tokens"] > 0
+    if prefill_graphs:  # first turns fresh, second turns after their cached first turn: both graphed
+        assert eng._prefill_graphs.captures >= 2 and eng._prefill_graphs.cached_runs >= 1
+    else:
+        assert stats["prefill_forwards"] < ref_stats["prefill_forwards"]
     for a, b in zip(ref, got, strict=True):
         assert b.token_ids == a.token_ids
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
@@ -185,7 +192,7 @@ def test_compiled_decode_runs_in_graphs_and_stays_close_to_the_eager_engine():
     model = _model()
     prompts = [_prompt(n, n) for n in (5, 23, 11, 40)]
     eager = _run(EmbeddedEngine(model, background=False, enforce_eager=True), prompts, PARAMS)
-    eng = EmbeddedEngine(model, background=False, compile_decode=True)
+    eng = EmbeddedEngine(model, background=False, compile_decode=True, prefill_graphs=False)
     compiled = _run(eng, prompts, PARAMS)
     assert eng._runner.graphs and not eng._runner.capture_failures
     assert eng._runner.layer_fn is not None and hasattr(eng._runner.layer_fn, "_torchdynamo_orig_callable")

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _generate(model, enforce_eager: bool, **kw) -> list[list[int]]:
     prompts = [[(7 * i + 3 + j) % 250 + 1 for i in range(200)] for j in range(3)]
-    with EmbeddedEngine(model, background=False, enforce_eager=enforce_eager, max_num_seqs=4, **kw) as eng:
+    with EmbeddedEngine(model, background=False, enforce_eager=enforce_eager, max_num_seqs=4, prefill_graphs=False,
+                        **kw) as eng:
         futures = [eng.submit(p, SamplingParams(temperature=0.0, max_tokens=120)) for p in prompts]
         while not all(f.done() for f in futures):
             eng.step()
