@@ -132,7 +132,7 @@ def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results(pref
 
     def run(eng):
         first = _run(eng, prompts, PARAMS)
-        turn2 = [p + r.token_ids + _prompt(9, 60) for p, r in zip(prompts, first, strict=True)]
+        turn2 = [p + r.token_ids + _prompt(40, 60) for p, r in zip(prompts, first, strict=True)]
         return first + _run(eng, turn2, PARAMS), eng.stats
 
     ref, ref_stats = run(EmbeddedEngine(model, background=False, decode_append=0, share_prefix=0,
