@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--profile", default="8x128", help="the shape profiled ('' for none)")
     ap.add_argument("--graphs", action="store_true",
                     help="also time the engine's prefill graphs (engine_prefill_graphs.py) at the shapes whose tokens "
-                         "are a multiple of 64: a replay and the copy of its caches (the first call captures)")
+                         "are a multiple of 16: a replay and the copy of its caches (the first call captures)")
     args = ap.parse_args()
     from k3rl.rollout.engine import EmbeddedEngine
 
