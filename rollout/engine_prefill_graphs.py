@@ -8,9 +8,11 @@ Shapes are made few. A chunk of a prompt without images, with `rest` tokens left
 here when its T = ALIGN * floor(min(rest, prefill_chunk) / ALIGN) tokens leave fewer than ALIGN (fed by
 decode steps) or fill a whole chunk (another chunk follows). Chunks of one T and kind batch into one
 forward, padded to a row rung R of ROW_RUNGS with rows of token 0 whose results are dropped (rows are
-independent sequences). Every forward runs over static state buffers of (R, S), S = the next power of
-two >= the longest row's cached tokens + T: the rows' states are copied in (one `cat` per KDA tensor,
-MLA latents row by row), and the forward writes its new states back into them:
+independent sequences). Every forward runs over static state buffers: the first R rows of one set of
+KDA states and conv windows (32 rows), and of MLA latents of S positions, S = the next power of two >=
+the longest row's cached tokens + T (one buffer per S, of at most ROW_POSITIONS rows x positions: a
+group too large for it runs in parts; a chunk past ROW_POSITIONS runs eagerly). The rows' states are
+copied in (one `cat` per KDA tensor, MLA latents row by row), and the forward writes its new states back:
 
   fresh  (R, T, S)   a prompt's first chunk: the KDA states zeroed, then
                        logits = decode_forward(model, ids[:R, :T], cache over the buffers)
@@ -20,8 +22,8 @@ MLA latents row by row), and the forward writes its new states back into them:
                      attention masked per row past P_b + t, so one graph serves any P_b.
 
 Each (R, T, S, kind) is captured in a CUDA graph on first use, after an eager warm-up, and replayed;
-its only output of its own is the logits (the states live in the shared (R, S) buffers), so graphs
-cost little memory. After a replay the rows' states are copied out (`K3Cache.split` clones each row).
+its only output of its own is the logits (the states live in the shared buffers), so graphs cost
+little memory. After a replay the rows' states are copied out (`K3Cache.split` clones each row).
 A capture that fails leaves that shape eager (as DecodeRunner does). Without graphs (CPU,
 `enforce_eager`) the same path runs eagerly: the bucketing, padding, copying in and out are tested
 on the CPU; only the capture is the GPU's.
@@ -41,6 +43,7 @@ from .engine_decode import MIN_CONTEXT, decode_forward, end_failed_capture, rung
 
 ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)
+ROW_POSITIONS = 1 << 15  # rows x latent positions of one S's buffers (k3-small: 4 MLA layers, 151 MB)
 
 
 def bucket(length: int, chunk: int) -> int:
@@ -64,7 +67,8 @@ class PrefillGraphs:
         self.max_context = max_context  # the engine's max_model_len: no buffers past it
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.ids = torch.zeros(self.max_rows, max(self.max_tokens, ALIGN), dtype=torch.int64, device=self.device)
-        self.inputs: dict[tuple[int, int], K3Cache] = {}  # (R, S): the static states every forward runs over
+        self.state: K3Cache | None = None  # KDA states, conv windows, lengths of max_rows rows (made on first use)
+        self.latents: dict[int, dict[int, torch.Tensor]] = {}  # S -> MLA layer -> [rows_at(S), S, C]
         self.graphs: dict[tuple, tuple] = {}
         self.failed: set[tuple] = set()
         self.mempool = None
@@ -73,8 +77,13 @@ class PrefillGraphs:
 
     def takes(self, T: int, cached: int = 0) -> bool:
         """Whether a chunk of T tokens after `cached` ones goes here."""
+        S = context_rung(cached + T)
         return (T >= ALIGN and T % ALIGN == 0 and T <= self.max_tokens
-                and context_rung(cached + T) <= context_rung(self.max_context))
+                and S <= context_rung(self.max_context) and S <= ROW_POSITIONS)
+
+    def rows_at(self, S: int) -> int:
+        """The most rows one forward over S latent positions takes (a row rung)."""
+        return max(r for r in ROW_RUNGS if r * S <= ROW_POSITIONS or r == 1)
 
     def run(self, rows: list[list[int]], caches: list[K3Cache] | None = None):
         """Prefill chunks of T tokens each (T bucketed), fresh or after `caches` (batch-1 caches, read
@@ -86,8 +95,14 @@ class PrefillGraphs:
             raise ValueError(f"PrefillGraphs: {B} rows of {T} tokens (rows of one length, a multiple of {ALIGN} "
                              f"up to {self.max_tokens}, at most {self.max_rows} rows, one cache per row if any, "
                              f"at most {self.max_context} positions)")
+        S = context_rung(max(cached) + T)
+        if B > self.rows_at(S):  # more rows than one S's buffers hold: in parts
+            n = self.rows_at(S)
+            parts = [self.run(rows[i : i + n], caches[i : i + n] if caches is not None else None)
+                     for i in range(0, B, n)]
+            return torch.cat([p[0] for p in parts]), [c for p in parts for c in p[1]]
         R = rung(B, ROW_RUNGS)
-        key = (R, T, context_rung(max(cached) + T), caches is None)
+        key = (R, T, S, caches is None)
         self.runs += 1
         self.cached_runs += caches is not None
         self.ids[:B, :T].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
@@ -116,16 +131,24 @@ class PrefillGraphs:
             self.replays += 1
         return logits[:B].clone(), self._rows(key, B, cached)
 
+    def _inputs(self, R: int, S: int) -> K3Cache:
+        """The static buffers of a forward of R rows over S positions: views of their first R rows (the same
+        addresses every time, as a graph needs)."""
+        if self.state is None:
+            self.state = self.model.new_cache(self.max_rows, self.autocast_dtype)
+        if S not in self.latents:
+            n = self.rows_at(S)
+            self.latents[S] = {i: e.latent.new_zeros(n, S, e.latent.shape[-1]) for i, e in self.state.mla.items()}
+        st = self.state
+        return K3Cache({i: KDACacheEntry(e.state[:R], e.conv[:R]) for i, e in st.kda.items()},
+                       {i: MLACacheEntry(lat[:R]) for i, lat in self.latents[S].items()}, st.lengths[:R], [0] * R)
+
     def _load(self, key: tuple, caches: list[K3Cache] | None, cached: list[int]) -> None:
-        """The rows' states into the (R, S) buffers: KDA states and conv windows one `cat` per tensor, MLA
-        latents row by row (their lengths differ), lengths P_b (0 for padding rows). A fresh chunk's
-        states are zeroed by its forward."""
+        """The rows' states into the buffers: KDA states and conv windows one `cat` per tensor, MLA latents
+        row by row (their lengths differ), lengths P_b (0 for padding rows). A fresh chunk's states are
+        zeroed by its forward."""
         R, _, S, _ = key
-        if (R, S) not in self.inputs:
-            template = self.model.new_cache(R, self.autocast_dtype)
-            mla = {i: MLACacheEntry(e.latent.new_zeros(R, S, e.latent.shape[-1])) for i, e in template.mla.items()}
-            self.inputs[(R, S)] = K3Cache(template.kda, mla, template.lengths, [0] * R)
-        inp = self.inputs[(R, S)]
+        inp = self._inputs(R, S)
         if caches is not None:
             B = len(caches)
             for i, e in inp.kda.items():
@@ -139,7 +162,7 @@ class PrefillGraphs:
     def _rows(self, key: tuple, B: int, cached: list[int]) -> list[K3Cache]:
         """Each real row's state as its own batch-1 cache (copies: the next forward writes the buffers)."""
         R, T, S, _ = key
-        inp = self.inputs[(R, S)]
+        inp = self._inputs(R, S)
         head = K3Cache({i: KDACacheEntry(e.state[:B], e.conv[:B]) for i, e in inp.kda.items()},
                        {i: MLACacheEntry(e.latent[:B]) for i, e in inp.mla.items()},
                        inp.lengths[:B] + T, [n + T for n in cached])
@@ -148,7 +171,7 @@ class PrefillGraphs:
     def _forward(self, key: tuple) -> torch.Tensor:
         """The chunk's forward over the (R, S) buffers, its new states written back into them; the logits."""
         R, T, S, fresh = key
-        inp = self.inputs[(R, S)]
+        inp = self._inputs(R, S)
         if fresh:
             for e in inp.kda.values():
                 e.state.zero_()

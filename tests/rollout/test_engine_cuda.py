@@ -264,7 +264,7 @@ def test_a_next_turn_prefills_through_a_captured_cached_graph():
         if offset == 0:
             runs, captured = g.runs, g.captures
     print("agreement graphed", same, "chunked", baseline, "first |dlogp|", [round(x, 4) for x in first])
-    assert g.cached_runs >= 2 and g.inputs and not g.failed
+    assert g.cached_runs >= 2 and g.latents and not g.failed
     # every forward of the second set replays a graph; it captures only shapes the first did not reach
     assert g.runs - runs > g.captures - captured and g.replays == g.runs
     assert statistics.median(same) >= statistics.median(baseline) - 4, (same, baseline)

@@ -112,7 +112,8 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
                 n = new.host_lengths[0]
                 torch.testing.assert_close(new.mla[i].latent, e.latent[:, :n], rtol=1e-4, atol=1e-5)
                 assert torch.equal(old.mla[i].latent, kept.mla[i].latent)
-    assert list(g.inputs) == [(4, 256)]  # rows 3 -> rung 4; 70 + 128 -> 256 positions
+    # rows 3 -> rung 4 of the 32-row KDA buffers; 70 + 128 -> one latent buffer of 256 positions, 32 rows
+    assert list(g.latents) == [256] and all(t.shape[:2] == (32, 256) for t in g.latents[256].values())
     # a fresh chunk over the same buffers starts from zero states, not from what the cached rows left
     fresh = [[(13 * i + r) % 250 + 1 for i in range(256)] for r in range(3)]
     with torch.no_grad():
@@ -122,9 +123,32 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
             torch.testing.assert_close(got, model(torch.tensor([row]), cache=ref_cache)[0, -1], rtol=1e-4, atol=1e-4)
             for i, e in ref_cache.kda.items():
                 torch.testing.assert_close(new.kda[i].state, e.state, rtol=1e-4, atol=1e-5)
-    assert list(g.inputs) == [(4, 256)]
+    assert list(g.latents) == [256]
     with pytest.raises(ValueError, match="one cache per row"):
         g.run(rows, caches[:2])
+
+
+def test_a_group_larger_than_one_context_buffer_runs_in_parts(monkeypatch):
+    """Latent buffers hold at most ROW_POSITIONS rows x positions: three rows at 256 positions with room for
+    512 run as parts of 2 and 1 (each row still its own forward's result); a chunk past it is not taken."""
+    from k3rl.rollout import engine_prefill_graphs
+
+    monkeypatch.setattr(engine_prefill_graphs, "ROW_POSITIONS", 512)
+    model = _model()
+    g = PrefillGraphs(model, None, max_tokens=512, use_graphs=True)
+    assert g.rows_at(256) == 2 and g.rows_at(512) == 1 and g.takes(256, 200) and not g.takes(256, 300)
+    rows = [[(11 * i + r) % 250 + 1 for i in range(128)] for r in range(3)]
+    with torch.no_grad():
+        caches = []
+        for n in (10, 70, 33):
+            caches.append(model.new_cache(1))
+            model(torch.tensor([[(3 * i + n) % 250 + 1 for i in range(n)]]), cache=caches[-1])
+        logits, out = g.run(rows, caches)
+        for row, got, new, old in zip(rows, logits, out, caches, strict=True):
+            ref_cache = old.clone()
+            torch.testing.assert_close(got, model(torch.tensor([row]), cache=ref_cache)[0, -1], rtol=1e-4, atol=1e-4)
+            assert new.host_lengths == ref_cache.host_lengths
+    assert g.runs == 2 and logits.shape[0] == 3 and all(t.shape[0] == 2 for t in g.latents[256].values())
 
 
 def test_a_conversations_next_turn_prefills_through_a_cached_graph():
@@ -150,5 +174,5 @@ def test_a_conversations_next_turn_prefills_through_a_cached_graph():
     g = graphed._prefill_graphs
     # turns 2 and 3 of each conversation: a prefix hit, then a cached chunk (tool outputs of 100-140 tokens
     # plus the completion: one bucket of 16s each, the rest fed)
-    assert graphed.stats["prefix_hit_tokens"] > 0 and g.inputs and g.cached_runs >= 2
+    assert graphed.stats["prefix_hit_tokens"] > 0 and g.latents and g.cached_runs >= 2
     assert graphed.metrics()["prefill_graph_cached_runs"] == g.cached_runs
