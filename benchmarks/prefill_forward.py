@@ -2,11 +2,15 @@
 
     python3 benchmarks/prefill_forward.py --preset k3-small --device cuda      # on the H200
     python3 benchmarks/prefill_forward.py                                      # k3-tiny on the CPU
+    python3 benchmarks/prefill_forward.py --preset k3-small --device cuda --graphs --cached 200   # next turns
 
 The embedded engine's prefill is the model's forward over a fresh cache (`rollout/engine_prefill.py`),
 eager. For each (rows, tokens) the median of 8 timed forwards after 3 warm-ups, then a torch.profiler
 table of one forward (host time by op, GPU time by kernel) and its host-device copies and syncs: when
 the host time is many times the GPU's, the forward is launch-bound and its size barely moves its time.
+`--graphs` times the engine's prefill graphs at the same shapes (a replay plus copying the rows' states out);
+`--cached N` makes every chunk follow a cached prefix of N tokens, as a conversation's next turn does (the
+eager forward then runs on the rows' stacked caches, the graphs copy them in).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="also time the engine's prefill graphs (engine_prefill_graphs.py) at the shapes whose tokens "
                          "are a multiple of 16: a replay and the copy of its caches (the first call captures)")
+    ap.add_argument("--cached", type=int, default=0, help="each chunk after a cached prefix of this many tokens")
     args = ap.parse_args()
+    from k3rl.learner.model import K3Cache
     from k3rl.rollout.engine import EmbeddedEngine
 
     device = torch.device(args.device)
@@ -58,12 +64,28 @@ def main() -> None:
     autocast = (torch.autocast(device.type, dtype=eng.autocast_dtype, cache_enabled=False)
                 if eng.autocast_dtype else contextlib.nullcontext())
 
+    prefixes: dict[int, list[K3Cache]] = {}
+
+    def prefix_caches(rows: int) -> list[K3Cache] | None:
+        """`rows` batch-1 caches after --cached tokens (made once; a forward reads them, never writes)."""
+        if not args.cached:
+            return None
+        if rows not in prefixes:
+            ids = torch.randint(1, 200, (rows, args.cached), device=device)
+            cache = model.new_cache(rows)
+            model(ids, cache=cache)
+            prefixes[rows] = cache.split()
+        return prefixes[rows]
+
     def forward(rows: int, tokens: int) -> torch.Tensor:
         ids = torch.randint(1, 200, (rows, tokens), device=device)
-        return model(ids, cache=model.new_cache(rows))[:, -1]
+        caches = prefix_caches(rows)
+        cache = K3Cache.stack([c.clone() for c in caches]) if caches else model.new_cache(rows)
+        return model(ids, cache=cache)[:, -1]
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    print(f"# prefill forward: {args.preset} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    print(f"# prefill forward: {args.preset} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+          + (f", each chunk after a cached prefix of {args.cached} tokens" if args.cached else ""))
     print("| rows x tokens | median ms | min ms |\n|---|---|---|")
     with torch.no_grad(), autocast:
         for rows, tokens in shapes:
@@ -72,12 +94,15 @@ def main() -> None:
             from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
 
             graphs = PrefillGraphs(model, eng.autocast_dtype, max_tokens=max(t for _, t in shapes), use_graphs=True)
+            with torch.no_grad():
+                for rows, _ in shapes:
+                    prefix_caches(rows)
             print("\n| rows x tokens, prefill graphs | median ms | min ms |\n|---|---|---|")
             for rows, tokens in shapes:
-                if not graphs.takes(tokens) or rows > graphs.max_rows:
+                if not graphs.takes(tokens, args.cached) or rows > graphs.max_rows:
                     continue
                 batch = [[(7 * i + r) % 200 + 1 for i in range(tokens)] for r in range(rows)]
-                timed_row(f"{rows} x {tokens}", lambda b=batch: graphs.run(b), device)
+                timed_row(f"{rows} x {tokens}", lambda b=batch, c=prefix_caches(rows): graphs.run(b, c), device)
             print(f"captures {graphs.captures}, failed {sorted(graphs.failed)}")
         if not args.profile:
             return
