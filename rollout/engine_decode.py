@@ -191,6 +191,14 @@ def rung(n: int, rungs) -> int:
     return next(r for r in rungs if r >= n)
 
 
+def context_rung(tokens: int) -> int:
+    """Latent positions a captured forward covers: the next power of two >= tokens (at least MIN_CONTEXT)."""
+    S = MIN_CONTEXT
+    while S < tokens:
+        S *= 2
+    return S
+
+
 class DecodeRunner:
     """Runs decode steps over the first rows of a StatePool, eagerly or through CUDA graphs.
 
@@ -220,11 +228,8 @@ class DecodeRunner:
         self.captures, self.capture_s = 0, 0.0  # graphs captured (warm-up step included in the seconds)
 
     def context_rung(self, longest: int) -> int:
-        """Positions the attention covers: the next power of two >= longest + 1 (at least MIN_CONTEXT)."""
-        S = MIN_CONTEXT
-        while S < longest + 1:
-            S *= 2
-        return min(S, self.pool.max_len)
+        """Positions the attention covers: room for the longest sequence's next token, at most max_len."""
+        return min(context_rung(longest + 1), self.pool.max_len)
 
     def step(self, n: int, tokens: list[int] | torch.Tensor, seeds: list[int], counters: list[int],
              params: list[tuple], filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:

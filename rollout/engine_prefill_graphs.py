@@ -39,7 +39,7 @@ from k3rl.learner.model import K3Cache
 from k3rl.learner.model.kda import KDACacheEntry
 from k3rl.learner.model.mla import MLACacheEntry
 
-from .engine_decode import MIN_CONTEXT, decode_forward, end_failed_capture, rung
+from .engine_decode import context_rung, decode_forward, end_failed_capture, rung
 
 ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)
@@ -49,14 +49,6 @@ ROW_POSITIONS = 1 << 15  # rows x latent positions of one S's buffers (k3-small:
 def bucket(length: int, chunk: int) -> int:
     """The tokens of a chunk here: the largest multiple of ALIGN <= min(length, chunk)."""
     return min(length, chunk) // ALIGN * ALIGN
-
-
-def context_rung(tokens: int) -> int:
-    """Latent positions of a cached chunk's graph: the next power of two >= tokens (at least MIN_CONTEXT)."""
-    S = MIN_CONTEXT
-    while S < tokens:
-        S *= 2
-    return S
 
 
 class PrefillGraphs:
@@ -131,9 +123,10 @@ class PrefillGraphs:
             self.replays += 1
         return logits[:B].clone(), self._rows(key, B, cached)
 
-    def _inputs(self, R: int, S: int) -> K3Cache:
+    def _inputs(self, R: int, S: int, host_lengths: list[int] | None = None) -> K3Cache:
         """The static buffers of a forward of R rows over S positions: views of their first R rows (the same
-        addresses every time, as a graph needs)."""
+        addresses every time, as a graph needs), in new entry objects (a KDA forward puts its new state in
+        its entry)."""
         if self.state is None:
             self.state = self.model.new_cache(self.max_rows, self.autocast_dtype)
         if S not in self.latents:
@@ -141,7 +134,8 @@ class PrefillGraphs:
             self.latents[S] = {i: e.latent.new_zeros(n, S, e.latent.shape[-1]) for i, e in self.state.mla.items()}
         st = self.state
         return K3Cache({i: KDACacheEntry(e.state[:R], e.conv[:R]) for i, e in st.kda.items()},
-                       {i: MLACacheEntry(lat[:R]) for i, lat in self.latents[S].items()}, st.lengths[:R], [0] * R)
+                       {i: MLACacheEntry(lat[:R]) for i, lat in self.latents[S].items()}, st.lengths[:R],
+                       host_lengths or [0] * R)
 
     def _load(self, key: tuple, caches: list[K3Cache] | None, cached: list[int]) -> None:
         """The rows' states into the buffers: KDA states and conv windows one `cat` per tensor, MLA latents
@@ -161,31 +155,28 @@ class PrefillGraphs:
 
     def _rows(self, key: tuple, B: int, cached: list[int]) -> list[K3Cache]:
         """Each real row's state as its own batch-1 cache (copies: the next forward writes the buffers)."""
-        R, T, S, _ = key
-        inp = self._inputs(R, S)
-        head = K3Cache({i: KDACacheEntry(e.state[:B], e.conv[:B]) for i, e in inp.kda.items()},
-                       {i: MLACacheEntry(e.latent[:B]) for i, e in inp.mla.items()},
-                       inp.lengths[:B] + T, [n + T for n in cached])
+        _, T, S, _ = key
+        head = self._inputs(B, S, [n + T for n in cached])
+        head.lengths = head.lengths + T
         return head.split()
 
     def _forward(self, key: tuple) -> torch.Tensor:
         """The chunk's forward over the (R, S) buffers, its new states written back into them; the logits."""
         R, T, S, fresh = key
-        inp = self._inputs(R, S)
+        # for a cached chunk the bookkeeping sees S positions, so one graph serves any P_b (the attention
+        # masks by the lengths on the device)
+        cache = self._inputs(R, S, None if fresh else [S - T] * R)
+        kda = {i: (e.state, e.conv) for i, e in cache.kda.items()}
+        latents = {i: e.latent for i, e in cache.mla.items()}
         if fresh:
-            for e in inp.kda.values():
-                e.state.zero_()
-                e.conv.zero_()
-        # new entry objects (KDA puts its new state in the entry); for a cached chunk the bookkeeping sees
-        # S positions, so one graph serves any P_b (the attention masks by the lengths on the device)
-        cache = K3Cache({i: KDACacheEntry(e.state, e.conv) for i, e in inp.kda.items()},
-                        {i: MLACacheEntry(e.latent) for i, e in inp.mla.items()},
-                        inp.lengths, [0] * R if fresh else [S - T] * R)
+            for state, conv in kda.values():
+                state.zero_()
+                conv.zero_()
         logits, _ = decode_forward(self.model, self.ids[:R, :T], cache)
-        for i, e in cache.kda.items():
-            inp.kda[i].state.copy_(e.state)
-            inp.kda[i].conv.copy_(e.conv)
-        if any(e.latent.data_ptr() != inp.mla[i].latent.data_ptr() for i, e in cache.mla.items()):
+        for i, (state, conv) in kda.items():
+            state.copy_(cache.kda[i].state)
+            conv.copy_(cache.kda[i].conv)
+        if any(e.latent is not latents[i] for i, e in cache.mla.items()):
             raise RuntimeError("PrefillGraphs: the forward reallocated an MLA latent buffer")  # S covers it
         return logits
 
