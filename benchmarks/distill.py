@@ -5,7 +5,7 @@
     python benchmarks/distill.py --rl-steps 2 --teacher-sft-steps 2 --student-sft-steps 2 --eval-tasks 4 \
         --out /tmp/distill-smoke                                   # a smoke run
 
-In one process, with the job's own parts (the demo's config, examples/demo.yaml: the episode loop,
+In one process, with the job's own parts (the demo's config, examples/demo_from_scratch.yaml: the episode loop,
 the embedded engine, the learner's Trainer, its weight export):
 
 1. a teacher: a k3-tiny trained on KeyLookup by SFT on oracle demonstrations (100 steps at 3e-3:
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -40,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if importlib.util.find_spec("k3rl") is None:  # a checkout without an install (not the device's installed layout)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3rl.config import JobConfig  # noqa: E402
 from k3rl.learner.model import build_model  # noqa: E402
@@ -51,7 +53,7 @@ from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
 from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode  # noqa: E402
 from k3rl.rollout.job_start import collect_demonstrations  # noqa: E402
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo.yaml")
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "demo_from_scratch.yaml")
 
 
 def sft(model, cfg: JobConfig, demos, steps: int, lr: float, seed: int) -> float:
@@ -207,10 +209,14 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=4)
     ap.add_argument("--eval-tasks", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], help="job config overrides on examples/demo.yaml")
+    ap.add_argument("--set", action="append", default=[], help="job config overrides on examples/demo_from_scratch.yaml")
     ap.add_argument("--baseline", help="a previous run's json with the same student, seed and RL settings: its "
                                        "'RL alone' rows are reused instead of running that arm again (the "
                                        "script is deterministic on one machine)")
+    ap.add_argument("--teacher-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="job config overrides for the teacher's arms only (e.g. learner.lr=2e-3: each arm at "
+                         "its own rate on the same episode budget)")
+    ap.add_argument("--device", default="cpu", help="where the models, engines and trainers run (cuda: a GPU)")
     ap.add_argument("--out", default="benchmarks/results/distill")
     args = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -223,10 +229,10 @@ def main() -> None:
     teacher_info = {"checkpoint": teacher_dir}
     if os.path.exists(os.path.join(teacher_dir, "config.json")):
         print(f"teacher: {teacher_dir}", flush=True)
-        teacher = build_model("k3-tiny", checkpoint=teacher_dir)
+        teacher = build_model("k3-tiny", checkpoint=teacher_dir, device=args.device)
     else:
         print(f"teacher: {args.teacher_sft_steps} SFT steps at {args.teacher_sft_lr}", flush=True)
-        teacher = build_model("k3-tiny", seed=args.seed + 1)
+        teacher = build_model("k3-tiny", seed=args.seed + 1, device=args.device)
         teacher_info["sft_nll"] = sft(teacher, cfg, demos, args.teacher_sft_steps, args.teacher_sft_lr, args.seed + 1)
         save_hf(teacher, teacher_dir)
     teacher_info.update(evaluate_model(teacher, cfg, args.eval_tasks))
@@ -234,11 +240,11 @@ def main() -> None:
 
     if args.student:
         print(f"student: {args.student}", flush=True)
-        student = build_model("k3-tiny", checkpoint=args.student)
+        student = build_model("k3-tiny", checkpoint=args.student, device=args.device)
         student_info = {"checkpoint": args.student}
     else:
         print(f"student: {args.student_sft_steps} SFT steps at {args.student_sft_lr}", flush=True)
-        student = build_model("k3-tiny", seed=args.seed)
+        student = build_model("k3-tiny", seed=args.seed, device=args.device)
     if args.student_wrong_key and not args.student:
         careless = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set,
                                          f"envs.train.0.kwargs.oracle_wrong_key={args.student_wrong_key}"])
@@ -253,11 +259,13 @@ def main() -> None:
     discounts = [float(g) for g in args.discount.split(",")]
     arms = {} if args.baseline else {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
     baseline = json.loads(Path(args.baseline).read_text())["arms"]["RL alone"] if args.baseline else None
+    teacher_cfg = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set, *args.teacher_set])
     for g in discounts:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         name += f", coef {args.coef:g}" if args.coef != 1 else ""
         name = name.replace("RL + teacher", "teacher alone") if args.env_coef == 0 else name
-        arms[name] = Arm(student, cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g, args.env_coef)
+        name += "".join(f", {o}" for o in args.teacher_set)
+        arms[name] = Arm(student, teacher_cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g, args.env_coef)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
         for arm in arms.values():
