@@ -1,6 +1,6 @@
 """Credit assignment on the demo's task, in one process: a recipe's RL steps and held-out evals.
 
-    python benchmarks/credit_probe.py NAME examples/demo.yaml [key.path=value ...]
+    python benchmarks/credit_probe.py NAME examples/demo_from_scratch.yaml [key.path=value ...]
     python benchmarks/credit_probe.py --plot OUT.png A.jsonl B.jsonl ...
     python benchmarks/credit_probe.py --table A.jsonl B.jsonl ...     # RL's own gain and evals, a line each
 

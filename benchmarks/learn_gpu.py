@@ -7,7 +7,7 @@ rollout.max_policy_lag (issue [11], item 6).
     python benchmarks/learn_gpu.py --cpu --out /tmp/learn-smoke        # smoke run: k3-tiny, CPU, 2 steps
     bash benchmarks/learn_gpu.sh 2>&1 | tee $OUT/log                   # on the device (wheels, layout, $OUT)
 
-Each job is `k3rl train examples/demo.yaml --set ...` in a process of its own (its own local Ray:
+Each job is `k3rl train examples/demo_from_scratch.yaml --set ...` in a process of its own (its own local Ray:
 the learner on 0.5 GPU, one embedded engine on 0.5 GPU, weights by CUDA IPC), both writing into
 one MLflow SQLite store under --out. The recipe is the demo's (KeyLookup with per-turn rewards,
 turn_grpo_no_std, an SFT warm start, held-out eval) at k3-small's size, with a warm start kept
@@ -40,14 +40,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "examples" / "demo.yaml"
+DEMO = ROOT / "examples" / "demo_from_scratch.yaml"
 EXPERIMENT = "k3rl-learn-gpu"
 START = time.monotonic()
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 # the KeyLookup task of training and eval (the demo's: 2 keys of abcd, 1-digit values)
 TASK = {"num_keys": "4", "value_digits": "2", "key_letters": "abcdefgh", "key_digit": "false"}
-# on top of examples/demo.yaml (temperature 0.7, per-turn credit and format penalty, token mean); lr 5e-5 is the
+# on top of examples/demo_from_scratch.yaml (temperature 0.7, per-turn credit and format penalty, token mean); lr 5e-5 is the
 # rate measured to learn on the H200 (benchmarks/results/learn_gpu/README.md: 2e-5's job hit an engine fault)
 RECIPE = [
     "learner.steps=30", "learner.sft_steps=20", "learner.sft_lr=1e-3", "learner.lr=5e-5",
@@ -98,7 +98,7 @@ def run_name(args, key: str, value: str) -> str:
 
 
 def train_command(overrides: list[str]) -> list[str]:
-    """`k3rl train examples/demo.yaml --set ...` (run from --out: the path is absolute)."""
+    """`k3rl train examples/demo_from_scratch.yaml --set ...` (run from --out: the path is absolute)."""
     return [sys.executable, "-m", "k3rl.cli", "train", str(DEMO), *(a for o in overrides for a in ("--set", o))]
 
 

@@ -5,7 +5,7 @@
     python benchmarks/mismatch.py --preset k3-small --device cuda --sft-steps 30    # one GPU, bf16
 
 The engine (`EmbeddedEngine`: chunked prefill, graph decode over the state pool, prefix cache
-across turns) plays real multi-turn KeyLookup episodes (examples/demo.yaml's env); every
+across turns) plays real multi-turn KeyLookup episodes (examples/demo_from_scratch.yaml's env); every
 sampled token comes back with its fp32 log-prob log mu. The learner then scores the same
 tokens with its own forward (packed sequences through the chunk kernels, fp32 master weights,
 under bf16 autocast for the bf16 modes, routing replay of the engine's experts as in the job):
@@ -296,7 +296,7 @@ def main() -> None:
     overrides = [f"model.preset={args.preset}", f"model.seed={args.seed}"]
     if args.max_tokens:
         overrides.append(f"rollout.sampling.max_tokens_per_turn={args.max_tokens}")
-    cfg = JobConfig.load(os.path.join(ROOT, "examples/demo.yaml"), overrides)
+    cfg = JobConfig.load(os.path.join(ROOT, "examples/demo_from_scratch.yaml"), overrides)
     torch.manual_seed(args.seed)
     model = build_model(args.preset, None, seed=args.seed, device=args.device, checkpoint=args.checkpoint)
     name = torch.cuda.get_device_name(0) if cuda else "CPU"

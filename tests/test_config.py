@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -220,3 +222,22 @@ def test_dynamic_sampling_settings():
     assert not JobConfig.load().rollout.dynamic_sampling  # off by default
     with pytest.raises(ConfigError, match="rollout.dynamic_sampling_max_refills: Input should be greater than or equal to 0"):
         JobConfig.load(None, ["rollout.dynamic_sampling_max_refills=-1"])
+
+
+def test_a_relative_checkpoint_in_a_config_file_is_read_beside_the_file(tmp_path, monkeypatch):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "ckpt").mkdir()
+    (tmp_path / "conf" / "job.yaml").write_text("model: {checkpoint: ckpt, tokenizer: byte}\n")
+    monkeypatch.chdir(tmp_path)  # a working directory without ckpt/
+    cfg = JobConfig.load(tmp_path / "conf" / "job.yaml")
+    assert cfg.model.checkpoint == str((tmp_path / "conf" / "ckpt").resolve())
+    assert cfg.model.tokenizer == "byte"  # not a path beside the file: unchanged
+    # a path that does not exist beside the file stays as written (the preflight names it), and a --set
+    # value is the caller's, relative to the working directory
+    (tmp_path / "conf" / "job.yaml").write_text("model: {checkpoint: elsewhere/ckpt}\n")
+    assert JobConfig.load(tmp_path / "conf" / "job.yaml").model.checkpoint == "elsewhere/ckpt"
+    (tmp_path / "conf" / "job.yaml").write_text("model: {checkpoint: ckpt}\n")
+    assert JobConfig.load(tmp_path / "conf" / "job.yaml", ["model.checkpoint=ckpt"]).model.checkpoint == "ckpt"
+    # the demo's stored warm start, from any working directory
+    demo = JobConfig.load(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml")
+    assert Path(demo.model.checkpoint, "config.json").is_file() and demo.learner.sft_steps == 0

@@ -11,7 +11,7 @@ from k3rl.metrics import eval_metrics, pass_at_k
 from k3rl.rollout.job_start import demonstration_spec
 from k3rl.rollout.scheduler import EVAL_SEED_BASE, episode_specs, eval_seed, heldout_groups
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo_from_scratch.yaml"
 
 
 def test_pass_at_k_is_the_share_of_k_subsets_holding_a_success():

@@ -16,7 +16,7 @@ from k3rl.guard import CollapseError, FormatGuard
 sys.path.insert(0, str(Path(__file__).resolve().parent / "learner"))
 from learner_helpers import make_trajectories  # noqa: E402
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo_from_scratch.yaml"
 
 
 def test_verdicts_baseline_patience_and_lr_scale():

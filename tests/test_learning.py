@@ -1,16 +1,17 @@
 """The demo's job learns, in two parts.
 
-1. The warm start (one seed): the demo's task and RL recipe with a shorter warm start (its first,
-   careful phase at 60 steps). The untrained k3-tiny policy (the job's step 0) emits no well-formed
-   message and earns 0 on KeyLookup; after the warm start and a few RL steps it calls the tool and
-   answers.
-2. RL's own gain (two seeds): the demo's RL from a stored warm start (`tests/data/keylookup_warm_start`:
-   `make demo` seed 3's policy after its SFT warm start, the job's KL reference saved with
-   checkpoints/step-000010, stored in bf16; held-out greedy success 0.69 on the test's 32 tasks), no SFT,
-   8 RL steps of 8 prompts x 8: the held-out success rises, greedy and sampled, on each seed.
-   (The demo's whole 30 steps: BENCHMARKS.md, "The demo".) After a change of k3-tiny's architecture the
-   job's preflight refuses the stored checkpoint by name; rebuild it from a `make demo` run with
-   `--set model.seed=3 --set learner.seed=3` (its checkpoints/step-000010/reference, cast to bf16).
+1. The warm start (one seed): examples/demo_from_scratch.yaml (the demo's task and RL recipe with its SFT in
+   front) with a shorter warm start (its first, careful phase at 60 steps). The untrained k3-tiny policy (the
+   job's step 0) emits no well-formed message and earns 0 on KeyLookup; after the warm start and a few RL
+   steps it calls the tool and answers.
+2. RL's own gain (two seeds): examples/demo.yaml, the demo's RL from its stored warm start
+   (`examples/keylookup_warm_start`: demo_from_scratch.yaml seed 3's policy after its SFT warm start, the
+   job's KL reference saved with checkpoints/step-000010, stored in bf16; held-out greedy success 0.69 on the
+   test's 32 tasks), 8 RL steps of 8 prompts x 8: the held-out success rises, greedy and sampled, on each
+   seed. (The demo's whole 30 steps on three seeds: BENCHMARKS.md, "The demo".) After a change of k3-tiny's
+   architecture the job's preflight refuses the stored checkpoint by name; rebuild it from a run of
+   `k3rl train examples/demo_from_scratch.yaml --set model.seed=3 --set learner.seed=3` (its
+   checkpoints/step-000010/reference, cast to bf16).
 """
 
 from pathlib import Path
@@ -19,8 +20,7 @@ import pytest
 
 from k3rl.config import JobConfig
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
-WARM_START = Path(__file__).resolve().parent / "data" / "keylookup_warm_start"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_short_job_learns_keylookup(tmp_path, seed):
 
     from k3rl.job import run_job
 
-    cfg = JobConfig.load(DEMO, [
+    cfg = JobConfig.load(EXAMPLES / "demo_from_scratch.yaml", [
         # the demo's warm start without its careless phase and at the RL batch's 16 demonstrations a
         # step (60 SFT steps; the demo's 130 x 32 would cost this test ~10 minutes a seed; 20 steps on
         # 128 oracle episodes left the policy weak enough that RL drifted to reward 0 on one CI run)
@@ -74,8 +74,7 @@ def test_rl_raises_held_out_success_from_a_stored_warm_start(tmp_path, seed):
 
     from k3rl.job import run_job
 
-    cfg = JobConfig.load(DEMO, [
-        f"model.checkpoint={WARM_START}", "learner.sft_steps=0", "learner.sft_phases=[]",
+    cfg = JobConfig.load(EXAMPLES / "demo.yaml", [
         "learner.eval_before_training=false", f"learner.seed={seed}", "learner.steps=8",
         "learner.checkpoint_every=0", "rollout.prompts_per_step=8", "rollout.group_size=8",
         # held-out eval before the first RL step and after the last: 32 tasks, greedy and one sample each

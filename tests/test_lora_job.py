@@ -31,7 +31,7 @@ def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_pat
             "learner.lora.targets=[attention,shared_experts,routed_experts,latent]",
             f"tracking.runs_dir={runs}", f"tracking.uri={uri}", "ray.num_cpus=4"]
     args = [a for s in sets for a in ("--set", s)]
-    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"  # KeyLookup, KL on: k3-tiny
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo_from_scratch.yaml"  # KeyLookup, KL on: k3-tiny
     r = subprocess.run([sys.executable, "-m", "k3rl.cli", "train", str(demo), *args], capture_output=True, text=True,
                        timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -198,6 +198,7 @@ class JobConfig(_Section):
                 raise ConfigError(f"{path} is not valid YAML: {e}") from None
             if not isinstance(data, dict):
                 raise ConfigError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
+            _paths_from_file(data, path.parent)
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data)
@@ -237,3 +238,16 @@ class JobConfig(_Section):
 
         walk("", self.to_dict())
         return out
+
+
+def _paths_from_file(data: dict[str, Any], folder: Path) -> None:
+    """A relative model.checkpoint / model.tokenizer written in a config file names a path beside the
+    file (examples/demo.yaml's `checkpoint: keylookup_warm_start`), so the job runs from any working
+    directory. Made absolute only where that path exists; --set values stay relative to the caller."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    for key in ("checkpoint", "tokenizer"):
+        value = model.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute() and (folder / value).exists():
+            model[key] = str((folder / value).resolve())
