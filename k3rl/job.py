@@ -216,8 +216,8 @@ class Job:
         return cls(cfg, run_dir, tracker, pool, learner, teachers, buffer, sched, step, ckpt is not None, guard)
 
     async def warm_start(self) -> None:
-        """A fresh run: the untrained policy's reward (the curve's step 0), then SFT on oracle demonstrations,
-        collected in a Ray task so the driver never holds their tokens."""
+        """A fresh run: the starting policy's reward (the curve's step 0: untrained, or model.checkpoint's), then
+        SFT on oracle demonstrations, collected in a Ray task so the driver never holds their tokens."""
         import ray
 
         from k3rl.rollout.job_start import collect_demonstration_sets
@@ -228,7 +228,7 @@ class Job:
         if cfg.learner.eval_before_training:
             m0 = rollout_metrics(await self.sched.evaluate(P, version=0), version=0)
             self.tracker.log_metrics(m0, step=0)
-            console.log(f"untrained policy: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
+            console.log(f"policy before training: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
         if cfg.learner.sft_steps > 0:
             demos = ray.remote(num_cpus=0)(collect_demonstration_sets).remote(cfg, self.run_dir.name,
                                                                               cfg.learner.sft_episodes)

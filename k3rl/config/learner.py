@@ -199,7 +199,7 @@ class LearnerSection(_Section):
                                                           "(rollout.prompts_per_step x group_size)")
     sft_phases: list[SftPhase] = Field(default_factory=list, description="later SFT steps on other "
                                        "demonstrations (SftPhase); [] = every step on envs.train's oracle")
-    eval_before_training: bool = Field(False, description="roll out the untrained policy once: the reward curve's step 0")
+    eval_before_training: bool = Field(False, description="roll out the starting policy (untrained, or model.checkpoint's) once: the reward curve's step 0")
     data_parallel: Literal["none", "fsdp"] = "none"
     world_size: int = Field(1, ge=1)
     expert_parallel: int = Field(
