@@ -216,6 +216,8 @@ def main() -> None:
     ap.add_argument("--teacher-set", action="append", default=[], metavar="KEY=VALUE",
                     help="job config overrides for the teacher's arms only (e.g. learner.lr=2e-3: each arm at "
                          "its own rate on the same episode budget)")
+    ap.add_argument("--only", choices=("rl", "teacher"), help="run one arm only (e.g. the two arms in two "
+                                                                 "processes side by side)")
     ap.add_argument("--device", default="cpu", help="where the models, engines and trainers run (cuda: a GPU)")
     ap.add_argument("--out", default="benchmarks/results/distill")
     args = ap.parse_args()
@@ -257,10 +259,11 @@ def main() -> None:
 
     # the two arms in lockstep, the results written after every step: a run cut short still compares them
     discounts = [float(g) for g in args.discount.split(",")]
-    arms = {} if args.baseline else {"RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
+    arms = {} if args.baseline or args.only == "teacher" else {
+        "RL alone": Arm(student, cfg, args.rl_steps, None, args.coef, args.clip, args.seed)}
     baseline = json.loads(Path(args.baseline).read_text())["arms"]["RL alone"] if args.baseline else None
     teacher_cfg = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set, *args.teacher_set])
-    for g in discounts:
+    for g in discounts if args.only != "rl" else []:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         name += f", coef {args.coef:g}" if args.coef != 1 else ""
         name = name.replace("RL + teacher", "teacher alone") if args.env_coef == 0 else name
