@@ -229,8 +229,8 @@ def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path):
                   "learner.eval_before_training=true")
     proc = _train(config, tmp_path)
     t = time.monotonic()
-    for line in proc.stdout:  # the untrained policy's evaluation is logged just before the SFT starts
-        if "untrained policy" in line:
+    for line in proc.stdout:  # the starting policy's evaluation is logged just before the SFT starts
+        if "policy before training" in line:
             break
         assert time.monotonic() - t < 300, "the job did not reach its warm start within 300 s"
     time.sleep(3)
