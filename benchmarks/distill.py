@@ -122,9 +122,9 @@ class Arm:
     its task stream (the same seeds in both arms) and the rows of its curve."""
 
     def __init__(self, student, cfg: JobConfig, steps: int, teacher_dir: str | None, coef: float, clip: float | None,
-                 seed: int, discount: float = 0.0, env_coef: float = 1.0):
+                 seed: int, discount: float = 0.0, env_coef: float = 1.0, estimator: str = "sampled"):
         teachers = ([{"checkpoint": teacher_dir, "preset": "k3-tiny", "coef": coef, "clip": clip, "discount": discount,
-                      "engines": 0}]
+                      "engines": 0, "estimator": estimator}]
                     if teacher_dir else [])
         learner = type(cfg.learner).model_validate({**cfg.learner.model_dump(), "steps": steps,
                                                     "distill": {"teachers": teachers, "env_coef": env_coef}})
@@ -150,6 +150,7 @@ class Arm:
         self.rows.append({"step": step + 1, "reward": m["reward_mean"],
                           "success": sum(success(t.reward) for t in batch) / len(batch),
                           "malformed": m["malformed_frac"], "advantage_abs_mean": m["advantage_abs_mean"],
+                          **({"distill_kl": m["distill_kl"]} if "distill_kl" in m else {}),
                           "failed": len(played) - len(batch), "seconds": time.perf_counter() - t0})
 
 
@@ -201,6 +202,9 @@ def main() -> None:
     ap.add_argument("--coef", type=float, default=1.0, help="the teacher's coef")
     ap.add_argument("--env-coef", type=float, default=1.0,
                     help="learner.distill.env_coef of the teacher's arm: 0 = pure on-policy distillation")
+    ap.add_argument("--estimator", choices=("sampled", "exact"), default="sampled",
+                    help="the teacher's estimator: sampled (the per-token advantage log T - log mu) or exact (the "
+                         "per-token reverse KL over the vocabulary, a loss term; no --clip, discount 0)")
     ap.add_argument("--clip", type=float, help="the teacher's clip R: log T - log mu clipped to [-R, R] (default none)")
     ap.add_argument("--discount", default="0",
                     help="the teacher's discount gamma: each token also carries gamma^k of the k-th sampled token's "
@@ -267,8 +271,10 @@ def main() -> None:
         name = "RL + teacher" if len(discounts) == 1 and not args.baseline else f"RL + teacher, discount {g:g}"
         name += f", coef {args.coef:g}" if args.coef != 1 else ""
         name = name.replace("RL + teacher", "teacher alone") if args.env_coef == 0 else name
+        name += ", exact KL" if args.estimator == "exact" else ""
         name += "".join(f", {o}" for o in args.teacher_set)
-        arms[name] = Arm(student, teacher_cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g, args.env_coef)
+        arms[name] = Arm(student, teacher_cfg, args.rl_steps, teacher_dir, args.coef, args.clip, args.seed, g, args.env_coef,
+                         args.estimator)
     start = {"step": 0, **{k: v for k, v in student_info.items() if k.startswith("eval")}}
     try:
         for arm in arms.values():

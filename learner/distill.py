@@ -51,8 +51,8 @@ from k3rl.types import Trajectory
 from .advantages import turn_returns
 from .data import build_micro_batches
 
-__all__ = ["TEACHER_LOGPROBS", "Teacher", "distill_advantages", "load_teacher", "load_teachers", "per_completion",
-           "returns_to_go", "score", "teacher_index"]
+__all__ = ["TEACHER_LOGPROBS", "Teacher", "distill_advantages", "exact_kl_weights", "exact_teachers", "load_teacher",
+           "load_teachers", "per_completion", "returns_to_go", "score", "teacher_hidden", "teacher_index"]
 
 TEACHER_LOGPROBS = "teacher_logprobs"  # metadata key: log T per completion token, attached by a teacher's engines
 
@@ -65,23 +65,24 @@ class Teacher:
     clip: float | None = None  # R: the log-ratio clipped to [-R, R]; None = not clipped
     name: str = ""  # its checkpoint, for errors
     discount: float = 0.0  # gamma: a token's advantage also sums gamma^k of the k-th sampled token after it
+    estimator: str = "sampled"  # "exact": the per-token reverse KL over the vocabulary, a loss term (module doc)
 
 
 def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *, envs: Sequence[str] = (),
-                 coef: float = 1.0, clip: float | None = None, discount: float = 0.0, device: str = "cpu",
-                 dtype: str = "float32") -> Teacher:
+                 coef: float = 1.0, clip: float | None = None, discount: float = 0.0, estimator: str = "sampled",
+                 device: str = "cpu", dtype: str = "float32") -> Teacher:
     """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
     from .model.factory import build_model
 
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
-    return Teacher(model, tuple(envs), coef, clip, name=checkpoint, discount=discount)
+    return Teacher(model, tuple(envs), coef, clip, name=checkpoint, discount=discount, estimator=estimator)
 
 
 def load_teachers(specs: Sequence, device: str = "cpu") -> list[Teacher]:
     """The learner's teachers from `learner.distill.teachers`: one with `engines: 0` is loaded here (on
     `device`); the others are served by engines of their own and come without a model."""
     return [load_teacher(s.checkpoint, s.preset, s.overrides, envs=s.envs, coef=s.coef, clip=s.clip,
-                         discount=s.discount, device=device)
+                         discount=s.discount, estimator=s.estimator, device=device)
             if s.engines == 0 else Teacher(None, tuple(s.envs), s.coef, s.clip, name=s.checkpoint, discount=s.discount)
             for s in specs]
 
@@ -176,13 +177,18 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
     token), times `env_coef` on the episodes a teacher scores, plus, on sampled tokens, coef * clip(log T -
     log mu) of the episode's teacher (its log T attached by the teacher's engines, or scored here at the
     policy `temperature`), summed over the tokens that follow with the teacher's `discount` (`returns_to_go`).
-    env_coef 0 is pure on-policy distillation: A_t = coef * sum_s gamma^(s-t) clip(log T - log mu)_s."""
+    env_coef 0 is pure on-policy distillation: A_t = coef * sum_s gamma^(s-t) clip(log T - log mu)_s. An
+    exact teacher adds nothing here (its KL is a loss term: `exact_kl_weights`); its episodes' env
+    advantage is still scaled by env_coef."""
     n, C = len(trajectories), max(len(t.completion_ids) for t in trajectories)
     env = torch.as_tensor(env_advantages, dtype=torch.float32)
     out = env[:, None].expand(n, C).clone() if env.dim() == 1 else env[:, :C].clone()
     for k, teacher in enumerate(teachers):
         mine = [i for i, t in enumerate(trajectories) if teacher_index(t.env_id, teachers) == k]
         if not mine:
+            continue
+        if teacher.estimator == "exact":  # its term is a loss of its own (`exact_kl_weights`), not an advantage
+            out[mine] *= env_coef
             continue
         scored = _teacher_logprobs(teacher, [trajectories[i] for i in mine], micro_batch_tokens, temperature)
         for i, log_t in zip(mine, scored, strict=True):
@@ -195,3 +201,33 @@ def distill_advantages(trajectories: list[Trajectory], env_advantages: torch.Ten
             out[i] *= env_coef
             out[i, :len(t.completion_ids)] += teacher.coef * returns_to_go(ratio, mask, teacher.discount)
     return out
+
+
+def exact_teachers(teachers: Sequence[Teacher]) -> list[int]:
+    """Indices of the teachers whose reverse KL is taken exactly over the vocabulary."""
+    return [k for k, t in enumerate(teachers) if t.estimator == "exact"]
+
+
+@torch.no_grad()
+def teacher_hidden(teacher: Teacher, mb) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the teacher's last hidden states over the micro-batch's tokens [1, T, d'], its lm_head weight): what
+    the student's forward takes as `distill_from` to form KL(pi || T) position by position."""
+    media = None
+    if mb.images:
+        from k3rl.images import from_png
+
+        media = teacher.model.as_media([from_png(b) for b in mb.images])
+    hidden = teacher.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_hidden=True)
+    return hidden, teacher.model.lm_head.weight
+
+
+def exact_kl_weights(trajectories: Sequence[Trajectory], teachers: Sequence[Teacher], seq_index: torch.Tensor,
+                     mask: torch.Tensor, agg_weights: torch.Tensor) -> list[torch.Tensor]:
+    """Per exact teacher, the weight of each position's KL(pi || T) in the micro-batch's loss [T]:
+    coef x the position's aggregation weight a_t (the policy loss's, so the KL is averaged as the
+    policy gradient is) where the position is a sampled token of an episode that teacher takes, else 0.
+    `seq_index` indexes `trajectories` (the micro-batch's minibatch)."""
+    owner = torch.tensor([-1 if (k := teacher_index(t.env_id, teachers)) is None else k for t in trajectories],
+                         device=seq_index.device)[seq_index]
+    a = agg_weights.float() * mask.float()
+    return [a * teachers[k].coef * (owner == k) for k in exact_teachers(teachers)]

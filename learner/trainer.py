@@ -46,7 +46,7 @@ from . import checkpoint as ckpt
 from . import export
 from .advantages import TURN_METHODS, step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
-from .distill import distill_advantages, load_teachers, per_completion
+from .distill import distill_advantages, exact_kl_weights, exact_teachers, load_teachers, per_completion, teacher_hidden
 from .distributed import all_reduce_max, all_reduce_sum, full_state_dict, rank_and_world
 from .losses import LossConfig, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
@@ -154,6 +154,10 @@ class Trainer:
         distill = getattr(config, "distill", None)
         self.teachers = load_teachers(distill.teachers if distill else [], device=str(self.device))
         self.env_coef = distill.env_coef if distill else 1.0  # 0: pure on-policy distillation
+        if exact_teachers(self.teachers) and self.context_parallel is not None:
+            raise ValueError("learner.distill.teachers: estimator 'exact' runs the teacher over whole micro-batches, "
+                             "which context parallelism splits across ranks; use estimator: sampled with "
+                             "learner.context_parallel, or train without context parallelism")
 
         self.step = 0  # RL optimizer steps done
         self.lr_scale = 1.0  # cut by the collapse guard's rollbacks (k3rl/guard.py)
@@ -240,14 +244,18 @@ class Trainer:
         return self.model.as_media([from_png(b) for b in mb.images])
 
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None,
-                          media=None, temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          media=None, temperature: float | None = None, distill_from=()):
         """(log p(target) [T], entropy [T]) in fp32 under softmax(logits / temperature) (default: the
-        policy's); the [T, V] logits are never materialised."""
+        policy's); the [T, V] logits are never materialised. With `distill_from` (teachers' hidden states
+        and heads), also KL(pi || teacher) per position, [n_teachers, T]."""
         with self._autocast():
-            logp, entropy = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
-                                  targets=mb.targets[None], context_parallel=self.context_parallel,
-                                  temperature=self.temperature if temperature is None else temperature)
-        return logp[0], entropy[0]
+            out = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
+                        targets=mb.targets[None], context_parallel=self.context_parallel,
+                        temperature=self.temperature if temperature is None else temperature,
+                        distill_from=distill_from)
+        if distill_from:
+            return out[0][0], out[1][0], out[2][:, 0]
+        return out[0][0], out[1][0]
 
     def _recording_logits(self):
         return self.max_logits.recording() if self.max_logits is not None else nullcontext()
@@ -290,13 +298,20 @@ class Trainer:
         return [[i for grp in order[m::n] for i in grp] for m in range(n)]
 
     @torch.no_grad()
-    def _prepare(self, mb: MicroBatch, old_policy: bool) -> dict:
+    def _prepare(self, mb: MicroBatch, old_policy: bool, batch: list[Trajectory] = ()) -> dict:
         """What every update of a micro-batch reuses: its images, replayed routes, the reference
-        policy's log-probs (KL) and, with several updates per batch, the old policy's log-probs
-        (recorded before the first update: the PPO ratio's denominator)."""
+        policy's log-probs (KL), with several updates per batch the old policy's log-probs
+        (recorded before the first update: the PPO ratio's denominator), and with exact-KL teachers
+        their hidden states and each position's weight in their KL term (`batch`: the trajectories
+        `mb.seq_index` indexes)."""
         media = self._media(mb)
         routes = self._replay_routes(mb, media)
-        prep = {"media": media, "routes": routes, "prox": None, "ref": None}
+        prep = {"media": media, "routes": routes, "prox": None, "ref": None, "distill": ()}
+        exact = exact_teachers(self.teachers)
+        if exact:
+            mb.ready()
+            weights = exact_kl_weights(batch, self.teachers, mb.seq_index, mb.mask, mb.agg_weights)
+            prep["distill"] = [(*teacher_hidden(self.teachers[k], mb), w) for k, w in zip(exact, weights, strict=True)]
         if old_policy:
             with self._qb_paused():
                 prep["prox"] = self._forward_logprobs(self.model, mb, routes, media)[0].detach()
@@ -307,8 +322,10 @@ class Trainer:
     def _rl_micro_batch(self, mb: MicroBatch, prep: dict, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; adds its statistics to `sums` and
         returns its largest importance ratio."""
+        distill = prep["distill"]
         with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
-            logp, entropy = self._forward_logprobs(self.model, mb, prep["routes"], prep["media"])
+            logp, entropy, *kl = self._forward_logprobs(self.model, mb, prep["routes"], prep["media"],
+                                                        distill_from=[(h, w) for h, w, _ in distill])
         mb.ready()  # the loss columns, converted on the host while the GPU runs the forward
         if self.loss_cfg.entropy_coef == 0:
             entropy = entropy.detach()  # logged only
@@ -316,6 +333,11 @@ class Trainer:
             logp, mb.behaviour_logp, mb.advantages, mb.mask, mb.agg_weights, mb.seq_index, self.loss_cfg,
             prox_logp=prep["prox"], ref_logp=prep["ref"], entropy=entropy,
         )  # fmt: skip
+        if distill:  # exact on-policy distillation: + sum_t coef a_t KL(pi || T)_t, averaged as the policy loss is
+            term = sum((w * kl_k).sum() for (_, _, w), kl_k in zip(distill, kl[0], strict=True))
+            loss = loss + term
+            stats["distill_kl"] = sum(((w > 0) * kl_k).sum() for (_, _, w), kl_k in zip(distill, kl[0], strict=True))
+            stats["distill_tokens"] = sum((w > 0).sum() for _, _, w in distill)
         # FSDP averages over ranks; the loss is a partial sum (of the rank's micro-batches, and under context
         # parallelism of their positions), so x W makes the gradient the sum over ranks: the whole batch's
         (loss * self.world_size).backward()
@@ -368,7 +390,7 @@ class Trainer:
         for idx in minis:
             mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])
             total_positions += n
-            parts.append((mbs, [self._prepare(mb, old_policy) for mb in mbs]))
+            parts.append((mbs, [self._prepare(mb, old_policy, [trajectories[i] for i in idx]) for mb in mbs]))
         lr = lr_at(self.step, cfg.steps, cfg.lr, cfg.warmup_ratio, cfg.min_lr_ratio) * self.lr_scale
 
         sums: dict[str, torch.Tensor] = {}
@@ -398,6 +420,9 @@ class Trainer:
             "pg_loss": float(sums.get("pg_loss", float("nan"))) / updates,
             "entropy": float(sums["entropy"]) / updates if "entropy" in sums else float("nan"),
             "kl": float(sums["kl"]) / updates if "kl" in sums else 0.0,
+            # exact distillation: KL(pi || T) per taught token, the mean over the step's updates
+            **({"distill_kl": float(sums["distill_kl"]) / max(1.0, float(sums["distill_tokens"]))}
+               if "distill_kl" in sums else {}),
             # token fractions over every update's tokens
             "clip_frac": float(sums.get("clipped", 0)) / tokens,
             "approx_kl": float(sums.get("approx_kl", 0)) / tokens,

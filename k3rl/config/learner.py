@@ -19,7 +19,14 @@ class TeacherSpec(_Section):
     overrides: dict[str, Any] = Field(default_factory=dict, description="K3Config fields replacing the preset's")
     envs: list[str] = Field(default_factory=list, description="env ids whose episodes it scores; [] = every env "
                                                               "no other teacher names")
-    coef: float = Field(1.0, gt=0, description="weight of its per-token reverse-KL advantage, log T - log mu")
+    coef: float = Field(1.0, gt=0, description="weight of its per-token reverse KL: of the advantage log T - log mu "
+                                               "(sampled) or of the loss term KL(pi || T) (exact)")
+    estimator: Literal["sampled", "exact"] = Field(
+        "sampled", description="sampled: the per-token reverse-KL advantage log T(y_t) - log mu(y_t) of the sampled token, "
+                               "under the policy gradient (a teacher's engines return one number a token); exact: the "
+                               "per-token reverse KL over the whole vocabulary, sum_v pi(v) (log pi(v) - log T(v)), "
+                               "differentiated as a loss term beside the policy gradient (its expected gradient is the "
+                               "sampled one's, without the sampling noise; needs the teacher in the learner, engines: 0)")
     clip: float | None = Field(None, gt=0, description="R: log T - log mu clipped to [-R, R] per token (the K3 "
                                                         "report's per-token reward); None = not clipped")
     discount: float = Field(0.0, ge=0, le=1, description="gamma: a token's advantage also sums gamma^k times the "
@@ -29,6 +36,19 @@ class TeacherSpec(_Section):
                                               "beside the inference engines, each scoring a share of the step's "
                                               "episodes; 0 = the learner loads it and scores in its own process")
     gpus_per_engine: float = Field(0.0, ge=0, description="GPUs of each of its engines (0: on the CPU)")
+
+    @model_validator(mode="after")
+    def _exact_in_the_learner(self):
+        if self.estimator == "exact":
+            _refuse([(field, f"{why} (estimator: exact); {fix}") for field, bad, why, fix in (
+                ("engines", self.engines != 0, "the exact reverse KL needs the teacher's whole distribution at every "
+                 "position, which only a teacher loaded in the learner gives", "set engines: 0, or estimator: sampled"),
+                ("clip", self.clip is not None, "clip bounds the sampled token's log-ratio; the exact KL has none",
+                 "remove clip"),
+                ("discount", self.discount != 0, "discount sums later sampled tokens' log-ratios; the exact KL is "
+                 "per position", "set discount: 0"),
+            ) if bad])
+        return self
 
 
 class DistillSection(_Section):

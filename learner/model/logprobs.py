@@ -93,3 +93,63 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk, float(temperature))
+
+
+class _ChunkedReverseKL(torch.autograd.Function):
+    """KL(p_t || q_t) per token, p = softmax(W h_t / tau) the student's, q = softmax(W' h'_t / tau)
+    a teacher's (its last hidden states h' and lm_head W', no gradient), chunk by chunk:
+
+        KL_t = sum_v p_tv (log p_tv - log q_tv)
+        d KL_t / d z_tv = p_tv (log p_tv - log q_tv - KL_t)          (z = the student's logits / tau)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, t_hidden, t_weight, chunk: int, temperature: float):
+        kl = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            log_p = torch.log_softmax((hidden[s : s + chunk] @ weight.t()).float() / temperature, -1)
+            log_q = torch.log_softmax((t_hidden[s : s + chunk] @ t_weight.t()).float() / temperature, -1)
+            kl[s : s + chunk] = (log_p.exp() * (log_p - log_q)).sum(-1)
+        ctx.save_for_backward(hidden, weight, t_hidden, t_weight, kl)
+        ctx.chunk, ctx.temperature = chunk, temperature
+        return kl
+
+    @staticmethod
+    def backward(ctx, g_kl):
+        hidden, weight, t_hidden, t_weight, kl = ctx.saved_tensors
+        chunk, tau = ctx.chunk, ctx.temperature
+        d_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            log_p = torch.log_softmax((h @ weight.t()).float() / tau, -1)
+            log_q = torch.log_softmax((t_hidden[s : s + chunk] @ t_weight.t()).float() / tau, -1)
+            dz = log_p.exp() * (log_p - log_q - kl[s : s + chunk, None]) * g_kl[s : s + chunk, None].float()
+            dz = (dz / tau).to(hidden.dtype)  # d logits = d z / tau
+            if d_hidden is not None:
+                d_hidden[s : s + chunk] = dz @ weight
+            if d_weight is not None:
+                d_weight += (dz.t() @ h).float()
+        return d_hidden, (d_weight.to(weight.dtype) if d_weight is not None else None), None, None, None, None
+
+
+def chunked_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                       teacher_weight: torch.Tensor, chunk_tokens: int | None = None,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """KL(student || teacher) at every position, fp32 [T]: the student's hidden [T, d] and lm_head
+    weight [V, d] against a teacher's [T, d'] and [V, d'] (the same vocabulary), both under
+    softmax(logits / temperature); differentiable in the student's, the teacher's taken as fixed.
+    The exact per-token reverse KL over the vocabulary, where log T(y_t) - log mu(y_t) of the sampled
+    token is its one-sample estimate (learner/distill.py)."""
+    if teacher_hidden.shape[0] != hidden.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"the teacher must cover the same positions and vocabulary: hidden {tuple(hidden.shape)}, "
+                         f"lm_head {tuple(weight.shape)} against the teacher's {tuple(teacher_hidden.shape)}, "
+                         f"{tuple(teacher_weight.shape)}")
+    if (dtype := autocast_dtype(hidden)) is not None:
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif weight.dtype != hidden.dtype:
+        hidden = hidden.to(weight.dtype)
+    t_hidden = teacher_hidden.detach().to(teacher_weight.dtype)
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _ChunkedReverseKL.apply(hidden, weight, t_hidden, teacher_weight.detach(), chunk, float(temperature))

@@ -24,7 +24,7 @@ from .cache import K3Cache
 from .common import RMSNorm, SiTUGLUMLP
 from .config import K3Config
 from .kda import KDA_FP32_PARAMS, KimiDeltaAttention
-from .logprobs import chunked_token_logprobs
+from .logprobs import chunked_reverse_kl, chunked_token_logprobs
 from .mla import GatedMLA, MLACacheEntry
 from .moe import Routing, StableLatentMoE
 from .vision import MoonViT, PatchMergerV2, check_grid, merge_media_embeddings, merge_sd2_tpool
@@ -242,6 +242,8 @@ class K3ForCausalLM(nn.Module):
         logprob_chunk_tokens: int | None = None,
         context_parallel=None,
         temperature: float = 1.0,
+        distill_from=(),
+        return_hidden: bool = False,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
 
@@ -249,6 +251,11 @@ class K3ForCausalLM(nn.Module):
           formed chunk by chunk from the last hidden states (`logprobs.py`): the [B, T, V]
           logits never exist, in the forward or the backward. `temperature`: of softmax(logits / T),
           the distribution an engine sampling at temperature T draws from.
+        - `distill_from`, with `targets`: teachers' (last hidden states [B, T, d'], lm_head weight [V, d']):
+          a third output, the exact reverse KL(pi || teacher) at every position [n_teachers, B, T]
+          (`logprobs.chunked_reverse_kl`).
+        - `return_hidden`: the last hidden states [B, T, d] (after the final norm) instead of the logits:
+          what a teacher hands to `distill_from`.
 
         - `images`: a MediaBatch (or raw images / videos) whose rows replace the
           `media_placeholder_token_id` tokens in order; the counts must match exactly.
@@ -327,6 +334,13 @@ class K3ForCausalLM(nn.Module):
             logp, entropy = chunked_token_logprobs(hidden.reshape(B * T, -1), self.lm_head.weight,
                                                    targets.reshape(-1), logprob_chunk_tokens, temperature)
             out = (logp.view(B, T), entropy.view(B, T))
+            if distill_from:
+                out += (torch.stack([chunked_reverse_kl(hidden.reshape(B * T, -1), self.lm_head.weight,
+                                                        t_hidden.reshape(B * T, -1), t_weight,
+                                                        logprob_chunk_tokens, temperature)
+                                     for t_hidden, t_weight in distill_from]).view(-1, B, T),)
+        elif return_hidden:
+            out = hidden
         else:
             out = self.lm_head(hidden)
         if cache is not None:

@@ -185,6 +185,116 @@ def test_discount_sums_the_later_sampled_tokens_log_ratios():
         assert torch.all(whole[i, :n][~m] == 0)
 
 
+# ----- estimator: exact, the per-token reverse KL over the vocabulary --------------------------------
+def test_the_chunked_reverse_kl_is_the_kl_of_the_two_softmaxes_in_value_and_gradient():
+    from k3rl.learner.model.logprobs import chunked_reverse_kl
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(37, 16, generator=g, requires_grad=True), torch.randn(50, 16, generator=g, requires_grad=True)
+    th, tw = torch.randn(37, 24, generator=g), torch.randn(50, 24, generator=g)  # a teacher of another width
+    upstream = torch.rand(37, generator=g)
+    for tau in (1.0, 0.7):
+        log_p = torch.log_softmax(h @ w.t() / tau, -1)
+        log_q = torch.log_softmax(th @ tw.t() / tau, -1)
+        want = (log_p.exp() * (log_p - log_q)).sum(-1)
+        dh, dw = torch.autograd.grad((want * upstream).sum(), (h, w))
+        got = chunked_reverse_kl(h, w, th, tw, chunk_tokens=8, temperature=tau)  # 5 chunks, the last short
+        gh, gw = torch.autograd.grad((got * upstream).sum(), (h, w))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gh, dh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gw, dw, atol=1e-5, rtol=1e-5)
+        assert (got >= -1e-6).all()
+    assert chunked_reverse_kl(h, w, h.detach(), w.detach()).abs().max() < 1e-5  # a teacher equal to the student
+    with pytest.raises(ValueError, match="same positions and vocabulary"):
+        chunked_reverse_kl(h, w, th[:5], tw)
+
+
+def test_the_exact_kl_gradient_is_the_expected_gradient_of_the_sampled_estimator():
+    """At one position, E_{y ~ p}[(log q(y) - log p(y)) grad log p(y)] = -grad KL(p || q): the sampled
+    advantage (discount 0) is a one-sample estimate of the exact term's gradient (learner/distill.py)."""
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(12, generator=g, requires_grad=True)
+    log_q = torch.log_softmax(torch.randn(12, generator=g), -1)
+    log_p = torch.log_softmax(z, -1)
+    (exact,) = torch.autograd.grad((log_p.exp() * (log_p - log_q)).sum(), z, retain_graph=True)
+    p = log_p.exp().detach()
+    expected = sum(p[y] * (log_q[y] - log_p[y]).detach() * torch.autograd.grad(log_p[y], z, retain_graph=True)[0]
+                   for y in range(12))
+    torch.testing.assert_close(expected, -exact, atol=1e-6, rtol=1e-5)
+
+
+def test_exact_teachers_are_refused_where_they_cannot_work():
+    from k3rl.config import ConfigError, JobConfig
+
+    def teacher(**kw):
+        return JobConfig.from_dict({"learner": {"distill": {"teachers": [{"checkpoint": "t", "estimator": "exact", **kw}]}}})
+
+    with pytest.raises(ConfigError, match=r"learner.distill.teachers.0.engines: .*whole distribution.*set engines: 0"):
+        teacher()
+    with pytest.raises(ConfigError, match=r"teachers.0.clip: .*remove clip"):
+        teacher(engines=0, clip=1.0)
+    with pytest.raises(ConfigError, match=r"teachers.0.discount: .*set discount: 0"):
+        teacher(engines=0, discount=1.0)
+    assert teacher(engines=0).learner.distill.teachers[0].estimator == "exact"
+
+
+def test_an_exact_teacher_adds_its_kl_to_the_loss_and_pulls_the_student_to_it(tmp_path):
+    """The exact term's gradient is coef x grad sum_t a_t KL(pi || T)_t (a teacher equal to the student
+    adds nothing); the env's advantage of its episodes is scaled by env_coef, not added to; and pure
+    distillation steps bring the student's distribution to the teacher's."""
+    from k3rl.learner.model.logprobs import chunked_reverse_kl
+
+    save_hf(tiny(3), tmp_path / "t")
+    save_hf(tiny(0), tmp_path / "same")
+
+    def trainer(checkpoint, env_coef=1.0, lr=1e-3, coef=0.5):
+        return Trainer(tiny(0), LearnerSection(
+            micro_batch_tokens=256, steps=4, optimizer="adamw", lr=lr, warmup_ratio=0.0, kl_coef=0.0,
+            distill={"env_coef": env_coef, "teachers": [{"checkpoint": str(tmp_path / checkpoint), "coef": coef,
+                                                         "estimator": "exact", "engines": 0}]}))
+
+    def grads(tr, batch):
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr._clip_and_step = lambda lr: 0.0  # keep the gradients: read them instead of stepping
+        metrics = tr.train_step(batch)
+        return metrics, {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+
+    batch = make_trajectories(4, n=4)
+    for t, r in zip(batch, [1.0, 0.0, 1.0, 0.0], strict=True):
+        t.reward, t.group_id = r, "g"
+    plain = Trainer(tiny(0), LearnerSection(micro_batch_tokens=256, steps=4, optimizer="adamw",
+                                            warmup_ratio=0.0, kl_coef=0.0))
+    _, want = grads(plain, batch)
+    metrics, same = grads(trainer("same"), batch)  # the teacher is the student: KL 0, the RL gradient alone
+    assert metrics["distill_kl"] < 1e-5
+    for n in want:
+        torch.testing.assert_close(same[n], want[n], atol=1e-6, rtol=1e-5)
+
+    # pure distillation (env_coef 0): the gradient is coef x d/dtheta sum_t a_t KL_t, a_t = 1 / (taught tokens)
+    tr = trainer("t", env_coef=0.0)
+    metrics, got = grads(tr, batch)
+    teacher = tr.teachers[0].model
+    student = tiny(0)
+    total, n_tok = 0.0, 0
+    for t in batch:
+        ids = torch.tensor([t.token_ids])
+        h = student(ids, return_hidden=True)[0, :-1]
+        th = teacher(ids, return_hidden=True)[0, :-1]
+        kl = chunked_reverse_kl(h, student.lm_head.weight, th, teacher.lm_head.weight)
+        m = torch.zeros(len(t.token_ids) - 1)
+        m[len(t.prompt_ids) - 1:] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        total, n_tok = total + (kl * m).sum(), n_tok + m.sum()
+    (0.5 * total / n_tok).backward()
+    assert abs(metrics["distill_kl"] - float(total.detach() / n_tok)) < 1e-4
+    for n, p in student.named_parameters():
+        if n in got:
+            torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-3)
+
+    tr = trainer("t", env_coef=0.0, lr=3e-3, coef=1.0)
+    kls = [tr.train_step(batch)["distill_kl"] for _ in range(4)]
+    assert kls[-1] < 0.5 * kls[0], kls
+
+
 # ----- teachers served by engines of their own (rollout/teacher.py) ----------------------------------
 def _job(*teachers: dict):
     from k3rl.config import JobConfig
