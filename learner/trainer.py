@@ -46,7 +46,14 @@ from . import checkpoint as ckpt
 from . import export
 from .advantages import TURN_METHODS, step_advantages
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
-from .distill import distill_advantages, exact_kl_weights, exact_teachers, load_teachers, per_completion, teacher_hidden
+from .distill import (
+    distill_advantages,
+    exact_kl_weights,
+    exact_teachers,
+    load_teachers,
+    per_completion,
+    teacher_hidden,
+)
 from .distributed import all_reduce_max, all_reduce_sum, full_state_dict, rank_and_world
 from .losses import LossConfig, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
