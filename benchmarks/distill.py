@@ -17,7 +17,9 @@ the embedded engine, the learner's Trainer, its weight export):
 3. from that same student, the same RL budget twice: the demo's RL (per-turn GRPO,
    `turn_grpo_no_std`, on KeyLookup's per-turn rewards) on the env's reward alone, and the same
    plus the teacher's per-token reverse-KL advantage (`learner.distill.teachers`, the teacher
-   loaded from its checkpoint by the Trainer), the two arms in lockstep on the same task seeds.
+   loaded from its checkpoint by the Trainer), the two arms in lockstep on the same task seeds;
+   `--estimator exact` takes the teacher's reverse KL over the whole vocabulary at every sampled
+   position (a loss term) instead of through the sampled token.
 
 Per RL step: the training episodes' mean reward, success rate and malformed fraction; every
 --eval-every steps the held-out greedy success and reward on --eval-tasks tasks (seeds training

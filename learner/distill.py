@@ -29,6 +29,20 @@ wrong lookup, then an answer the teacher would not give): per token, that disagr
 the later turn, not on the token that caused it (benchmarks/distill_turns.py measures where it lands).
 Tool output (loss_mask 0) carries no r and does not count as a step of the discount.
 
+The exact estimator (`estimator: "exact"`): the same per-token reverse KL, taken over the whole
+vocabulary rather than through the one sampled token, as a loss term beside the policy gradient:
+
+    loss += coef * sum_t a_t KL(pi(.|ctx_t) || T(.|ctx_t)),   KL = sum_v pi(v) (log pi(v) - log T(v))
+
+(a_t the policy loss's aggregation weight of sampled position t; contexts are the student's own
+samples, held fixed). Since E_{y ~ pi}[(log T(y) - log pi(y)) grad log pi(y)] = -grad KL(pi || T) at
+each position, its gradient is what the sampled rule's (discount 0) estimates, without one sample's
+noise: the teacher's signal on KeyLookup sits in a few positions of ~200 (the key, the value), which one
+sampled log-ratio each hardly separates from the rest. The teacher's last hidden states go to the
+student's forward (`distill_from`), which forms the KL chunk by chunk (`chunked_reverse_kl`); so an
+exact teacher lives in the learner (`engines: 0`), and its episodes' env advantage is only scaled by
+env_coef here (`distill_advantages`; `exact_kl_weights` gives the loss its per-position weights).
+
 Several teachers: the episodes of an env go to the teacher named for it (the K3 report's
 multi-teacher setup, one expert per domain); a teacher named for no env takes the others, and
 episodes no teacher takes keep the env's advantage alone.

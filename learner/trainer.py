@@ -309,8 +309,8 @@ class Trainer:
         """What every update of a micro-batch reuses: its images, replayed routes, the reference
         policy's log-probs (KL), with several updates per batch the old policy's log-probs
         (recorded before the first update: the PPO ratio's denominator), and with exact-KL teachers
-        their hidden states and each position's weight in their KL term (`batch`: the trajectories
-        `mb.seq_index` indexes)."""
+        each position's weight in their KL term (`batch`: the trajectories `mb.seq_index` indexes; the
+        teachers' hidden states, [T, d'] each, are formed at the update, one micro-batch at a time)."""
         media = self._media(mb)
         routes = self._replay_routes(mb, media)
         prep = {"media": media, "routes": routes, "prox": None, "ref": None, "distill": ()}
@@ -318,7 +318,7 @@ class Trainer:
         if exact:
             mb.ready()
             weights = exact_kl_weights(batch, self.teachers, mb.seq_index, mb.mask, mb.agg_weights)
-            prep["distill"] = [(*teacher_hidden(self.teachers[k], mb), w) for k, w in zip(exact, weights, strict=True)]
+            prep["distill"] = list(zip(exact, weights, strict=True))
         if old_policy:
             with self._qb_paused():
                 prep["prox"] = self._forward_logprobs(self.model, mb, routes, media)[0].detach()
@@ -329,10 +329,11 @@ class Trainer:
     def _rl_micro_batch(self, mb: MicroBatch, prep: dict, sums: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; adds its statistics to `sums` and
         returns its largest importance ratio."""
-        distill = prep["distill"]
+        distill = prep["distill"]  # (exact teacher, its weights [T]) pairs
+        teachers = [teacher_hidden(self.teachers[k], mb) for k, _ in distill]
         with self._qb_paused(not mb.traj_indices):  # a zero-weight filler is not data
             logp, entropy, *kl = self._forward_logprobs(self.model, mb, prep["routes"], prep["media"],
-                                                        distill_from=[(h, w) for h, w, _ in distill])
+                                                        distill_from=teachers)
         mb.ready()  # the loss columns, converted on the host while the GPU runs the forward
         if self.loss_cfg.entropy_coef == 0:
             entropy = entropy.detach()  # logged only
@@ -341,10 +342,9 @@ class Trainer:
             prox_logp=prep["prox"], ref_logp=prep["ref"], entropy=entropy,
         )  # fmt: skip
         if distill:  # exact on-policy distillation: + sum_t coef a_t KL(pi || T)_t, averaged as the policy loss is
-            term = sum((w * kl_k).sum() for (_, _, w), kl_k in zip(distill, kl[0], strict=True))
-            loss = loss + term
-            stats["distill_kl"] = sum(((w > 0) * kl_k).sum() for (_, _, w), kl_k in zip(distill, kl[0], strict=True))
-            stats["distill_tokens"] = sum((w > 0).sum() for _, _, w in distill)
+            loss = loss + sum((w * kl_k).sum() for (_, w), kl_k in zip(distill, kl[0], strict=True))
+            stats["distill_kl"] = sum(((w > 0) * kl_k).sum() for (_, w), kl_k in zip(distill, kl[0], strict=True))
+            stats["distill_tokens"] = sum((w > 0).sum() for _, w in distill)
         # FSDP averages over ranks; the loss is a partial sum (of the rank's micro-batches, and under context
         # parallelism of their positions), so x W makes the gradient the sum over ranks: the whole batch's
         (loss * self.world_size).backward()

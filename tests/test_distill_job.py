@@ -102,3 +102,41 @@ def test_a_teacher_of_another_architecture_is_refused_at_start(tmp_path):
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "learner.distill.teachers.0.checkpoint" in out and "moe_intermediate_size" in out, out[-3000:]
+
+
+def test_an_exact_teacher_in_the_learner_trains_the_job_on_its_kl(tmp_path):
+    """estimator: exact through the job: the learner loads the teacher (engines: 0), starts no teacher engine,
+    and logs distill_kl, the mean KL(student || teacher) per taught token, which for step 1 equals the KL of
+    the starting student (the job's model.checkpoint) to the teacher over that step's stored episodes."""
+    from mlflow.tracking import MlflowClient
+
+    from k3rl.learner.model import build_model
+    from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.learner.model.logprobs import chunked_reverse_kl
+    from k3rl.store import TrajectoryStore
+
+    teacher, student = build_model("k3-tiny", seed=7).eval(), build_model("k3-tiny", seed=3).eval()
+    save_hf(teacher, tmp_path / "teacher")
+    save_hf(student, tmp_path / "student")
+    spec = f"learner.distill.teachers=[{{checkpoint: {tmp_path / 'teacher'}, estimator: exact, engines: 0}}]"
+    r = train(tmp_path, "exact", str(tmp_path / "teacher"), spec, f"model.checkpoint={tmp_path / 'student'}",
+              "rollout.sampling.temperature=0.7")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "exact" / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 2
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
+    history = {k: [m.value for m in client.get_metric_history(summary["mlflow_run_id"], k)]
+               for k in ("distill_kl", "distill/episodes_scored")}
+    assert history["distill/episodes_scored"] == [] and len(history["distill_kl"]) == 2  # no teacher engine
+    batch = TrajectoryStore(tmp_path / "runs" / "exact", readonly=True).read(step=1, status="trained")
+    total, tokens = 0.0, 0.0
+    with torch.no_grad():
+        for t in batch:
+            ids = torch.tensor([t.token_ids])
+            kl = chunked_reverse_kl(student(ids, return_hidden=True)[0, :-1], student.lm_head.weight,
+                                    teacher(ids, return_hidden=True)[0, :-1], teacher.lm_head.weight, temperature=0.7)
+            mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+            total += float((kl[len(t.prompt_ids) - 1:] * mask).sum())
+            tokens += float(mask.sum())
+    assert history["distill_kl"][0] > 0.01
+    assert abs(history["distill_kl"][0] - total / tokens) < 1e-3 * max(1.0, total / tokens), (history, total / tokens)
