@@ -342,7 +342,9 @@ class Trainer:
             prox_logp=prep["prox"], ref_logp=prep["ref"], entropy=entropy,
         )  # fmt: skip
         if distill:  # exact on-policy distillation: + sum_t coef a_t KL(pi || T)_t, averaged as the policy loss is
-            loss = loss + sum((w * kl_k).sum() for (_, w), kl_k in zip(distill, kl[0], strict=True))
+            term = sum((w * kl_k).sum() for (_, w), kl_k in zip(distill, kl[0], strict=True))
+            loss = loss + term
+            stats["loss"] = stats["loss"] + term.detach()
             stats["distill_kl"] = sum(((w > 0) * kl_k).sum() for (_, w), kl_k in zip(distill, kl[0], strict=True))
             stats["distill_tokens"] = sum((w > 0).sum() for _, w in distill)
         # FSDP averages over ranks; the loss is a partial sum (of the rank's micro-batches, and under context
