@@ -64,6 +64,14 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def media(self, model):
+        """Its images, decoded and preprocessed for `model` (`as_media`); None without images."""
+        if not self.images:
+            return None
+        from k3rl.images import from_png
+
+        return model.as_media([from_png(b) for b in self.images])
+
     def ready(self) -> MicroBatch:
         """This micro-batch, its loss columns built (once) and on its tokens' device."""
         if self.pending is not None:

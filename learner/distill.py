@@ -131,12 +131,7 @@ def score(model: torch.nn.Module, trajectories: list[Trajectory], micro_batch_to
     device = next(model.parameters()).device
     out: list[torch.Tensor] = [torch.zeros(0)] * len(trajectories)
     for mb in build_micro_batches(trajectories, micro_batch_tokens, "token_mean"):
-        media = None
-        if mb.images:
-            from k3rl.images import from_png
-
-            media = model.as_media([from_png(b) for b in mb.images])
-        logp, _ = model(mb.input_ids.to(device), images=media, cu_seqlens=mb.cu_seqlens.to(device),
+        logp, _ = model(mb.input_ids.to(device), images=mb.media(model), cu_seqlens=mb.cu_seqlens.to(device),
                         targets=mb.targets[None].to(device), temperature=temperature)
         for s, values in per_completion(logp[0], mb, trajectories).items():
             out[s] = values
@@ -226,12 +221,7 @@ def exact_teachers(teachers: Sequence[Teacher]) -> list[int]:
 def teacher_hidden(teacher: Teacher, mb) -> tuple[torch.Tensor, torch.Tensor]:
     """(the teacher's last hidden states over the micro-batch's tokens [1, T, d'], its lm_head weight): what
     the student's forward takes as `distill_from` to form KL(pi || T) position by position."""
-    media = None
-    if mb.images:
-        from k3rl.images import from_png
-
-        media = teacher.model.as_media([from_png(b) for b in mb.images])
-    hidden = teacher.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_hidden=True)
+    hidden = teacher.model(mb.input_ids, images=mb.media(teacher.model), cu_seqlens=mb.cu_seqlens, return_hidden=True)
     return hidden, teacher.model.lm_head.weight
 
 

@@ -242,14 +242,6 @@ class Trainer:
                 routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
 
-    def _media(self, mb: MicroBatch):
-        """The micro-batch's images, decoded and preprocessed once (None without images)."""
-        if not mb.images:
-            return None
-        from k3rl.images import from_png
-
-        return self.model.as_media([from_png(b) for b in mb.images])
-
     def _forward_logprobs(self, model: nn.Module, mb: MicroBatch, routes: torch.Tensor | None,
                           media=None, temperature: float | None = None, distill_from=()):
         """(log p(target) [T], entropy [T]) in fp32 under softmax(logits / temperature) (default: the
@@ -311,7 +303,7 @@ class Trainer:
         (recorded before the first update: the PPO ratio's denominator), and with exact-KL teachers
         each position's weight in their KL term (`batch`: the trajectories `mb.seq_index` indexes; the
         teachers' hidden states, [T, d'] each, are formed at the update, one micro-batch at a time)."""
-        media = self._media(mb)
+        media = mb.media(self.model)
         routes = self._replay_routes(mb, media)
         prep = {"media": media, "routes": routes, "prox": None, "ref": None, "distill": ()}
         exact = exact_teachers(self.teachers)
@@ -475,7 +467,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         with self._recording_logits():
             for mb in mbs:
-                media = self._media(mb)
+                media = mb.media(self.model)
                 routes = self._replay_routes(mb, media)
                 with self._qb_paused(not mb.traj_indices):
                     logp, _ = self._forward_logprobs(self.model, mb, routes, media, temperature=1.0)
@@ -518,7 +510,7 @@ class Trainer:
         out: list[list[float] | None] = [None] * len(trajectories)
         for mb in mbs:
             mb = mb.to(self.device)
-            logp = self._forward_logprobs(self.model, mb, None, self._media(mb))[0]
+            logp = self._forward_logprobs(self.model, mb, None, mb.media(self.model))[0]
             for s, values in per_completion(logp, mb, trajectories).items():  # segment by segment
                 out[s] = values.double().tolist()
         self.model.train()

@@ -32,6 +32,14 @@ def default_chunk_tokens(vocab_size: int, chunk_bytes: int = 256 << 20) -> int:
     return max(64, chunk_bytes // (4 * vocab_size))
 
 
+def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden and weight in the dtype `lm_head` would multiply them in: the autocast dtype under
+    autocast, else the weight's."""
+    if (dtype := autocast_dtype(hidden)) is not None:
+        return hidden.to(dtype), weight.to(dtype)
+    return hidden.to(weight.dtype), weight
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, temperature: float):
@@ -84,10 +92,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     Under autocast the product runs in the autocast dtype, as `nn.Linear` would."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [T, d] and targets [T]; got {tuple(hidden.shape)} and {tuple(targets.shape)}")
-    if (dtype := autocast_dtype(hidden)) is not None:
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    elif weight.dtype != hidden.dtype:
-        hidden = hidden.to(weight.dtype)
+    hidden, weight = _matmul_dtype(hidden, weight)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
@@ -145,10 +150,7 @@ def chunked_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidde
         raise ValueError(f"the teacher must cover the same positions and vocabulary: hidden {tuple(hidden.shape)}, "
                          f"lm_head {tuple(weight.shape)} against the teacher's {tuple(teacher_hidden.shape)}, "
                          f"{tuple(teacher_weight.shape)}")
-    if (dtype := autocast_dtype(hidden)) is not None:
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    elif weight.dtype != hidden.dtype:
-        hidden = hidden.to(weight.dtype)
+    hidden, weight = _matmul_dtype(hidden, weight)
     t_hidden = teacher_hidden.detach().to(teacher_weight.dtype)
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     with torch.autocast(hidden.device.type, enabled=False):
