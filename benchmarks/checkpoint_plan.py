@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from k3rl.learner.model import K3Config, build_model, save_hf
-from k3rl.learner.model.checkpoint import load_state_into, match_checkpoint, read_hf_tensors, stored_tensors
-from k3rl.learner.model.load_plan import expert_parallel_size, plan_loading, synthetic_index
-from k3rl.learner.model.state_dict_adapter import hf_layout
+from k3rl.model import K3Config, build_model, save_hf
+from k3rl.model.checkpoint import load_state_into, match_checkpoint, read_hf_tensors, stored_tensors
+from k3rl.model.load_plan import expert_parallel_size, plan_loading, synthetic_index
+from k3rl.model.state_dict_adapter import hf_layout
 
 GB = 1e9
 RELEASE_BYTES = 1_560.9e9  # the release's safetensors total (its index, 96 shards)
@@ -151,7 +151,7 @@ def memory(workdir: Path) -> None:
 
 def measure(how: str, workdir: Path) -> None:
     """In a fresh process: build the model, then load `workdir` one way; print the memory it added."""
-    from k3rl.learner.model.state_dict_adapter import from_hf
+    from k3rl.model.state_dict_adapter import from_hf
 
     torch.set_num_threads(1)
     model = build_model(K3Config.from_hf(workdir), dtype="bfloat16", seed=1)

@@ -47,10 +47,10 @@ if importlib.util.find_spec("k3rl") is None:  # a checkout without an install (n
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3rl.config import JobConfig  # noqa: E402
-from k3rl.learner.model import build_model  # noqa: E402
-from k3rl.learner.model.checkpoint import save_hf  # noqa: E402
 from k3rl.learner.trainer import Trainer  # noqa: E402
 from k3rl.metrics import success  # noqa: E402
+from k3rl.model import build_model  # noqa: E402
+from k3rl.model.checkpoint import save_hf  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
 from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode  # noqa: E402
 from k3rl.rollout.job_start import collect_demonstrations  # noqa: E402

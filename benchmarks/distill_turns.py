@@ -17,7 +17,7 @@ import collections
 import torch
 
 from k3rl.learner.distill import score
-from k3rl.learner.model import build_model
+from k3rl.model import build_model
 from k3rl.store import TrajectoryStore
 from k3rl.tokenizer import load_tokenizer
 

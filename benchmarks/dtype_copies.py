@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3rl.config import LearnerSection
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
 from learner import synthetic_batch  # benchmarks/learner.py, beside this file
 
 COPIES = ("aten._to_copy", "aten.copy_")

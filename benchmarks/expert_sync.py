@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from k3rl.config import LearnerSection
-from k3rl.learner.model import build_model, mxfp4
 from k3rl.learner.trainer import Trainer
+from k3rl.model import build_model, mxfp4
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import Trajectory

@@ -2,7 +2,7 @@
 
     python3 benchmarks/layer.py [--tokens 8192,32768] [--only kda_moe,mla_moe,kda,moe,mla] [--profile]
 
-The layers are the real modules of ``learner/model`` built from the ``k3`` preset (hidden 7168;
+The layers are the real modules of ``k3rl/model`` built from the ``k3`` preset (hidden 7168;
 KDA 96 heads of 128; Gated MLA 96 heads; Stable LatentMoE latent 3584, experts of 3072, top-16 of
 896, two shared experts), one layer at a time, bf16 weights (the fp32 allow-list kept fp32):
 
@@ -65,12 +65,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from k3rl.kernels.attnres import attnres_aggregate_reference  # noqa: E402
 from k3rl.kernels.kda import output_norm_gate_reference, short_conv_reference  # noqa: E402
 from k3rl.kernels.moe import latent_experts, latent_experts_loop  # noqa: E402
-from k3rl.learner.model import kda as kda_module  # noqa: E402
-from k3rl.learner.model import model as model_module  # noqa: E402
-from k3rl.learner.model import model_config  # noqa: E402
-from k3rl.learner.model.common import RMSNorm  # noqa: E402
-from k3rl.learner.model.model import FP32_PARAM_SUFFIXES, K3DecoderLayer  # noqa: E402
-from k3rl.learner.model.moe import MoEGate  # noqa: E402
+from k3rl.model import kda as kda_module  # noqa: E402
+from k3rl.model import model as model_module  # noqa: E402
+from k3rl.model import model_config  # noqa: E402
+from k3rl.model.common import RMSNorm  # noqa: E402
+from k3rl.model.model import FP32_PARAM_SUFFIXES, K3DecoderLayer  # noqa: E402
+from k3rl.model.moe import MoEGate  # noqa: E402
 
 EP = 8
 KDA_IDX, MLA_IDX = 25, 27  # 0-based; 25 % 12 = 1: three completed blocks in the bank

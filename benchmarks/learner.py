@@ -45,9 +45,9 @@ if importlib.util.find_spec("k3rl") is None:  # not installed: the source tree (
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # as on the GPU image)
 
 from k3rl.config import LearnerSection  # noqa: E402
-from k3rl.learner.model import K3Config, K3ForCausalLM, count_parameters  # noqa: E402
 from k3rl.learner.optim import param_groups  # noqa: E402
 from k3rl.learner.trainer import Trainer  # noqa: E402
+from k3rl.model import K3Config, K3ForCausalLM, count_parameters  # noqa: E402
 from k3rl.types import Trajectory  # noqa: E402
 
 ns_ops = importlib.import_module("k3rl.kernels.newton_schulz")

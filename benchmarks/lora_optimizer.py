@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from k3rl.config import LearnerSection, LoraSection  # noqa: E402
-from k3rl.learner.model import build_model  # noqa: E402
 from k3rl.learner.trainer import Trainer  # noqa: E402
+from k3rl.model import build_model  # noqa: E402
 from k3rl.types import Trajectory  # noqa: E402
 
 GRIDS = {"muon": [1e-2, 3e-2, 1e-1], "adamw": [3e-3, 1e-2, 3e-2]}

@@ -82,7 +82,7 @@ import_k3rl_in_place()
 from k3rl.config import JobConfig  # noqa: E402
 from k3rl.learner.data import build_micro_batches  # noqa: E402
 from k3rl.learner.distill import per_completion  # noqa: E402
-from k3rl.learner.model import build_model  # noqa: E402
+from k3rl.model import build_model  # noqa: E402
 from k3rl.rollout.engine import EmbeddedEngine  # noqa: E402
 from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode  # noqa: E402
 from k3rl.rollout.job_start import collect_demonstrations  # noqa: E402
@@ -136,7 +136,7 @@ def kda_backend(model, backend: str | None):
     """The KDA layers on `backend` for a while (None: as they are). The fp32 learner on CUDA takes the
     PyTorch chunk reference: the Triton chunk kernel asks for more shared memory in fp32 at head dim 128
     than an H200 has (294,912 bytes of 232,448)."""
-    from k3rl.learner.model.kda import KimiDeltaAttention
+    from k3rl.model.kda import KimiDeltaAttention
 
     layers = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)] if backend else []
     before = [m.backend for m in layers]

@@ -42,9 +42,9 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from k3rl.learner.distributed import free_port  # noqa: E402
 from k3rl.learner.expert_parallel import ExpertParallelExperts  # noqa: E402
-from k3rl.learner.model import K3Config  # noqa: E402
-from k3rl.learner.model.moe import RoutedExperts  # noqa: E402
 from k3rl.learner.moon_ep import MoonEPExperts, plan_redundant_experts, rank_loads, route_destinations  # noqa: E402
+from k3rl.model import K3Config  # noqa: E402
+from k3rl.model.moe import RoutedExperts  # noqa: E402
 
 
 def zipf_routes(E: int, k: int, tokens: int, s: float, seed: int, perm_seed: int = 0) -> torch.Tensor:
@@ -95,7 +95,7 @@ def zipf_table(lines: list[str]) -> None:
 
 def k3_tiny_routes(checkpoint: str | None) -> tuple[torch.Tensor, str]:
     """[T, n_moe_layers, k] experts used by k3-tiny on the README, and where the weights came from."""
-    from k3rl.learner.model import build_model
+    from k3rl.model import build_model
     from k3rl.tokenizer import ByteTokenizer
 
     if checkpoint is None:

@@ -59,8 +59,8 @@ def _train(rank: int, world: int, port: int, args, out: str, ep: int = 1) -> Non
     """One run of the learner on `world` ranks (FSDP2 when > 1, expert parallel over `ep`)."""
     from k3rl.config import LearnerSection
     from k3rl.learner.expert_parallel import local_expert_params
-    from k3rl.learner.model import K3Config, K3ForCausalLM
     from k3rl.learner.trainer import Trainer
+    from k3rl.model import K3Config, K3ForCausalLM
 
     cpu = args.cpu
     if not cpu:
@@ -96,8 +96,8 @@ def _train(rank: int, world: int, port: int, args, out: str, ep: int = 1) -> Non
 
 
 def _broadcast(rank: int, world: int, port: int, args, out: str) -> None:
-    from k3rl.learner.model import K3Config, K3ForCausalLM
-    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.model import K3Config, K3ForCausalLM
+    from k3rl.model.state_dict_adapter import to_hf
     from k3rl.types import WeightUpdate
 
     torch.cuda.set_device(rank)

@@ -55,7 +55,7 @@ def main() -> None:
                          "are a multiple of 16: a replay and the copy of its caches (the first call captures)")
     ap.add_argument("--cached", type=int, default=0, help="each chunk after a cached prefix of this many tokens")
     args = ap.parse_args()
-    from k3rl.learner.model import K3Cache
+    from k3rl.model import K3Cache
     from k3rl.rollout.engine import EmbeddedEngine
 
     device = torch.device(args.device)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from k3rl.learner.model import quantile_balance  # noqa: E402
-from k3rl.learner.model.quantile_balance import routing_cutoffs  # noqa: E402
+from k3rl.model import quantile_balance  # noqa: E402
+from k3rl.model.quantile_balance import routing_cutoffs  # noqa: E402
 
 
 def skewed_scores(m: int, n: int, spread: float, seed: int = 0) -> torch.Tensor:

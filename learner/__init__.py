@@ -1,9 +1,8 @@
-"""k3rl.learner: the K3 model (`k3rl.learner.model`), Per-Head Muon (`optim`), RL and SFT
-objectives (`losses`), packing (`data`), the `Trainer` (`trainer`), trainer checkpoints
-(`checkpoint`) and FSDP2 data parallelism (`distributed`).
+"""k3rl.learner: Per-Head Muon (`optim`), RL and SFT objectives (`losses`), packing (`data`), the
+`Trainer` (`trainer`), trainer checkpoints (`checkpoint`), FSDP2 data parallelism (`distributed`) and
+the learner actor (`actor`). The model itself is `k3rl.model`.
 
-The names below are imported on first use, so `import k3rl.learner.model` (the rollout
-engine's import) does not pull in the trainer.
+The names below are imported on first use, so importing one submodule does not pull in the trainer.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _optimizer_state_global(optimizer, sd: dict) -> dict:
 
 def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
     """A plain K3ForCausalLM holding `state` (tensors assigned as they are, dtypes kept)."""
-    from k3rl.learner.model import build_model
+    from k3rl.model import build_model
 
     model = build_model(trainer.model_config, device="meta")
     model.load_state_dict(state, strict=True, assign=True)
@@ -105,7 +105,7 @@ def _load_reference(trainer, path: Path) -> None:
         state = trainer.full_state_dict()
         trainer.reference.load_state_dict({k: v.to(trainer.device) for k, v in state.items()}, strict=True)
     elif hasattr(trainer.model_config, "to_hf"):
-        from k3rl.learner.model import load_state_into
+        from k3rl.model import load_state_into
 
         load_state_into(trainer.reference, path)
     else:
@@ -122,7 +122,7 @@ def save(trainer, directory) -> Path:
     _barrier()
     # 1. model in the official layout
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
-        from k3rl.learner.model import save_hf
+        from k3rl.model import save_hf
 
         # experts as the model holds them (fp32 master weights stay fp32), whatever the starting
         # checkpoint stored: a resume must continue from these exact values
@@ -146,7 +146,7 @@ def save(trainer, directory) -> Path:
             save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model" / "model.safetensors"))
     if trainer.reference is not None and rank == 0:
         if hasattr(trainer.model_config, "to_hf"):
-            from k3rl.learner.model import save_hf
+            from k3rl.model import save_hf
 
             save_hf(trainer.reference, d / "reference", experts="dense")
         else:
@@ -194,7 +194,7 @@ def load(trainer, directory) -> None:
     rank = trainer.rank
     # 1. model
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
-        from k3rl.learner.model import load_state_into
+        from k3rl.model import load_state_into
 
         if trainer.sharded:
             state = trainer.full_state_dict()  # collective: the whole model on every rank, streamed into

@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from k3rl.model.kda import short_conv
+from k3rl.model.mla import GatedMLA
+
 from .context_parallel import (
     all_gather_autograd,
     context_layout,
@@ -37,8 +40,6 @@ from .context_parallel import (
     shard,
 )
 from .data import MicroBatch
-from .model.kda import short_conv
-from .model.mla import GatedMLA
 
 __all__ = ["ContextParallel", "cp_latent_attention", "cp_short_conv"]
 

@@ -86,7 +86,7 @@ def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *,
                  coef: float = 1.0, clip: float | None = None, discount: float = 0.0, estimator: str = "sampled",
                  device: str = "cpu", dtype: str = "float32") -> Teacher:
     """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
-    from .model.factory import build_model
+    from k3rl.model.factory import build_model
 
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
     return Teacher(model, tuple(envs), coef, clip, name=checkpoint, discount=discount, estimator=estimator)

@@ -33,9 +33,8 @@ from torch import nn
 
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.moe import latent_experts, permute_by_expert
-
-from .model.common import autocast_dtype
-from .model.moe import RoutedExperts
+from k3rl.model.common import autocast_dtype
+from k3rl.model.moe import RoutedExperts
 
 __all__ = [
     "ExpertParallelExperts",

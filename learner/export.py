@@ -12,8 +12,8 @@ from k3rl.types import WeightUpdate
 def weight_update(trainer, version: int, dtype: torch.dtype | None, bucket_bytes: int, to_cpu: bool,
                   experts: str | None) -> WeightUpdate:
     """The trainer's policy as a WeightUpdate; collective under FSDP (call on every rank)."""
-    from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
-    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.model.model import FP32_PARAM_SUFFIXES
+    from k3rl.model.state_dict_adapter import to_hf
 
     if trainer.lora is not None and trainer.lora.sync == "adapters":
         return _adapters_update(trainer, version, bucket_bytes, to_cpu)

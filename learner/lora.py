@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .model.state_dict_adapter import expert_names, hf_name, is_stacked_experts
+from k3rl.model.state_dict_adapter import expert_names, hf_name, is_stacked_experts
 
 ATTENTION = [r"self_attn\.(q|k|v|o|g|q_a|q_b|kv_a_proj_with_mqa|kv_b)_proj\.weight$"]
 SHARED_EXPERTS = [r"shared_experts\.(gate|up|down)_proj\.weight$"]

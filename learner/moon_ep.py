@@ -53,9 +53,9 @@ from torch import nn
 from k3rl.kernels.moe import GROUP_ALIGN, count_per_expert
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.situ import situ_glu
+from k3rl.model.moe import RoutedExperts
 
 from .expert_parallel import ExpertParallelExperts, _check_divides, routed_experts
-from .model.moe import RoutedExperts
 
 __all__ = [
     "MoonEPExperts",

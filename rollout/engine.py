@@ -217,7 +217,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         """An engine on `build_model(preset, overrides, ...)`: the learner's architecture and seeded
         init, or the weights of an HF-layout `checkpoint` directory (the release, its MXFP4 experts
         dequantised to `dtype`, or what `save_hf` wrote)."""
-        from k3rl.learner.model import build_model
+        from k3rl.model import build_model
 
         return cls(build_model(preset, overrides, dtype=dtype, device=device, seed=seed, checkpoint=checkpoint), **kw)
 
@@ -334,7 +334,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         pads = []
         n_pad = sum(1 for t in ids if t == self.config.media_placeholder_token_id)
         if pil:
-            from k3rl.learner.model import preprocess_media
+            from k3rl.model import preprocess_media
 
             pads = [preprocess_media([im], self.config.vision_config).tokens_per_item()[0] for im in pil]
         if n_pad != sum(pads):
@@ -411,7 +411,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
 
     # 1. weights
     def _apply_update(self, update: WeightUpdate) -> int:
-        from k3rl.learner.model.state_dict_adapter import from_hf
+        from k3rl.model.state_dict_adapter import from_hf
 
         if update.version <= self._version:
             raise ValueError(f"weight update v{update.version} is not newer than the engine's v{self._version}; "
@@ -450,7 +450,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         (kept aside then: each version is merged into the base, never into merged weights).
         Any other update is returned as it is."""
         from k3rl.learner.lora import is_adapter_update, lora_targets, merge_adapters
-        from k3rl.learner.model.state_dict_adapter import to_hf
+        from k3rl.model.state_dict_adapter import to_hf
 
         adapters = update.state_dict()
         if not is_adapter_update(adapters):

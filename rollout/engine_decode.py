@@ -35,11 +35,11 @@ from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.kernels.moe.router import route_topk
 from k3rl.kernels.moe.triton_decode_experts import decode_experts_triton
 from k3rl.kernels.situ import situ_glu
-from k3rl.learner.model.attnres import aggregate
-from k3rl.learner.model.common import autocast_dtype, fp32_island
-from k3rl.learner.model.kda import KimiDeltaAttention
-from k3rl.learner.model.model import allow_layer_recompiles
-from k3rl.learner.model.moe import MoEGate
+from k3rl.model.attnres import aggregate
+from k3rl.model.common import autocast_dtype, fp32_island
+from k3rl.model.kda import KimiDeltaAttention
+from k3rl.model.model import allow_layer_recompiles
+from k3rl.model.moe import MoEGate
 
 from .sampling import policy_logprobs, sample_tokens
 from .state_pool import StatePool

@@ -224,7 +224,7 @@ class AdmitAndPrefill:
                     yield (seq, *rest), row
                 return
         if len(items) > 1:
-            from k3rl.learner.model import K3Cache
+            from k3rl.model import K3Cache
 
             try:
                 cache = K3Cache.stack([seq.cache for seq, *_ in items])

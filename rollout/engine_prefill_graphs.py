@@ -35,9 +35,9 @@ import warnings
 
 import torch
 
-from k3rl.learner.model import K3Cache
-from k3rl.learner.model.kda import KDACacheEntry
-from k3rl.learner.model.mla import MLACacheEntry
+from k3rl.model import K3Cache
+from k3rl.model.kda import KDACacheEntry
+from k3rl.model.mla import MLACacheEntry
 
 from .engine_decode import context_rung, decode_forward, end_failed_capture, rung
 

@@ -69,7 +69,7 @@ def preflight(cfg: JobConfig) -> None:
 def _check_checkpoint(cfg: JobConfig) -> None:
     from pathlib import Path
 
-    from k3rl.learner.model.factory import architecture_differences
+    from k3rl.model.factory import architecture_differences
 
     ckpt = cfg.model.checkpoint
     if ckpt is None:
@@ -89,8 +89,8 @@ def _check_teachers(cfg: JobConfig) -> None:
     describe, with the student's vocabulary (it scores the student's token ids)."""
     from pathlib import Path
 
-    from k3rl.learner.model import K3Config
-    from k3rl.learner.model.factory import architecture_differences, model_config
+    from k3rl.model import K3Config
+    from k3rl.model.factory import architecture_differences, model_config
 
     for i, t in enumerate(cfg.learner.distill.teachers):
         field = f"learner.distill.teachers.{i}"

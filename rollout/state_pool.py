@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from k3rl.learner.model import K3Cache
-from k3rl.learner.model.kda import KDACacheEntry
-from k3rl.learner.model.mla import MLACacheEntry
+from k3rl.model import K3Cache
+from k3rl.model.kda import KDACacheEntry
+from k3rl.model.mla import MLACacheEntry
 
 
 def cache_over(kda: dict, mla: dict, lengths: torch.Tensor, host_lengths: list[int]) -> K3Cache:

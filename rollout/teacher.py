@@ -56,7 +56,7 @@ class TeacherEngine:
     def __init__(self, cfg: dict[str, Any], index: int, engine: int) -> None:
         import torch
 
-        from k3rl.learner.model import build_model
+        from k3rl.model import build_model
 
         self.cfg = JobConfig.model_validate(cfg)
         self.teachers = self.cfg.learner.distill.teachers

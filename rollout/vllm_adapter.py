@@ -11,7 +11,7 @@ When to use which engine:
 
 What the adapter does:
   * serves an HF-layout K3 checkpoint directory (`config.json` + safetensors: what
-    `k3rl.learner.model.save_hf` writes), token ids in (`TokensPrompt`), token ids and
+    `k3rl.model.save_hf` writes), token ids in (`TokensPrompt`), token ids and
     per-token log-probs out (`logprobs=0`: the sampled token only, `logprobs_mode=
     "raw_logprobs"`, i.e. log-softmax of the raw logits at temperature 1, unfiltered: the
     same distribution as the embedded engine reports);
@@ -138,7 +138,7 @@ class K3ForVLLM(nn.Module):
 
     def __init__(self, *, vllm_config=None, prefix: str = "", config=None):
         super().__init__()
-        from k3rl.learner.model import K3Config, K3ForCausalLM
+        from k3rl.model import K3Config, K3ForCausalLM
 
         if config is None:
             hf = vllm_config.model_config.hf_config
@@ -172,7 +172,7 @@ class K3ForVLLM(nn.Module):
         return hidden_states  # forward already returned logits
 
     def load_weights(self, weights) -> set[str]:
-        from k3rl.learner.model.state_dict_adapter import from_hf
+        from k3rl.model.state_dict_adapter import from_hf
 
         expected = self.k3.state_dict()
         state, unexpected = from_hf(dict(weights), expected)
@@ -239,7 +239,7 @@ class VLLMEngine(InferenceEngine):
         vllm = _require_vllm()
         path = Path(checkpoint)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json; save the model with k3rl.learner.model.save_hf")
+            raise FileNotFoundError(f"{path} has no config.json; save the model with k3rl.model.save_hf")
         fallback = register_k3_architecture()
         args = {
             "model": str(path),

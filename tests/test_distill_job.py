@@ -36,8 +36,8 @@ def test_a_teacher_on_an_engine_of_its_own_scores_the_students_tokens_in_the_job
     from mlflow.tracking import MlflowClient
 
     from k3rl.learner.distill import Teacher, distill_advantages
-    from k3rl.learner.model import build_model
-    from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
     from k3rl.store import TrajectoryStore
 
     torch.manual_seed(0)
@@ -73,8 +73,8 @@ def test_a_teacher_engine_dying_ends_the_job_naming_its_checkpoint_and_leaves_no
 
     from k3rl.config import JobConfig
     from k3rl.job import run_job
-    from k3rl.learner.model import build_model
-    from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
     from k3rl.rollout.teacher import TeacherError
 
     save_hf(build_model("k3-tiny", seed=7), tmp_path / "teacher")
@@ -94,8 +94,8 @@ def test_a_teacher_engine_dying_ends_the_job_naming_its_checkpoint_and_leaves_no
 
 
 def test_a_teacher_of_another_architecture_is_refused_at_start(tmp_path):
-    from k3rl.learner.model import build_model
-    from k3rl.learner.model.checkpoint import save_hf
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
 
     save_hf(build_model("k3-tiny", {"moe_intermediate_size": 32}, seed=0), tmp_path / "teacher")
     r = train(tmp_path, "bad", str(tmp_path / "teacher"))
@@ -110,9 +110,9 @@ def test_an_exact_teacher_in_the_learner_trains_the_job_on_its_kl(tmp_path):
     the starting student (the job's model.checkpoint) to the teacher over that step's stored episodes."""
     from mlflow.tracking import MlflowClient
 
-    from k3rl.learner.model import build_model
-    from k3rl.learner.model.checkpoint import save_hf
-    from k3rl.learner.model.logprobs import chunked_reverse_kl
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
+    from k3rl.model.logprobs import chunked_reverse_kl
     from k3rl.store import TrajectoryStore
 
     teacher, student = build_model("k3-tiny", seed=7).eval(), build_model("k3-tiny", seed=3).eval()

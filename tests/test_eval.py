@@ -84,7 +84,7 @@ def test_an_episode_specs_sampling_override_makes_it_greedy_with_the_real_engine
 
     import torch
 
-    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.model import K3Config, K3ForCausalLM
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.episode import EpisodeSpec, job_sampling, make_env, make_template, run_episode
 

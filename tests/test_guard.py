@@ -37,8 +37,8 @@ def test_verdicts_baseline_patience_and_lr_scale():
 
 
 def test_restore_returns_weights_and_optimizer_state_and_scales_the_rate():
-    from k3rl.learner.model import K3Config, K3ForCausalLM
     from k3rl.learner.trainer import Trainer
+    from k3rl.model import K3Config, K3ForCausalLM
 
     torch.manual_seed(0)
     t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), LearnerSection(micro_batch_tokens=64, steps=10, lr=1e-3))
@@ -64,8 +64,8 @@ def test_restore_returns_weights_and_optimizer_state_and_scales_the_rate():
 
 
 def test_restore_without_a_snapshot_says_so():
-    from k3rl.learner.model import K3Config, K3ForCausalLM
     from k3rl.learner.trainer import Trainer
+    from k3rl.model import K3Config, K3ForCausalLM
 
     t = Trainer(K3ForCausalLM(K3Config.preset("k3-tiny")), LearnerSection(micro_batch_tokens=64))
     with pytest.raises(RuntimeError, match="no snapshot"):

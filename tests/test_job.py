@@ -153,8 +153,8 @@ def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
     import torch
 
     from k3rl.job import run_job
-    from k3rl.learner.model import K3Config
-    from k3rl.learner.model.checkpoint import load_hf
+    from k3rl.model import K3Config
+    from k3rl.model.checkpoint import load_hf
 
     ray.shutdown()
     cfg = _cfg(tmp_path, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",
@@ -187,7 +187,7 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
     finally:
         ray.shutdown()
     assert summary["completed"] and summary["steps"] == 2
-    from k3rl.learner.model import K3Config, K3ForCausalLM
+    from k3rl.model import K3Config, K3ForCausalLM
 
     model_bytes = sum(t.numel() * t.element_size() for t in K3ForCausalLM(K3Config.preset("k3-tiny")).state_dict().values())
     for m in summary["history"]:

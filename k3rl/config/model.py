@@ -21,8 +21,8 @@ class ModelSection(_Section):
 
     def k3_config(self):
         """The K3Config this section describes (preset + overrides), validated: the one combination
-        of the two (`k3rl.learner.model.model_config`) that the learner and the engines build from."""
-        from k3rl.learner.model import model_config
+        of the two (`k3rl.model.model_config`) that the learner and the engines build from."""
+        from k3rl.model import model_config
 
         try:
             return model_config(self.preset, self.overrides)
@@ -30,7 +30,7 @@ class ModelSection(_Section):
             raise ConfigError(_format(e, prefix="model.overrides")) from None
 
     def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
-        from k3rl.learner.model import K3Config
+        from k3rl.model import K3Config
 
         try:
             return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.overrides}), []

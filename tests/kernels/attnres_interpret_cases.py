@@ -18,9 +18,9 @@ from interpret_cases import gpu_like_bf16  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from k3rl.kernels.attnres import attnres_aggregate, attnres_aggregate_reference, triton_aggregate  # noqa: E402
-from k3rl.learner.model import K3Config, K3ForCausalLM  # noqa: E402
-from k3rl.learner.model import model as model_module  # noqa: E402
-from k3rl.learner.model.attnres import aggregate, make_query_params, query_vector  # noqa: E402
+from k3rl.model import K3Config, K3ForCausalLM  # noqa: E402
+from k3rl.model import model as model_module  # noqa: E402
+from k3rl.model.attnres import aggregate, make_query_params, query_vector  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not isinstance(triton_aggregate.aggregate_fwd_kernel, InterpretedFunction),

@@ -25,8 +25,8 @@ from k3rl.kernels.kda import (  # noqa: E402
     triton_output_gate,
     triton_short_conv,
 )
-from k3rl.learner.model import K3Config  # noqa: E402
-from k3rl.learner.model.kda import KimiDeltaAttention  # noqa: E402
+from k3rl.model import K3Config  # noqa: E402
+from k3rl.model.kda import KimiDeltaAttention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not isinstance(triton_short_conv.short_conv_fwd_kernel, InterpretedFunction),

@@ -18,7 +18,7 @@ from interpret_cases import gpu_like_bf16  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from k3rl.kernels.rmsnorm import rms_norm, rms_norm_reference, triton_rmsnorm  # noqa: E402
-from k3rl.learner.model.common import RMSNorm  # noqa: E402
+from k3rl.model.common import RMSNorm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not isinstance(triton_rmsnorm.rms_norm_fwd_kernel, InterpretedFunction),

@@ -13,7 +13,7 @@ import torch
 from interpreter_run import run_interpreted
 
 from k3rl.kernels.attnres import attnres_aggregate, attnres_aggregate_reference
-from k3rl.learner.model.attnres import aggregate
+from k3rl.model.attnres import aggregate
 
 HERE = pathlib.Path(__file__).parent
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -71,8 +71,8 @@ def test_aggregate_refuses_mismatched_sources_query_and_backend():
 def test_layer_benchmark_lever_runs_the_layer_on_the_reference():
     """benchmarks/layer.py's 'attnres torch' row (the before of the fused kernel): it swaps the decoder
     layer's aggregations for the reference, the layer still runs forward and backward, undo restores."""
-    from k3rl.learner.model import K3Config
-    from k3rl.learner.model import model as model_module
+    from k3rl.model import K3Config
+    from k3rl.model import model as model_module
 
     spec = importlib.util.spec_from_file_location(
         "layer_benchmark", HERE.parents[1] / "benchmarks" / "layer.py"

@@ -114,8 +114,8 @@ def test_layer_benchmark_lever_runs_the_mixer_on_the_references():
     two islands for their references, the mixer still runs forward and backward, and undo restores them."""
     import importlib.util as iu
 
-    from k3rl.learner.model import K3Config
-    from k3rl.learner.model import kda as kda_module
+    from k3rl.model import K3Config
+    from k3rl.model import kda as kda_module
 
     path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "layer.py"
     spec = iu.spec_from_file_location("layer_benchmark", path)

@@ -8,8 +8,8 @@ import torch
 from interpreter_run import run_interpreted
 
 from k3rl.kernels.rmsnorm import rms_norm, rms_norm_reference
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.common import RMSNorm
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.common import RMSNorm
 
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

@@ -12,8 +12,8 @@ import torch
 from interpreter_run import run_interpreted
 
 from k3rl.kernels.moe.router import route_topk, route_topk_reference
-from k3rl.learner.model import K3Config
-from k3rl.learner.model.moe import MoEGate
+from k3rl.model import K3Config
+from k3rl.model.moe import MoEGate
 
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

@@ -13,8 +13,8 @@ from k3rl.config import LearnerSection
 from k3rl.learner.advantages import step_advantages, token_advantages, turn_advantages, turn_returns
 from k3rl.learner.data import build_micro_batches
 from k3rl.learner.losses import group_advantages
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.types import Trajectory, Turn
 
 torch.set_num_threads(1)

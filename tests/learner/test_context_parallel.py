@@ -27,9 +27,9 @@ from k3rl.kernels.kda import chunk_kda
 from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
 from k3rl.learner.context_parallel_layers import ContextParallel, cp_short_conv
 from k3rl.learner.distributed import free_port
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.kda import short_conv
-from k3rl.learner.model.mla import GatedMLA
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.kda import short_conv
+from k3rl.model.mla import GatedMLA
 
 T, H, K, V, CHUNK = 200, 2, 16, 16, 16
 # ranks of 4 hold [0,50) [50,100) [100,150) [150,200): document [30,140) spans three ranks,

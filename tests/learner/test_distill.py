@@ -17,9 +17,9 @@ from test_learner_actor import ray_cluster  # noqa: F401  (the fixture: a local 
 
 from k3rl.config import LearnerSection
 from k3rl.learner.distill import Teacher, distill_advantages, load_teacher, load_teachers, score
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.checkpoint import save_hf
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.checkpoint import save_hf
 
 torch.set_num_threads(1)
 
@@ -187,7 +187,7 @@ def test_discount_sums_the_later_sampled_tokens_log_ratios():
 
 # ----- estimator: exact, the per-token reverse KL over the vocabulary --------------------------------
 def test_the_chunked_reverse_kl_is_the_kl_of_the_two_softmaxes_in_value_and_gradient():
-    from k3rl.learner.model.logprobs import chunked_reverse_kl
+    from k3rl.model.logprobs import chunked_reverse_kl
 
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(37, 16, generator=g, requires_grad=True), torch.randn(50, 16, generator=g, requires_grad=True)
@@ -242,7 +242,7 @@ def test_an_exact_teacher_adds_its_kl_to_the_loss_and_pulls_the_student_to_it(tm
     """The exact term's gradient is coef x grad sum_t a_t KL(pi || T)_t (a teacher equal to the student
     adds nothing); the env's advantage of its episodes is scaled by env_coef, not added to; and pure
     distillation steps bring the student's distribution to the teacher's."""
-    from k3rl.learner.model.logprobs import chunked_reverse_kl
+    from k3rl.model.logprobs import chunked_reverse_kl
 
     save_hf(tiny(3), tmp_path / "t")
     save_hf(tiny(0), tmp_path / "same")

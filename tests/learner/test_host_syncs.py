@@ -20,8 +20,8 @@ from k3rl.kernels.varlen import (
     unpad_documents,
 )
 from k3rl.learner.host_syncs import host_syncs
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
 
 
 def test_host_offsets_are_read_once_per_tensor_and_again_after_an_in_place_write():

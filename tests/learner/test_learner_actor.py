@@ -110,7 +110,7 @@ def ray_cluster():
 
 
 def test_group_of_two_fsdp_ranks_trains_pushes_and_checkpoints(ray_cluster, tmp_path):
-    from k3rl.learner.model import load_hf
+    from k3rl.model import load_hf
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.pool import EngineSpec, PoolActor
     from k3rl.types import SamplingParams

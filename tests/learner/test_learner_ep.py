@@ -30,8 +30,8 @@ from k3rl.learner.expert_parallel import (
     local_expert_params,
     reduce_expert_grads,
 )
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
 
 STEPS = 3
 EP = 2

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3rl.learner.losses import token_entropy, token_logprobs
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.logprobs import chunked_token_logprobs
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.logprobs import chunked_token_logprobs
 
 
 def _inputs(T=37, d=16, V=50, dtype=torch.float64, seed=0):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import k3rl.learner.optim as optim
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.optim import PerHeadMuon, QKClip, newton_schulz, param_groups
+from k3rl.model import K3Config, K3ForCausalLM
 
 torch.set_num_threads(1)
 ns_kernel = importlib.import_module("k3rl.kernels.newton_schulz")  # the package re-exports the function under the same name
@@ -186,7 +186,7 @@ def test_adamw_side_matches_torch_adamw():
 
 
 def test_no_weight_decay_on_norms_embeddings_gates_and_biases():
-    from k3rl.learner.model import build_model
+    from k3rl.model import build_model
 
     model = build_model("k3-tiny", seed=0)
     groups, summary = param_groups(model, lr=1e-3, weight_decay=0.1)

@@ -4,8 +4,8 @@ import torch
 from learner_helpers import gloo_group, make_trajectories
 
 from k3rl.config import LearnerSection
-from k3rl.learner.model import K3Config, K3ForCausalLM
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
 
 
 def test_reset_reference_makes_kl_zero_at_the_warm_started_policy():

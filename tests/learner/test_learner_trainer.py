@@ -9,9 +9,9 @@ import torch
 from learner_helpers import make_trajectories
 
 from k3rl.config import JobConfig, LearnerSection
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.state_dict_adapter import from_hf
 from k3rl.learner.trainer import Trainer, lr_at
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.state_dict_adapter import from_hf
 
 torch.set_num_threads(1)
 

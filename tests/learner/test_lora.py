@@ -22,7 +22,7 @@ from k3rl.learner.lora import (
     merged_state_dict,
     save_peft_adapter,
 )
-from k3rl.learner.model import build_model
+from k3rl.model import build_model
 
 SETTINGS = LoraSettings(rank=4, alpha=8, dropout=0.0, targets=ATTENTION + SHARED_EXPERTS + ROUTED_EXPERTS + LATENT)
 
@@ -215,7 +215,7 @@ def test_adapters_sync_is_smaller_by_the_expected_factor_and_the_engine_merges_e
         base = build_model("k3-tiny", seed=0).state_dict()
         assert all(torch.equal(got[n], base[n]) for n in plain_names)  # nothing else moved
         # whole weights (another model's) become the base the next adapters are merged into
-        from k3rl.learner.model.state_dict_adapter import to_hf
+        from k3rl.model.state_dict_adapter import to_hf
         from k3rl.types import WeightUpdate
 
         other = build_model("k3-tiny", seed=5).state_dict()
@@ -242,7 +242,7 @@ def test_adapters_sync_is_smaller_by_the_expected_factor_and_the_engine_merges_e
 
 
 def test_merged_sync_sends_base_plus_ba_under_the_release_names():
-    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.model.state_dict_adapter import to_hf
 
     t = lora_trainer(sync="merged")
     nudge_b(t.model)

@@ -35,8 +35,6 @@ from k3rl.config import ConfigError, JobConfig, LearnerSection
 from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
 from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.moe import RoutedExperts
 from k3rl.learner.moon_ep import (
     MoonEPExperts,
     _position_per_dest,
@@ -50,6 +48,8 @@ from k3rl.learner.moon_ep import (
     rows_per_rank,
 )
 from k3rl.learner.trainer import Trainer
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.moe import RoutedExperts
 
 E, K, N, LAT, F = 8, 2, 32, 16, 24  # experts, routes a token, tokens a rank, latent width, expert width
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.model import K3Config, K3ForCausalLM
 
 
 def make_tiny(seed: int = 0, **updates) -> K3ForCausalLM:

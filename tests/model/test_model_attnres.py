@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM, LinearAttnConfig, VisionConfig
-from k3rl.learner.model.attnres import aggregate, expected_source_counts, phase1, phase2
-from k3rl.learner.model.config import _pattern
+from k3rl.model import K3Config, K3ForCausalLM, LinearAttnConfig, VisionConfig
+from k3rl.model.attnres import aggregate, expected_source_counts, phase1, phase2
+from k3rl.model.config import _pattern
 
 
 def k3_layout_narrow() -> K3Config:

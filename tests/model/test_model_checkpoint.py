@@ -10,8 +10,8 @@ from k3_model_helpers import make_tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3rl.learner.model import K3Config, load_hf, load_state_into, save_hf
-from k3rl.learner.model.checkpoint import CheckpointMismatchError, read_hf_tensors
+from k3rl.model import K3Config, load_hf, load_state_into, save_hf
+from k3rl.model.checkpoint import CheckpointMismatchError, read_hf_tensors
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_single_file_checkpoint_loads(saved, tmp_path):
 
 
 def test_partial_expert_update_keeps_the_other_experts():
-    from k3rl.learner.model.state_dict_adapter import from_hf, to_hf
+    from k3rl.model.state_dict_adapter import from_hf, to_hf
 
     model = make_tiny(seed=10)
     expected = model.state_dict()
@@ -161,7 +161,7 @@ def test_checkpoints_with_the_previous_k3rl_names_still_load(saved, tmp_path):
 
 
 def test_a_checkpoint_of_another_architecture_is_refused_by_field(saved):
-    from k3rl.learner.model import build_model
+    from k3rl.model import build_model
 
     _, path = saved
     with pytest.raises(CheckpointMismatchError, match=r"(?s)mis-shaped.*hidden_size \(checkpoint 128, model 768\).*model.preset"):

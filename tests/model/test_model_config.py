@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM, count_parameters, count_vision_parameters
-from k3rl.learner.model.params import kda_layer_parameters, mla_layer_parameters
+from k3rl.model import K3Config, K3ForCausalLM, count_parameters, count_vision_parameters
+from k3rl.model.params import kda_layer_parameters, mla_layer_parameters
 
 
 def test_k3_counts_are_the_spec_integers():

@@ -9,7 +9,7 @@ import torch
 from k3_model_helpers import make_tiny
 from PIL import Image
 
-from k3rl.learner.model import K3Cache, preprocess_media
+from k3rl.model import K3Cache, preprocess_media
 
 TOL = dict(atol=5e-5, rtol=1e-4)
 
@@ -107,7 +107,7 @@ def test_cache_errors_are_clear(model):
 def test_cache_host_lengths_given_without_reading_the_device():
     """new_cache, clone, stack and split carry the host mirror of the lengths: nothing reads `lengths`
     (on a GPU each read makes the engine's scheduler wait for the decode steps it queued)."""
-    from k3rl.learner.model import K3Cache, K3Config, K3ForCausalLM
+    from k3rl.model import K3Cache, K3Config, K3ForCausalLM
 
     model = K3ForCausalLM(K3Config.preset("k3-tiny"))
     a, b = model.new_cache(1), model.new_cache(1)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from k3rl.config import JobConfig
-from k3rl.learner.model import K3Config, build_model, count_parameters, count_vision_parameters, save_hf
-from k3rl.learner.model.checkpoint import CheckpointMismatchError
-from k3rl.learner.model.model import FP32_PARAM_SUFFIXES
+from k3rl.model import K3Config, build_model, count_parameters, count_vision_parameters, save_hf
+from k3rl.model.checkpoint import CheckpointMismatchError
+from k3rl.model.model import FP32_PARAM_SUFFIXES
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from k3_model_helpers import make_tiny
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.model import K3Config, K3ForCausalLM
 
 
 def test_packed_documents_equal_separate_forwards():
@@ -78,7 +78,7 @@ def test_mixers_cast_their_shared_input_once_under_autocast(monkeypatch):
     rounding (summed in bf16, widened once), and a step writes fewer fp32 -> bf16 copies."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from k3rl.learner.model import common, kda, mla, moe
+    from k3rl.model import common, kda, mla, moe
 
     class Casts(TorchDispatchMode):  # fp32 -> bf16 copies of activations [1, T, d] / [T, d]
         def __init__(self, d):

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from k3rl.kernels.kda import kda_gate
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.kda import KimiDeltaAttention
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.kda import KimiDeltaAttention
 
 
 def make_layer(lower_bound=-5.0, seed=0) -> KimiDeltaAttention:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config
-from k3rl.learner.model.mla import DecodeStep, GatedMLA, MLACacheEntry
+from k3rl.model import K3Config
+from k3rl.model.mla import DecodeStep, GatedMLA, MLACacheEntry
 
 
 def make_mla(seed=0, eps=1e-6, std=0.2) -> GatedMLA:

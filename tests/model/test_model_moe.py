@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from k3rl.kernels.situ import situ_glu
-from k3rl.learner.model import K3Config
-from k3rl.learner.model.common import SiTUGLUMLP
-from k3rl.learner.model.moe import StableLatentMoE
+from k3rl.model import K3Config
+from k3rl.model.common import SiTUGLUMLP
+from k3rl.model.moe import StableLatentMoE
 
 
 def make_moe(seed=0) -> StableLatentMoE:

@@ -1,4 +1,4 @@
-"""MXFP4 (learner/model/mxfp4.py): the byte layout against hand-computed E2M1 / E8M0 tables, the
+"""MXFP4 (k3rl/model/mxfp4.py): the byte layout against hand-computed E2M1 / E8M0 tables, the
 scale and rounding rules, error bounds, and that values out of a checkpoint survive a re-quantisation."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3rl.learner.model import mxfp4
+from k3rl.model import mxfp4
 
 
 def _row(*bytes_: int) -> torch.Tensor:

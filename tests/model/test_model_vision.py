@@ -9,8 +9,8 @@ from k3_model_helpers import make_tiny
 from PIL import Image
 
 from k3rl.images import num_image_tokens
-from k3rl.learner.model import K3Config, MediaBatch, preprocess_media
-from k3rl.learner.model.vision import MoonViT, merge_sd2_tpool, rope_2d_angles, temporal_sincos
+from k3rl.model import K3Config, MediaBatch, preprocess_media
+from k3rl.model.vision import MoonViT, merge_sd2_tpool, rope_2d_angles, temporal_sincos
 
 TINY = K3Config.preset("k3-tiny")
 

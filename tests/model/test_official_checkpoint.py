@@ -13,15 +13,15 @@ import torch
 from k3_model_helpers import make_tiny
 from safetensors.torch import save_file
 
-from k3rl.learner.model import K3ForCausalLM, build_model, load_hf, save_hf
-from k3rl.learner.model.checkpoint import (
+from k3rl.model import K3ForCausalLM, build_model, load_hf, save_hf
+from k3rl.model.checkpoint import (
     CheckpointMismatchError,
     StoredTensor,
     load_state_into,
     match_checkpoint,
     read_hf_tensors,
 )
-from k3rl.learner.model.state_dict_adapter import hf_layout
+from k3rl.model.state_dict_adapter import hf_layout
 
 RELEASE_QUANTIZATION = {  # the release's text_config.quantization_config (compressed-tensors)
     "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
@@ -231,7 +231,7 @@ def test_the_embedded_engine_and_the_learner_start_from_it(release, tmp_path):
     master = trainer.model.state_dict()[experts]
     held = engine.model.state_dict()[experts]
     assert not torch.equal(held.float(), master)
-    from k3rl.learner.model import mxfp4
+    from k3rl.model import mxfp4
 
     assert torch.equal(held, mxfp4.dequantize(*mxfp4.quantize(master), torch.bfloat16))
     # the trainer's own checkpoints keep the fp32 master experts, so a resume continues exactly
@@ -269,9 +269,9 @@ def test_a_broken_release_layout_is_refused_by_name(release, tmp_path):
 
 
 def test_the_load_plan_gives_each_rank_its_experts_and_its_rows(release):
-    from k3rl.learner.model import plan_loading
-    from k3rl.learner.model.checkpoint import stored_tensors
-    from k3rl.learner.model.load_plan import expert_parallel_size
+    from k3rl.model import plan_loading
+    from k3rl.model.checkpoint import stored_tensors
+    from k3rl.model.load_plan import expert_parallel_size
 
     _, quantised, path, tensors = release
     stored = stored_tensors(path)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams
@@ -361,7 +361,7 @@ def test_max_num_seqs_queues_and_max_model_len_truncates(model):
 
 
 def test_engine_serves_an_hf_checkpoint(model, tmp_path):
-    from k3rl.learner.model import save_hf
+    from k3rl.model import save_hf
 
     save_hf(model, tmp_path / "ckpt")
     eng = EmbeddedEngine.from_preset(checkpoint=str(tmp_path / "ckpt"), background=False)
@@ -439,7 +439,7 @@ def test_overlap_gives_what_steps_one_after_another_give(model):
 def test_a_step_in_flight_during_a_weight_update_keeps_its_version():
     """With overlap a step launched before an update arrives finishes on the old weights: its tokens
     are labelled with the old version (one per sequence), every later token with the new one."""
-    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.model.state_dict_adapter import to_hf
     from k3rl.types import WeightUpdate
 
     model, other = _model(0), _model(1)

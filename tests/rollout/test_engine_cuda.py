@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.types import SamplingParams
 
@@ -58,7 +58,7 @@ def test_graph_decode_equals_eager_decode_token_for_token():
 
 
 def test_weight_update_reaches_the_captured_graphs():
-    from k3rl.learner.model.state_dict_adapter import to_hf
+    from k3rl.model.state_dict_adapter import to_hf
     from k3rl.types import WeightUpdate
 
     model, other = _model(0), _model(1)
@@ -156,7 +156,7 @@ def test_compiled_decode_step_is_as_accurate_as_the_eager_step():
     same tokens, the compiled bf16 step is as close to the fp32 model as the eager bf16 step is."""
     import copy
 
-    from k3rl.learner.model.model import allow_layer_recompiles
+    from k3rl.model.model import allow_layer_recompiles
     from k3rl.rollout.engine_decode import _layer, decode_forward
 
     torch.manual_seed(0)

@@ -9,8 +9,8 @@ import torch
 
 from k3rl.kernels.moe import latent_experts_loop
 from k3rl.kernels.moe.triton_decode_experts import decode_experts_reference
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.attnres import query_vector
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.attnres import query_vector
 from k3rl.rollout.engine_decode import _grouped_experts, attnres_queries, decode_forward
 from k3rl.rollout.state_pool import StatePool
 
@@ -148,8 +148,8 @@ def test_the_fp32_island_weights_held_in_fp32_decode_bit_for_bit_the_same():
     of the bf16 model exactly, and only those two kinds of weight change dtype."""
     import copy
 
-    from k3rl.learner.model.kda import KimiDeltaAttention
-    from k3rl.learner.model.moe import MoEGate
+    from k3rl.model.kda import KimiDeltaAttention
+    from k3rl.model.moe import MoEGate
     from k3rl.rollout.engine_decode import keep_fp32_island_weights
 
     torch.manual_seed(0)

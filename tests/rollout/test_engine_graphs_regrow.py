@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3rl.learner.model import build_model
+from k3rl.model import build_model
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.types import SamplingParams
 

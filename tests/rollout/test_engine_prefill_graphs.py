@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
+from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.engine_prefill_graphs import ALIGN, PrefillGraphs, bucket
 from k3rl.types import SamplingParams

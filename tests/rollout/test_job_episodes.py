@@ -108,7 +108,7 @@ def test_demonstrations_are_oracle_episodes_token_exact():
 
 
 def test_preflight_refuses_a_checkpoint_that_is_missing_or_of_another_architecture(tmp_path):
-    from k3rl.learner.model import build_model, save_hf
+    from k3rl.model import build_model, save_hf
 
     with pytest.raises(PreflightError, match=r"^model.checkpoint: .*nowhere holds no config.json; point it at"):
         preflight(job(model={"checkpoint": str(tmp_path / "nowhere")}))

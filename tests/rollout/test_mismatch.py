@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3rl.learner.model import build_model
+from k3rl.model import build_model
 from k3rl.types import Trajectory
 
 spec = importlib.util.spec_from_file_location(

@@ -8,8 +8,8 @@ import pytest
 import ray
 import torch
 
-from k3rl.learner.model import build_model
-from k3rl.learner.model.state_dict_adapter import to_hf
+from k3rl.model import build_model
+from k3rl.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.pool import EngineSpec, PoolActor
 from k3rl.rollout.transport import CollectiveTransport, CudaIpcTransport, ObjectStoreTransport

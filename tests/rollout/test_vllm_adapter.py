@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.state_dict_adapter import to_hf
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.state_dict_adapter import to_hf
 from k3rl.rollout.vllm_adapter import K3ForVLLM, sampling_kwargs, vllm_available
 from k3rl.types import SamplingParams
 
@@ -51,7 +51,7 @@ needs_vllm = pytest.mark.skipif(not vllm_available() or not torch.cuda.is_availa
 
 @needs_vllm
 def test_vllm_engine_matches_the_embedded_engine_and_switches_weights(tmp_path):
-    from k3rl.learner.model import save_hf
+    from k3rl.model import save_hf
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.vllm_adapter import VLLMEngine
     from k3rl.types import WeightUpdate

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from k3rl.learner.distributed import free_port
-from k3rl.learner.model import K3Config, K3ForCausalLM
-from k3rl.learner.model.state_dict_adapter import to_hf
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.transport import BroadcastGroup, PackedUpdate, pack_bucket, unpack_bucket
 from k3rl.types import SamplingParams, WeightBucket, WeightUpdate
