@@ -28,6 +28,9 @@
 * Sandboxes: a subclass with `uses_sandbox = True` gets `self.sandbox`, opened on first use
   (from the injected `sandbox_factory`, else `k3rl.sandboxes.open_sandbox(backend=...)`) and
   released when the episode ends, on `reset`, `close`, an exception, or garbage collection.
+* Held-out task splits: `split="train"` draws only tasks whose id hashes outside the held-out
+  share `test_fraction`, `split="test"` only those inside it (`task_split(task_id)`), so a job's
+  `envs.eval` can measure tasks training never saw; `split="all"` (the default) draws every task.
 * Info of a step: turn, tool_calls (name, arguments, index, ok, error), errors, parse_error,
   timings (`Timings`: seconds per phase and per tool), truncated_by, task_id.
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,12 +76,22 @@ class NoOracleError(RuntimeError):
     """The environment has no scripted oracle policy."""
 
 
+SPLITS = ("all", "train", "test")
+
+
+def task_split(task_id: str, test_fraction: float) -> str:
+    """"test" for the share `test_fraction` of task ids (by a hash of the id), else "train"."""
+    h = int.from_bytes(hashlib.blake2b(task_id.encode(), digest_size=8).digest(), "big") / 2**64
+    return "test" if h < test_fraction else "train"
+
+
 class ToolEnv(gym.Env, abc.ABC):
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
 
     default_max_turns: int = 8
     uses_sandbox: bool = False
     system_prompt: str | None = None
+    declare_tools_by_default: bool = True  # tiny-model envs name their tool in the prompt instead
 
     def __init__(self, *, max_turns: int | None = None, time_budget_s: float = 600.0,
                  template: ChatTemplate | None = None,
@@ -85,7 +99,8 @@ class ToolEnv(gym.Env, abc.ABC):
                  sandbox_factory: Callable[[], Any] | None = None,
                  sandbox_release: Callable[[Any], None] | None = None,
                  sandbox_backend: str = "auto", sandbox_limits: dict[str, Any] | None = None,
-                 max_tool_output_chars: int = 4000, render_mode: str | None = None) -> None:
+                 max_tool_output_chars: int = 4000, render_mode: str | None = None,
+                 split: str = "all", test_fraction: float = 0.25, declare_tools: bool | None = None) -> None:
         max_turns = self.default_max_turns if max_turns is None else max_turns
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be a positive int, got {max_turns!r}")
@@ -93,6 +108,12 @@ class ToolEnv(gym.Env, abc.ABC):
             raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction is the held-out share of tasks, in (0, 1); got {test_fraction}")
+        self.split, self.test_fraction = split, test_fraction
+        self.declare_tools = self.declare_tools_by_default if declare_tools is None else bool(declare_tools)
         self.max_turns = max_turns
         self.time_budget_s = float(time_budget_s)
         self.template = template or ChatTemplate(thinking=thinking)
@@ -144,8 +165,9 @@ class ToolEnv(gym.Env, abc.ABC):
     # -- public helpers --------------------------------------------------------------------
     @property
     def tools(self) -> list[dict[str, Any]]:
-        """JSON declarations of the tools, for `ChatTemplate.render(..., tools=env.tools)`."""
-        return copy.deepcopy(self._tool_schemas)
+        """JSON declarations of the tools, for `ChatTemplate.render(..., tools=env.tools)`; [] when the env
+        does not declare them (`declare_tools=False`: the prompt names the tool, ~300 tokens saved)."""
+        return copy.deepcopy(self._tool_schemas) if self.declare_tools else []
 
     @property
     def tool_names(self) -> list[str]:
@@ -217,7 +239,7 @@ class ToolEnv(gym.Env, abc.ABC):
         super().reset(seed=seed)
         self._end_episode()
         try:
-            self.task = self.generate_task(self.np_random, dict(options or {}))
+            self.task = self._draw_task(dict(options or {}))
             opening = list(self.opening_messages(self.task))
         except BaseException:
             self._release_sandbox()  # opening_messages may have needed one (e.g. to render a target)
@@ -230,6 +252,15 @@ class ToolEnv(gym.Env, abc.ABC):
         self._active = True
         info = {"task_id": self.task_id, "tools": self.tools, "max_turns": self.max_turns}
         return [message_dict(m) for m in opening], info
+
+    def _draw_task(self, options: dict[str, Any]) -> Any:
+        """The next task of this env's split (tasks of the other split are drawn and passed over)."""
+        for _ in range(10_000):
+            task = self.generate_task(self.np_random, options)
+            if self.split == "all" or task_split(str(getattr(task, "id", task)), self.test_fraction) == self.split:
+                return task
+        raise RuntimeError(f"{type(self).__name__}: no task of split {self.split!r} in 10000 draws with options "
+                           f"{options}; the options may pin a task of the other split, or the task space is too small")
 
     def step(self, action: Any):
         if not self._active:

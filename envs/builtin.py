@@ -14,6 +14,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "k3rl/ChartMatch-v0": "k3rl.envs.chart_match:ChartMatchEnv",
     "k3rl/LongHorizon-v0": "k3rl.envs.long_horizon:LongHorizonEnv",
     "k3rl/McpFiles-v0": "k3rl.envs.mcp_files:McpFilesEnv",
+    "k3rl/ScreenRead-v0": "k3rl.envs.screen_read:ScreenReadEnv",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -24,6 +25,8 @@ DESCRIPTIONS: dict[str, str] = {
     "k3rl/LongHorizon-v0": "follow a trail of 24 files through a directory tree and add it up; needs context "
                            "compaction (sandbox)",
     "k3rl/McpFiles-v0": "answer from the sandbox's files, read through an MCP server running in the sandbox",
+    "k3rl/ScreenRead-v0": "open a panel of an app, read its number off the screenshot; vision in the loop (tiny, "
+                          "CPU-learnable, no sandbox)",
 }
 
 

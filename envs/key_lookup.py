@@ -49,8 +49,9 @@ class KeyLookupEnv(ToolEnv):
     """Find the value of a key with the `lookup` tool and answer with it. Reward 1 for the exact value."""
 
     default_max_turns = 4
+    declare_tools_by_default = False
 
-    def __init__(self, num_keys: int = 3, value_digits: int = 3, declare_tools: bool = False,
+    def __init__(self, num_keys: int = 3, value_digits: int = 3,
                  partial_credit: bool = False, turn_rewards: bool = False, key_letters: str = string.ascii_lowercase, key_digit: bool = True,
                  step_delay_s: float = 0.0, step_delay_sigma: float = 0.0, oracle_wrong_key: float = 0.0,
                  **kwargs: Any) -> None:
@@ -62,7 +63,6 @@ class KeyLookupEnv(ToolEnv):
             raise ValueError(f"value_digits must be in 1..9, got {value_digits}")
         self.num_keys = num_keys
         self.value_digits = value_digits
-        self.declare_tools = declare_tools
         self.partial_credit = partial_credit
         if turn_rewards and not partial_credit:
             raise ValueError("turn_rewards splits the partial credit over the turns; set partial_credit=True too")
@@ -81,10 +81,6 @@ class KeyLookupEnv(ToolEnv):
         self._oracle_key: str | None = None
         self._looked_up: list[str] = []
         super().__init__(**kwargs)
-
-    @property
-    def tools(self) -> list[dict[str, Any]]:
-        return super().tools if self.declare_tools else []
 
     def generate_task(self, rng, options: dict[str, Any]) -> KeyLookupTask:
         letters = rng.choice(list(self.key_letters), size=self.num_keys, replace=False)

@@ -17,6 +17,14 @@ which is what the env is for. Set `envs.max_turns` to at least hops + 1.
 
 The oracle reads the trail in order and keeps the running total in its messages; asked for a
 summary (`oracle_summary`), it states the total so far and the next file.
+
+`goal="codes"` is the memory variant for small policies (examples/agent.yaml): short file names
+(`kamiro.txt`), no log noise, the start file holds `code: D1` and the last file `code: D2`, and the
+answer is both digits, `D1D2`. The trail overflows the context, and the start file's code is needed
+at the very end, so the policy must carry it through its own summaries (`rollout.context.strategy:
+summarize`): a summary that drops it loses the episode. The oracle summarises `code D1`;
+`oracle_mistakes=q` makes it careless (with probability q, once per episode, its summaries keep
+only the progress, and its final answer guesses the first digit). Partial credit: 0.5 per digit.
 """
 
 from __future__ import annotations
@@ -63,6 +71,29 @@ def _log(rng, amount: int, nxt: str, noise_lines: int) -> str:
     return "\n".join(lines + [f"next: {nxt}"]) + "\n"
 
 
+def make_code_trail(rng, hops: int, decoys: int) -> Trail:
+    """The `codes` variant: `hops` files from START.txt, each naming the next; the first and the last
+    also hold a one-digit code (their `amounts`); `decoys` files off the trail."""
+    names: list[str] = ["start.txt"]
+    while len(names) < hops + decoys:
+        n = f"{_name(rng, 2)}.txt"
+        if n not in names:
+            names.append(n)
+    trail, others = names[:hops], names[hops:]
+    codes = (int(rng.integers(10)), int(rng.integers(10)))
+    files = {}
+    for i, p in enumerate(trail):
+        lines = [f"next: {trail[i + 1] if i + 1 < hops else 'none'}"]
+        if i == 0:
+            lines.insert(0, f"code: {codes[0]}")
+        if i == hops - 1:
+            lines.insert(0, f"code: {codes[1]}")
+        files[p] = "\n".join(lines) + "\n"
+    for p in others:
+        files[p] = f"next: {others[int(rng.integers(len(others)))]}\n"
+    return Trail(files, tuple(trail), codes, f"{int(rng.integers(16 ** 4)):04x}")
+
+
 def make_trail(rng, hops: int, decoys: int, noise_lines: int) -> Trail:
     """A tree of `hops` trail files (the first is START) and `decoys` others, drawn from `rng`."""
     dirs = [f"ledger/{_name(rng, 1)}{i}" for i in range(max(2, hops // 4))]
@@ -87,23 +118,43 @@ class LongHorizonEnv(ToolEnv):
     uses_sandbox = True
 
     def __init__(self, hops: int = 24, decoys: int = 12, noise_lines: int = 3, progress_reward: float = 0.0,
+                 goal: str = "sum", partial_credit: bool = False, oracle_mistakes: float = 0.0,
                  **kwargs: Any) -> None:
         if hops < 1 or decoys < 1 or noise_lines < 0:
             raise ValueError(f"need hops >= 1, decoys >= 1 and noise_lines >= 0; got hops={hops}, decoys={decoys}, "
                              f"noise_lines={noise_lines}")
         if progress_reward < 0:
             raise ValueError(f"progress_reward must be >= 0, got {progress_reward}")
+        if goal not in ("sum", "codes"):
+            raise ValueError(f"goal must be 'sum' (add the trail's amounts) or 'codes' (the first and last codes), "
+                             f"got {goal!r}")
+        if goal == "codes" and hops < 2:
+            raise ValueError("goal 'codes' needs hops >= 2 (the codes are in the first and the last file)")
+        if (partial_credit or oracle_mistakes) and goal != "codes":
+            raise ValueError("partial_credit and oracle_mistakes belong to goal 'codes'")
+        if not 0.0 <= oracle_mistakes <= 1.0:
+            raise ValueError(f"oracle_mistakes is a probability in [0, 1], got {oracle_mistakes}")
         self.hops, self.decoys, self.noise_lines = hops, decoys, noise_lines
-        self.progress_reward = progress_reward
+        self.progress_reward, self.goal = progress_reward, goal
+        self.partial_credit, self.oracle_mistakes = partial_credit, oracle_mistakes
         self._found: set[str] = set()
         self._new_finds = 0
+        self._careless: bool | None = None
         super().__init__(**kwargs)
 
+    @property
+    def start(self) -> str:
+        return "start.txt" if self.goal == "codes" else START
+
     def generate_task(self, rng, options: dict[str, Any]) -> Trail:
-        self._found, self._new_finds = set(), 0
+        self._found, self._new_finds, self._careless = set(), 0, None
+        if self.goal == "codes":
+            return make_code_trail(rng, self.hops, self.decoys)
         return make_trail(rng, self.hops, self.decoys, self.noise_lines)
 
     def opening_messages(self, task: Trail) -> list[Message]:
+        if self.goal == "codes":
+            return [Message(role="user", content="trail from start.txt; answer its first and last code")]
         return [Message(role="user", content=(
             f"Follow the trail of files from {START} (each names an amount and the next file; next: none ends it). "
             "Reply with the sum of the trail's amounts, the number only."))]
@@ -114,7 +165,7 @@ class LongHorizonEnv(ToolEnv):
             "import json, os, sys\n"
             f"files = json.loads({json.dumps(json.dumps(self.task.files))})\n"
             "for path, text in files.items():\n"
-            "    os.makedirs(os.path.dirname(path), exist_ok=True)\n"
+            "    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)\n"
             "    open(path, 'w').write(text)\n"
             "os.remove(sys.argv[0])\n"))
         result = sandbox.exec(f"python3 {SETUP_SCRIPT}", timeout=60)
@@ -140,14 +191,24 @@ class LongHorizonEnv(ToolEnv):
         obs, reward, terminated, truncated, info = super().step(action)
         return obs, reward + self.progress_reward * self._new_finds, terminated, truncated, info
 
+    def reward_parts(self, final_text: str) -> dict[str, float]:
+        """goal 'codes': 0.5 for each code in its place of the answer (the answer's digits, in order)."""
+        digits = re.sub(r"\D", "", final_text)
+        first, last = (str(a) for a in self.task.amounts)
+        return {"first_code": 0.5 if len(digits) == 2 and digits[0] == first else 0.0,
+                "last_code": 0.5 if len(digits) == 2 and digits[1] == last else 0.0}
+
     def score(self, final_text: str) -> float:
+        if self.goal == "codes":
+            parts = self.reward_parts(final_text)
+            return sum(parts.values()) if self.partial_credit else float(all(parts.values()))
         numbers = re.findall(r"-?\d+", final_text)
         return 1.0 if numbers and int(numbers[-1]) == self.task.total else 0.0
 
     # -- the oracle --------------------------------------------------------------------------
     def _progress(self, history: Sequence[Message | dict] | None) -> tuple[int, int, str | None]:
         """(files of the trail read, their total, the next file; None at the end) from the conversation."""
-        read, total, nxt = 0, 0, START
+        read, total, nxt = 0, 0, self.start
         for m in self._messages(history):
             if m.role != "tool" or m.tool_name != "read_file" or m.content.startswith("Error"):
                 continue
@@ -159,7 +220,11 @@ class LongHorizonEnv(ToolEnv):
         return read, total, nxt
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
-        """Read the next file of the trail (saying the running total); at its end, answer the total."""
+        """Read the next file of the trail (saying the running total); at its end, answer the total.
+        goal 'codes': read the next file (saying nothing); at the end answer the two codes, the first
+        from memory: the start file's output if still in context, else the summary's."""
+        if self.goal == "codes":
+            return self._code_oracle(history)
         read, total, nxt = self._progress(history)
         if nxt is None:
             return self.say(str(total))
@@ -167,5 +232,40 @@ class LongHorizonEnv(ToolEnv):
 
     def oracle_summary(self, history: Sequence[Message | dict] | None = None) -> str:
         """The oracle's answer to the loop's summary request."""
+        if self.goal == "codes":
+            first = self._remembered_code(history)
+            return self.say(f"code {first}" if first is not None and not self._is_careless() else "reading")
         read, total, nxt = self._progress(history)
         return self.say(f"{read} files read, total {total}, next {nxt or 'none'}")
+
+    # -- goal 'codes' ---------------------------------------------------------------------------
+    def _is_careless(self) -> bool:
+        if self._careless is None:
+            self._careless = bool(self.oracle_mistakes > 0 and self.np_random.random() < self.oracle_mistakes)
+        return self._careless
+
+    def _remembered_code(self, history: Sequence[Message | dict] | None) -> str | None:
+        """The start file's code as the conversation (what is still in context) holds it."""
+        code = None
+        for m in self._messages(history):
+            if m.role == "tool" and m.tool_name == "read_file" and "next:" in m.content:
+                found = re.search(r"^code: (\d)$", m.content, re.M)
+                if found and code is None:
+                    code = found.group(1)
+            elif m.role == "user" and (said := re.search(r"\bcode (\d)\b", m.content)):
+                code = said.group(1)  # a summary of this episode (context compaction)
+        return code
+
+    def _code_oracle(self, history: Sequence[Message | dict] | None) -> str:
+        messages = self._messages(history)
+        last = next((m for m in reversed(messages) if m.role == "tool" and m.tool_name == "read_file"), None)
+        if last is None:
+            return self.say(tool_calls=[{"name": "read_file", "arguments": {"path": self.start}}])
+        step = re.search(r"^next: (\S+)$", last.content, re.M)
+        if step and step.group(1) != "none":
+            return self.say(tool_calls=[{"name": "read_file", "arguments": {"path": step.group(1)}}])
+        final = re.search(r"^code: (\d)$", last.content, re.M)
+        first = self._remembered_code(messages)
+        if first is None or (self._is_careless() and self.hops > 1):
+            first = str(int(self.np_random.integers(10)))  # forgotten: a guess
+        return self.say(f"{first}{final.group(1) if final else '0'}")

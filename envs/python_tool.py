@@ -9,6 +9,15 @@ Task families (generated from the seed): products and sums of big numbers, modul
 powers, sums of ranges, digit sums of powers, counting multiples, and a few word problems.
 Each task carries the program the oracle sends to the interpreter.
 `reset(options={"family": "modpow"})` picks a family; `families=[...]` restricts the set.
+
+For small policies (the agentic mixture of examples/agent.yaml): the family `mul` ("37*58": two
+2-digit numbers, the program `print(37*58)`), `system_prompt=None` and `declare_tools=False` (the
+prompt alone says what to do: ~20 tokens instead of ~400), `partial_credit` with `turn_rewards`
+(0.5 in the turn whose program printed the answer, 0.5 for the exact final answer), and
+`oracle_mistakes=q`: a careless demonstrator that, with probability q (once per episode), answers
+at once with a guess instead of running the program. `tool_available=False` is the ablation: the
+`python` tool answers that it is unavailable, so a policy must compute in its head (success drops
+to chance: a guess of a 3-4 digit product).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.sandboxed import format_exec
-from k3rl.envs.tools import tool
+from k3rl.envs.tools import ToolError, tool
 
 
 @dataclass(frozen=True)
@@ -96,10 +105,18 @@ def _trains(r) -> PythonTask:
     return PythonTask("trains", q, code, minutes)
 
 
+def _mul(r) -> PythonTask:
+    a, b = int(r.integers(11, 100)), int(r.integers(11, 100))
+    return PythonTask("mul", f"{a}*{b}", f"print({a}*{b})", a * b)
+
+
 FAMILIES: dict[str, Callable[[Any], PythonTask]] = {
     "product": _product, "modpow": _modpow, "range_sum": _range_sum, "digit_sum": _digit_sum,
-    "multiples": _multiples, "apples": _apples, "savings": _savings, "trains": _trains,
+    "multiples": _multiples, "apples": _apples, "savings": _savings, "trains": _trains, "mul": _mul,
 }
+DEFAULT_FAMILIES = [f for f in FAMILIES if f != "mul"]
+SYSTEM_PROMPT = ("Solve the problem. You can run Python with the python tool (print what you need). "
+                 "Reply with the final answer as a number, without a tool call.")
 _INT = re.compile(r"-?\d[\d,_]*")
 
 
@@ -117,17 +134,32 @@ class PythonToolEnv(ToolEnv):
 
     default_max_turns = 6
     uses_sandbox = True
-    system_prompt = ("Solve the problem. You can run Python with the python tool (print what you need). "
-                     "Reply with the final answer as a number, without a tool call.")
 
-    def __init__(self, families: Sequence[str] | None = None, exec_timeout_s: float = 10.0, **kwargs: Any) -> None:
-        names = list(families or FAMILIES)
+    def __init__(self, families: Sequence[str] | None = None, exec_timeout_s: float = 10.0,
+                 system_prompt: str | None = SYSTEM_PROMPT, partial_credit: bool = False,
+                 turn_rewards: bool = False, oracle_mistakes: float = 0.0, tool_available: bool = True,
+                 **kwargs: Any) -> None:
+        names = list(families or DEFAULT_FAMILIES)
         unknown = [f for f in names if f not in FAMILIES]
         if unknown or not names:
             raise ValueError(f"unknown task families {unknown}; choose from {sorted(FAMILIES)}")
+        if turn_rewards and not partial_credit:
+            raise ValueError("turn_rewards pays the partial credit per turn; set partial_credit=True too")
+        if not 0.0 <= oracle_mistakes <= 1.0:
+            raise ValueError(f"oracle_mistakes is a probability in [0, 1], got {oracle_mistakes}")
         self.families = names
         self.exec_timeout_s = exec_timeout_s
+        self.system_prompt = system_prompt
+        self.tool_available = tool_available
+        self.partial_credit, self.turn_rewards, self.oracle_mistakes = partial_credit, turn_rewards, oracle_mistakes
+        self._ran_answer = False  # a program of this episode printed the answer
+        self._paid = 0.0
+        self._oracle_guesses: bool | None = None
         super().__init__(**kwargs)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self._ran_answer, self._paid, self._oracle_guesses = False, 0.0, None
+        return super().reset(seed=seed, options=options)
 
     def generate_task(self, rng, options: dict[str, Any]) -> PythonTask:
         family = options.get("family") or self.families[int(rng.integers(len(self.families)))]
@@ -145,19 +177,51 @@ class PythonToolEnv(ToolEnv):
         Args:
             code: the program; print() the values you want to see.
         """
+        if not self.tool_available:
+            raise ToolError("python is not available in this episode; answer without it")
         timeout = max(1.0, min(self.exec_timeout_s, self.remaining_s()))
         result = self.sandbox.exec(["python3", "-"], stdin=code, timeout=timeout)
+        if result.ok and last_integer(result.stdout) == self.task.answer:
+            self._ran_answer = True
         return format_exec(result, timeout)
 
+    def reward_parts(self, final_text: str | None = None) -> dict[str, float]:
+        """The partial credit so far: a program that printed the answer; the exact final answer when given."""
+        parts = {"ran_answer": 0.5 if self._ran_answer else 0.0}
+        if final_text is not None:
+            parts["answer"] = 0.5 if last_integer(final_text) == self.task.answer else 0.0
+        return parts
+
+    def step(self, action: Any):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.turn_rewards:  # the program's credit in the turn that ran it, once
+            earned = self.reward_parts()["ran_answer"] - self._paid
+            self._paid += earned
+            reward += earned
+        return obs, reward, terminated, truncated, info
+
     def score(self, final_text: str) -> float:
-        return 1.0 if last_integer(final_text) == self.task.answer else 0.0
+        if not self.partial_credit:
+            return 1.0 if last_integer(final_text) == self.task.answer else 0.0
+        parts = self.reward_parts(final_text)
+        return parts["answer"] if self.turn_rewards else sum(parts.values())
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
-        """Run the task's program once; answer with the last integer it printed."""
+        """Run the task's program once; answer with the last integer it printed. With `oracle_mistakes` = q:
+        with probability q (once per episode) it answers at once with a guess (never the answer)."""
         messages = self._messages(history)
         last = messages[-1] if messages else None
+        terse = self.system_prompt is None
         if last is not None and last.role == "tool" and last.tool_name == "python":
             value = last_integer(last.content)
             if value is not None:
-                return self.say(f"The answer is {value}.")
-        return self.say("Let me compute it.", [{"name": "python", "arguments": {"code": self.task.code}}])
+                return self.say(str(value) if terse else f"The answer is {value}.")
+        if self._oracle_guesses is None:
+            self._oracle_guesses = bool(self.oracle_mistakes > 0 and self.np_random.random() < self.oracle_mistakes)
+        if self._oracle_guesses:
+            guess = self.task.answer
+            while guess == self.task.answer:  # about the answer's size, never the answer
+                guess = int(self.np_random.integers(max(1, self.task.answer // 2), 2 * self.task.answer + 2))
+            return self.say(str(guess))
+        return self.say("" if terse else "Let me compute it.",
+                        [{"name": "python", "arguments": {"code": self.task.code}}])

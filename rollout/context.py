@@ -35,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3rl.chat import ChatSession, ChatTemplate, Message
+from k3rl.config import ContextSection
 from k3rl.messages import IMAGE_PLACEHOLDER
 from k3rl.types import Turn
 
-SUMMARY_REQUEST = ("The context is nearly full and will be cut. Summarise your progress: the facts you still need, "
-                   "exactly, and what is left to do. Reply without a tool call.")
-SUMMARY_INTRO = "Summary of your progress (earlier messages were removed):\n"
+# the defaults of rollout.context.summary_request / summary_intro
+SUMMARY_REQUEST = ContextSection.model_fields["summary_request"].default
+SUMMARY_INTRO = ContextSection.model_fields["summary_intro"].default
 DROPPED_OUTPUT = "[tool output removed to save context]"
 DROPPED_IMAGE = "[image removed to save context]"
 
@@ -74,11 +75,13 @@ class Compactor:
             raise ValueError(f"rollout.context.strategy {policy.strategy!r} does not compact; use "
                              "drop_tool_outputs or summarize")
         self.strategy, self.keep = policy.strategy, policy.keep_last_turns
+        self.request_text = getattr(policy, "summary_request", SUMMARY_REQUEST)
+        self.intro_text = getattr(policy, "summary_intro", SUMMARY_INTRO)
         self.threshold = int(policy.compact_at * max_context_tokens)
         self.max_context_tokens = max_context_tokens
         self.template, self.tools = template, tools
         asking = template.session()  # what the summary request adds to a context
-        self.request_tokens = len(asking.add(Message(role="user", content=SUMMARY_REQUEST)))
+        self.request_tokens = len(asking.add(Message(role="user", content=self.request_text)))
         self.request_tokens += len(asking.add_generation_prompt())
         self.opening: list[Message] = []
         self.summary: str | None = None  # the last summary (summarize)
@@ -122,7 +125,7 @@ class Compactor:
         for m in self.opening:
             add(m, "carried")
         if self.strategy == "summarize":
-            add(Message(role="user", content=SUMMARY_INTRO + (summary or "")), "carried")
+            add(Message(role="user", content=self.intro_text + (summary or "")), "carried")
             exchanges = self.exchanges[len(self.exchanges) - self.keep:] if self.keep else []
         else:
             exchanges = self.exchanges
@@ -160,9 +163,10 @@ def _drop(m: Message, tool_output: bool) -> tuple[Message, str]:
     return Message.model_validate({**m.model_dump(exclude={"images", "content"}), "content": text}), "dropped"
 
 
-def asks_for_summary(template: ChatTemplate, token_ids: list[int]) -> bool:
-    """Whether a context ends with the loop's summary request (for scripted policies, which see only tokens)."""
-    return SUMMARY_REQUEST in template.tok.decode(list(token_ids[-(len(SUMMARY_REQUEST) + 64):]))
+def asks_for_summary(template: ChatTemplate, token_ids: list[int], request: str = SUMMARY_REQUEST) -> bool:
+    """Whether a context ends with the loop's summary request `request` (for scripted policies, which see
+    only tokens)."""
+    return request in template.tok.decode(list(token_ids[-(len(request) + 64):]))
 
 
 def start_segment(traj: Any, compactor: Compactor, summary: str | None) -> tuple[ChatSession, list[bytes], int]:

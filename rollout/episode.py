@@ -245,8 +245,9 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
                 summary = None
                 if compactor.strategy == "summarize":  # a summarisation turn, sampled and trained like any
                     stage = "generate"
-                    start, _ = traj.append(session.add(Message(role="user", content=SUMMARY_REQUEST)).ids, generated=False)
-                    traj.turns.append(Turn(role="user", text=SUMMARY_REQUEST, start=start, end=len(traj.token_ids),
+                    asking = Message(role="user", content=compactor.request_text)
+                    start, _ = traj.append(session.add(asking).ids, generated=False)
+                    traj.turns.append(Turn(role="user", text=compactor.request_text, start=start, end=len(traj.token_ids),
                                            segment=len(traj.segment_starts), compaction="summary_request"))
                     traj.append(session.add_generation_prompt().ids, generated=False)
                     n = len(traj.token_ids)
@@ -345,7 +346,8 @@ async def oracle_episode(make_env: Callable[[], Any], spec: EpisodeSpec, templat
     summarise = scripted_generate(template, summary)
 
     async def generate(token_ids, sampling, **kw) -> GenerationResult:
-        return await (summarise if asks_for_summary(template, token_ids) else oracle)(token_ids, sampling, **kw)
+        request = getattr(context, "summary_request", SUMMARY_REQUEST)
+        return await (summarise if asks_for_summary(template, token_ids, request) else oracle)(token_ids, sampling, **kw)
 
     return await run_episode(make, spec, generate, template, SamplingParams(max_tokens=max_tokens),
                              max_turns=max_turns, max_context_tokens=max_context_tokens, time_budget_s=time_budget_s,

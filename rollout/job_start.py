@@ -4,6 +4,7 @@ episode loop with the job's limits."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import random
 
@@ -21,6 +22,8 @@ from k3rl.rollout.episode import (
 )
 from k3rl.types import Trajectory
 
+DEMONSTRATIONS_AT_ONCE = 8
+
 
 class PreflightError(ConfigError):
     """A training env that cannot work with the job's limits; the message names the field to change."""
@@ -36,6 +39,7 @@ def preflight(cfg: JobConfig) -> None:
     _check_checkpoint(cfg)
     _check_teachers(cfg)
     import_env_modules(cfg.envs.imports)
+    _check_sandbox_backend(cfg)
     template = make_template(cfg)
     limit = cfg.rollout.max_context_tokens
     for e in cfg.envs.train:
@@ -64,6 +68,25 @@ def preflight(cfg: JobConfig) -> None:
                     why = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
                     raise PreflightError(f"learner.sft_phases.{i}.env_kwargs: {e.id} with kwargs {kwargs} cannot "
                                          f"play an oracle episode: {why}") from err
+
+
+def _check_sandbox_backend(cfg: JobConfig) -> None:
+    """Envs whose tools run in sandboxes need a backend that works here; "auto" never falls back to running
+    them unsandboxed: that takes `sandbox.backend: none`, by name."""
+    from k3rl.envs.base import ToolEnv, registered_entry_point
+    from k3rl.sandboxes import BackendUnavailableError, choose_backend
+
+    needing = sorted({e.id for e in [*cfg.envs.train, *cfg.envs.eval]
+                      if isinstance(cls := registered_entry_point(e.id), type) and issubclass(cls, ToolEnv)
+                      and cls.uses_sandbox})
+    if not needing or cfg.sandbox.backend == "none":
+        return
+    try:
+        choose_backend(cfg.sandbox.backend, cfg.sandbox.image)
+    except BackendUnavailableError as err:
+        raise PreflightError(f"sandbox.backend: {cfg.sandbox.backend!r} cannot run the sandboxes of {', '.join(needing)} "
+                             f"here ({err}). Install Docker (k3rl sandbox build) or bubblewrap, or, for tools that need "
+                             f"no isolation, set sandbox.backend: none (plain host processes, no isolation)") from err
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:
@@ -153,18 +176,21 @@ def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajec
     template = make_template(cfg)
     limits = job_limits(cfg)
 
-    async def collect() -> list[Trajectory]:
-        out = []
-        for i in range(n):
-            spec = demonstration_spec(cfg, run_name, i)
+    running = asyncio.Semaphore(DEMONSTRATIONS_AT_ONCE)  # sandboxed envs wait on their tools: overlap them
+
+    async def one(i: int) -> Trajectory:
+        spec = demonstration_spec(cfg, run_name, i)
+        async with running:
             traj = await oracle_episode(functools.partial(make_env, spec, cfg, template), spec, template,
                                         max_tokens=cfg.rollout.sampling.max_tokens_per_turn, **limits)
-            if traj.error or not traj.terminated:
-                why = traj.error or f"truncated by {traj.metadata.get('truncated_by')}"
-                raise RuntimeError(f"oracle demonstration {traj.id} of {traj.env_id} did not finish ({why}); "
-                                   f"`k3rl train` checks this at start (preflight), or set learner.sft_steps=0")
-            out.append(traj)
-        return out
+        if traj.error or not traj.terminated:
+            why = traj.error or f"truncated by {traj.metadata.get('truncated_by')}"
+            raise RuntimeError(f"oracle demonstration {traj.id} of {traj.env_id} did not finish ({why}); "
+                               f"`k3rl train` checks this at start (preflight), or set learner.sft_steps=0")
+        return traj
+
+    async def collect() -> list[Trajectory]:
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
 
     return run_sync(collect())
 
@@ -185,7 +211,7 @@ def collect_demonstration_sets(cfg: JobConfig, run_name: str, n: int) -> list[li
 def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:
     """Demonstration i: the env (by `envs.train` weights) and seed of prompt group i of the job."""
     rng = random.Random(f"{cfg.learner.seed}:{i}")
-    env = rng.choices(cfg.envs.train, weights=[e.weight for e in cfg.envs.train])[0]
+    env = cfg.envs.env_of_group(i, rng)
     gid = f"{run_name}-demo-g{i:07d}"
     return EpisodeSpec(id=f"{gid}-s0", env_id=env.id, seed=rng.randrange(2**31), group_id=gid,
                        env_kwargs=dict(env.kwargs))

@@ -66,8 +66,7 @@ class EpisodesFailingError(RuntimeError):
 def episode_specs(cfg: JobConfig, run_name: str, index: int, version: int) -> list[dict[str, Any]]:
     """The group_size specs of group `index`. Ids, env and seed depend only on the index."""
     rng = random.Random(f"{cfg.learner.seed}:{index}")
-    envs = cfg.envs.train
-    env = rng.choices(envs, weights=[e.weight for e in envs])[0]
+    env = cfg.envs.env_of_group(index, rng)
     seed = rng.randrange(2**31)
     gid = f"{run_name}-g{index:07d}"
     return [{"id": f"{gid}-s{k}", "env_id": env.id, "seed": seed, "group_id": gid, "env_kwargs": dict(env.kwargs),

@@ -8,7 +8,7 @@ from pathlib import Path
 from .base import Sandbox, log
 from .types import BackendUnavailableError, SandboxLimits
 
-BACKENDS = ("docker", "bwrap", "auto")
+BACKENDS = ("docker", "bwrap", "auto", "none")
 
 
 def default_job() -> str:
@@ -18,7 +18,8 @@ def default_job() -> str:
 
 def choose_backend(backend: str = "auto", image: str | None = None) -> str:
     """Resolve "auto": Docker when a daemon answers and the image is there, else bubblewrap (logged).
-    A Docker `image` named by the caller is never silently replaced: without it "auto" raises."""
+    A Docker `image` named by the caller is never silently replaced: without it "auto" raises. "auto"
+    never resolves to "none" (no isolation): that backend is only ever asked for by name."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
@@ -41,7 +42,9 @@ def choose_backend(backend: str = "auto", image: str | None = None) -> str:
     if bwrap_path() is None:
         raise BackendUnavailableError(
             f"no sandbox backend available: Docker: {reason}; bubblewrap: not installed "
-            "(apt-get install -y bubblewrap). Run `k3rl sandbox doctor` for details."
+            "(apt-get install -y bubblewrap). Run `k3rl sandbox doctor` for details. Tools that need no "
+            "isolation can run as plain host processes with backend 'none' (sandbox.backend: none), chosen "
+            "by name only."
         )
     log.info("sandbox backend auto -> bwrap (docker unusable: %s)", reason)
     return "bwrap"
@@ -58,7 +61,7 @@ def open_sandbox(
 ) -> Sandbox:
     """Open a sandbox (use it as a context manager so it is always closed).
 
-    backend: "docker", "bwrap" or "auto". job: label that `k3rl sandbox gc --job` matches.
+    backend: "docker", "bwrap", "auto" or "none" (no isolation: `unsandboxed.py`). job: label that `k3rl sandbox gc --job` matches.
     image (docker) / rootfs (bwrap): override the built sandbox image. Limits: pass a
     `SandboxLimits` and/or its fields as keywords, e.g. `open_sandbox(memory_mb=512, pids=64)`.
     """
@@ -67,6 +70,10 @@ def open_sandbox(
         base = SandboxLimits.from_kwargs(**{**base.__dict__, **limit_overrides})
     chosen = choose_backend(backend, image)
     job = job or default_job()
+    if chosen == "none":
+        from .unsandboxed import UnsandboxedSandbox
+
+        return UnsandboxedSandbox(base, job=job)
     if chosen == "docker":
         from .docker_backend import DockerSandbox
 

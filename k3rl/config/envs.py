@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from .base import _refuse, _Section
 
 # built-in envs whose observations hold images (the vLLM engine cannot take them)
-IMAGE_ENVS = ("k3rl/ChartMatch-v0",)
+IMAGE_ENVS = ("k3rl/ChartMatch-v0", "k3rl/ScreenRead-v0")
 
 
 class EnvSpec(_Section):
@@ -38,6 +38,10 @@ class EvalSpec(_Section):
 
 class EnvsSection(_Section):
     train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")], min_length=1)
+    mix: Literal["sample", "cycle"] = Field(
+        "sample", description="how a group's env is chosen from envs.train: sample (at random by weight) or cycle "
+                              "(group i takes env i mod len(train): every env in every step of a multiple of "
+                              "len(train) prompts; weights must be 1)")
     eval: list[EvalSpec] = Field(
         default_factory=list, description="held-out evaluation: before RL and every tracking.eval_every steps")
     eval_pass_k: int = Field(4, ge=1, description="k of pass@k for the envs.eval specs that do not set pass_k")
@@ -55,6 +59,20 @@ class EnvsSection(_Section):
                                   f"(or in ray.runtime_env.working_dir / py_modules)")
                  for i, name in enumerate(self.imports)
                  if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name)])
+        return self
+
+    def env_of_group(self, index: int, rng) -> EnvSpec:
+        """The training env of prompt group `index` (`rng`: the group's own random stream)."""
+        if self.mix == "cycle":
+            return self.train[index % len(self.train)]
+        return rng.choices(self.train, weights=[e.weight for e in self.train])[0]
+
+    @model_validator(mode="after")
+    def _cycle_weights(self):
+        if self.mix == "cycle":
+            _refuse([(f"train.{i}.weight", f"{e.weight} with envs.mix: cycle, which gives every env the same share; "
+                                            f"set the weight to 1, or use envs.mix: sample")
+                     for i, e in enumerate(self.train) if e.weight != 1.0])
         return self
 
     def eval_sizes(self, spec: EvalSpec) -> tuple[int, int]:

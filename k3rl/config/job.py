@@ -162,8 +162,8 @@ class JobConfig(_Section):
         return []
 
     def _sandbox_problems(self) -> list[tuple[str, str]]:
-        if self.sandbox.image and self.sandbox.backend == "bwrap":
-            return [("sandbox.image", f"{self.sandbox.image!r} is a Docker image, but sandbox.backend is 'bwrap'; "
+        if self.sandbox.image and self.sandbox.backend in ("bwrap", "none"):
+            return [("sandbox.image", f"{self.sandbox.image!r} is a Docker image, but sandbox.backend is {self.sandbox.backend!r}; "
                                       f"set sandbox.backend: docker (or auto), or remove sandbox.image")]
         return []
 

@@ -35,6 +35,12 @@ class ContextSection(_Section):
     compact_at: float = Field(0.7, gt=0, le=1, description="compact when the context reaches this share of "
                                                            "rollout.max_context_tokens (the rest is room for the "
                                                            "last reply and the summary)")
+    summary_request: str = Field(
+        "The context is nearly full and will be cut. Summarise your progress: the facts you still need, exactly, "
+        "and what is left to do. Reply without a tool call.", min_length=1,
+        description="summarize: the user message that asks the policy for its summary")
+    summary_intro: str = Field("Summary of your progress (earlier messages were removed):\n",
+                               description="summarize: what precedes the summary in the next segment's user message")
 
 
 class RolloutSection(_Section):

@@ -11,7 +11,10 @@ from .base import _refuse, _Section
 
 
 class SandboxSection(_Section):
-    backend: Literal["auto", "docker", "bwrap"] = "auto"
+    backend: Literal["auto", "docker", "bwrap", "none"] = Field(
+        "auto", description="auto: Docker when a daemon answers and the image is built, else bubblewrap; none: "
+                            "tools run as plain host processes with NO isolation (asked for by name only, for tools "
+                            "that need none, e.g. on a GPU machine without Docker)")
     image: str | None = Field(
         None, description="Docker image of the sandboxes (backend docker or auto); None: k3rl-sandbox:<version> from "
                           "`k3rl sandbox build`. Another image needs python3 and a user 1000 (e.g. FROM that image)")
