@@ -1,8 +1,8 @@
 """Credit assignment on the demo's task, in one process: a recipe's RL steps and held-out evals.
 
-    python benchmarks/credit_probe.py NAME examples/demo_from_scratch.yaml [key.path=value ...]
-    python benchmarks/credit_probe.py --plot OUT.png A.jsonl B.jsonl ...
-    python benchmarks/credit_probe.py --table A.jsonl B.jsonl ...     # RL's own gain and evals, a line each
+    python experiments/credit_probe.py NAME examples/demo_from_scratch.yaml [key.path=value ...]
+    python experiments/credit_probe.py --plot OUT.png A.jsonl B.jsonl ...
+    python experiments/credit_probe.py --table A.jsonl B.jsonl ...     # RL's own gain and evals, a line each
 
 With the job's own parts (config, episode loop, embedded engine, the learner's Trainer and weight
 export; no Ray or MLflow): an SFT warm start (cosine over learner.sft_steps; WS_CACHE=path.pt saves
@@ -13,7 +13,7 @@ the job's temperature. The SFT follows learner.sft_phases as the job does (e.g. 
 a careless oracle's: `'learner.sft_phases=[{from_step: 100, env_kwargs: {oracle_wrong_key: 0.5}}]'`, what
 session 11's SFT_SWITCH=100 CARELESS_Q=0.5 did). SFT_TARGET_NLL=x ends the warm start early, once the mean NLL of the
 last 5 SFT steps is below x (at most learner.sft_steps). Writes NAME.jsonl (one line per SFT / step / eval event). The measurement
-in docs/learning.md ("Per-turn credit") used it; its runs are in benchmarks/results/credit/.
+in docs/learning.md ("Per-turn credit") used it; its runs are in experiments/results/credit/.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """On-policy distillation on the CPU: does a k3-tiny student learn KeyLookup faster from a teacher?
 
-    python benchmarks/distill.py --teacher DIR        # the measurement (benchmarks/results/distill.md);
+    python experiments/distill.py --teacher DIR        # the measurement (experiments/results/distill/runs.md);
                                                       # DIR empty: the teacher is trained and saved there
-    python benchmarks/distill.py --rl-steps 2 --teacher-sft-steps 2 --student-sft-steps 2 --eval-tasks 4 \
+    python experiments/distill.py --rl-steps 2 --teacher-sft-steps 2 --student-sft-steps 2 --eval-tasks 4 \
         --out /tmp/distill-smoke                                   # a smoke run
 
 In one process, with the job's own parts (the demo's config, examples/demo_from_scratch.yaml: the episode loop,
@@ -225,7 +225,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("rl", "teacher"), help="run one arm only (e.g. the two arms in two "
                                                                  "processes side by side)")
     ap.add_argument("--device", default="cpu", help="where the models, engines and trainers run (cuda: a GPU)")
-    ap.add_argument("--out", default="benchmarks/results/distill")
+    ap.add_argument("--out", default="experiments/results/distill/distill")
     args = ap.parse_args()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     cfg = JobConfig.load(DEMO, [f"learner.lr={args.rl_lr}", *args.set])

@@ -1,6 +1,6 @@
-"""Several `benchmarks/distill.py` runs in one picture: each run's arms, by seed.
+"""Several `experiments/distill.py` runs in one picture: each run's arms, by seed.
 
-    python benchmarks/distill_compare.py OUT.png RUN.json [RUN.json ...]
+    python experiments/distill_compare.py OUT.png RUN.json [RUN.json ...]
 
 Left: each arm's training reward, the mean of the last 5 steps at every step; right: the held-out success
 of one sample per task at the sampling temperature (what RL trains), at the runs' evaluation steps. Arms

@@ -1,6 +1,6 @@
 """Where a teacher's per-token signal lands: log T - log mu of a run's stored episodes, by turn.
 
-    python benchmarks/distill_turns.py RUN TEACHER [--steps 1 2] [--temperature 0.7]
+    python experiments/distill_turns.py RUN TEACHER [--steps 1 2] [--temperature 0.7]
 
 Scores the training episodes a job stored for the given steps (sampled by the student, with their
 behaviour log-probs mu) with the teacher at TEACHER (an HF-layout checkpoint), as on-policy

@@ -1,6 +1,6 @@
 """Which key a KeyLookup policy looks up, per training step and held-out eval, from a run's stored episodes.
 
-    python benchmarks/key_choice.py runs/<run> [--every 5]
+    python experiments/key_choice.py runs/<run> [--every 5]
 
 For each eval (greedy `Eg`, sampled `Es`, the untrained policy's `Eu`) and each window of training steps (`T`): the share of episodes
 whose first lookup was the requested key (`req`), the task's other key (`other`), or a key the task does

@@ -1,11 +1,11 @@
 """k3-small learns KeyLookup on one H200: two real jobs that differ in one config value, by default
-rollout.max_policy_lag (issue [11], item 6).
+rollout.max_policy_lag.
 
-    python benchmarks/learn_gpu.py --out /tmp/learn                    # one H200: lags 0 and 2 at once
-    python benchmarks/learn_gpu.py --out /tmp/learn --vary learner.lr=2e-5,5e-5   # two rates instead
-    python benchmarks/learn_gpu.py --out /tmp/learn --task num_keys=6 --set learner.sft_steps=10
-    python benchmarks/learn_gpu.py --cpu --out /tmp/learn-smoke        # smoke run: k3-tiny, CPU, 2 steps
-    bash benchmarks/learn_gpu.sh 2>&1 | tee $OUT/log                   # on the device (wheels, layout, $OUT)
+    python experiments/learn_gpu.py --out /tmp/learn                    # one H200: lags 0 and 2 at once
+    python experiments/learn_gpu.py --out /tmp/learn --vary learner.lr=2e-5,5e-5   # two rates instead
+    python experiments/learn_gpu.py --out /tmp/learn --task num_keys=6 --set learner.sft_steps=10
+    python experiments/learn_gpu.py --cpu --out /tmp/learn-smoke        # smoke run: k3-tiny, CPU, 2 steps
+    bash experiments/learn_gpu.sh 2>&1 | tee $OUT/log                   # on the device (wheels, layout, $OUT)
 
 Each job is `k3rl train examples/demo_from_scratch.yaml --set ...` in a process of its own (its own local Ray:
 the learner on 0.5 GPU, one embedded engine on 0.5 GPU, weights by CUDA IPC), both writing into
@@ -48,12 +48,12 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # the KeyLookup task of training and eval (the demo's: 2 keys of abcd, 1-digit values)
 TASK = {"num_keys": "4", "value_digits": "2", "key_letters": "abcdefgh", "key_digit": "false"}
 # on top of examples/demo_from_scratch.yaml (temperature 0.7, per-turn credit and format penalty, token mean); lr 5e-5 is the
-# rate measured to learn on the H200 (benchmarks/results/learn_gpu/README.md: 2e-5's job hit an engine fault)
+# rate measured to learn on the H200 (experiments/results/learn_gpu/README.md: 2e-5's job hit an engine fault)
 RECIPE = [
     "learner.steps=30", "learner.sft_steps=20", "learner.sft_lr=1e-3", "learner.lr=5e-5",
     # the warm start of 2026-12-02's run (held-out greedy 0.92): one careful phase of 128 demonstrations a
     # step. The demo's careless second phase (from step 10 of 20) left k3-small unable to copy the value,
-    # and its 32 a step after 20 steps copied on 0.14 of held-out tasks (results/learn_gpu/README.md)
+    # and its 32 a step after 20 steps copied on 0.14 of held-out tasks (experiments/results/learn_gpu/README.md)
     "learner.sft_phases=[]", "learner.sft_batch=128",
     "rollout.prompts_per_step=16", "rollout.group_size=8",
     "rollout.num_rollout_workers=2", "rollout.episodes_per_worker=128", "rollout.max_batch_sequences=256",
@@ -354,7 +354,7 @@ def main() -> None:
     runs = [read_run(client, j) for j in jobs if j.started is not None]
     import torch
 
-    result = {"command": shlex.join(["python", "benchmarks/learn_gpu.py", *sys.argv[1:]]),
+    result = {"command": shlex.join(["python", "experiments/learn_gpu.py", *sys.argv[1:]]),
               "job_command": shown(shared) + f" --set {vary_key}=VALUE", "vary": {vary_key: values},
               "device": "cpu" if args.cpu else "cuda", "torch": torch.__version__, "budget_s": args.budget_s,
               "wall_s": time.monotonic() - START, "runs": runs,

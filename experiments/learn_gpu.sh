@@ -1,11 +1,11 @@
 #!/bin/bash
-# benchmarks/learn_gpu.py on the GPU device (one H200, no internet, torch and triton only): install
+# experiments/learn_gpu.py on the GPU device (one H200, no internet, torch and triton only): install
 # the carried wheels, lay k3rl out as an installed package, run both jobs, leave the results in $OUT.
 #
 #   bash benchmarks/device_wheels.sh           # here, once: .whl_rl/ (pydantic & co. are in .whl/)
 #   # device `run`, carry [".whl", ".whl_rl"] (and ".cache" to reuse an earlier run's Triton cache):
-#   bash benchmarks/learn_gpu.sh 2>&1 | tee $OUT/log
-#   bash benchmarks/learn_gpu.sh --task num_keys=6 --set learner.sft_steps=10 2>&1 | tee $OUT/log
+#   bash experiments/learn_gpu.sh 2>&1 | tee $OUT/log
+#   bash experiments/learn_gpu.sh --task num_keys=6 --set learner.sft_steps=10 2>&1 | tee $OUT/log
 #
 # Arguments go to learn_gpu.py (--budget-s 480 and --grace-s 40 by default: with the ~30 s of
 # installing, the run ends inside the device's 600 s). $OUT gets (at most 8 files come back):
@@ -20,7 +20,7 @@ source benchmarks/device_env.sh
 (cd /tmp && python3 -c "import k3rl.job, k3rl.learner.trainer, k3rl.rollout.engine, ray, mlflow, gymnasium; print('imports ok')")
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 rm -rf /tmp/learn_gpu  # a warm machine keeps the last run's
-python3 benchmarks/learn_gpu.py --out /tmp/learn_gpu "$@"
+python3 experiments/learn_gpu.py --out /tmp/learn_gpu "$@"
 rc=$?
 cd /tmp/learn_gpu 2>/dev/null || exit $rc
 cp learn_gpu.json learn_gpu.png compare.png mlflow.db "$OUT"/ 2>/dev/null

@@ -1,6 +1,6 @@
 """Per-Head Muon or AdamW for LoRA adapters: SFT of a LoRA-adapted k3-tiny (CPU).
 
-    python benchmarks/lora_optimizer.py --steps 40
+    python experiments/lora_optimizer.py --steps 40
 
 Two tasks, each step one `Trainer.sft_step` (cosine LR over the steps, peak from a 3-point grid
 per optimizer), LoRA r=8, alpha=16 on attention, shared experts and latent projections:

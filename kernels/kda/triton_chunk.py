@@ -94,7 +94,7 @@ def _chunk_tables(B, T, cu_seqlens, device):
 # 2 stages prefetch the next chunk's tiles (1.290 vs 1.314 ms forward at 1 x 4096 x 96, 19:35 sweep),
 # though their 152 KB of shared memory leave one state program per SM)
 # maxnreg_* caps registers per thread (None: the compiler's choice).
-# Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
+# Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels/runs.md).
 CONFIG = {
     # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd instead of a pass of its own (needs split_intra;
     # 1.158 vs 1.288 ms forward at 1 x 4096 x 96, 20:07 sweep)
