@@ -57,7 +57,7 @@ bench: setup
 	$(PY) benchmarks/pipeline.py
 
 lint: venv
-	$(VENV)/bin/ruff check k3rl envs rollout learner kernels sandboxes tests benchmarks examples
+	$(VENV)/bin/ruff check k3rl envs rollout learner kernels sandboxes tests benchmarks experiments examples
 
 clean:
 	rm -rf runs .pytest_cache

@@ -263,7 +263,7 @@ def agree():
 
 
 def strong_gate_inputs(lens, H, K=128, V=128, seed=0):
-    """The issue's strong gates: A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1), random beta, an initial
+    """Strong gates: A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1), random beta, an initial
     state, ragged documents (fp32 here; each run casts)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(lens)

@@ -194,7 +194,7 @@ def bf16_attention(mla):
 
 
 def short_conv_bf16(x, weight, left, cu_seqlens, backend=None):
-    """learner.model.kda.short_conv for one unpacked batch, in x's dtype instead of fp32 (the lever)."""
+    """k3rl.model.kda.short_conv for one unpacked batch, in x's dtype instead of fp32 (the lever)."""
     import torch.nn.functional as F
 
     if cu_seqlens is not None or left is not None:

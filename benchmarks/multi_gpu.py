@@ -1,4 +1,4 @@
-"""Multi-GPU learner and weight broadcast on one host (issues [9], [10]).
+"""Multi-GPU learner and weight broadcast on one host.
 
     python benchmarks/multi_gpu.py --gpus 2 --steps 6
     python benchmarks/multi_gpu.py --gpus 4 --ep 4 --skip-broadcast     # + expert parallel

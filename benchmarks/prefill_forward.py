@@ -1,4 +1,4 @@
-"""What one engine prefill forward costs, by size, and where its time goes (issue [12] item 5).
+"""What one engine prefill forward costs, by size, and where its time goes.
 
     python3 benchmarks/prefill_forward.py --preset k3-small --device cuda      # on the H200
     python3 benchmarks/prefill_forward.py                                      # k3-tiny on the CPU

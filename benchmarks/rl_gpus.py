@@ -1,4 +1,4 @@
-"""The asynchronous agentic RL job on one GPU and across GPUs of one host (issue [10]).
+"""The asynchronous agentic RL job on one GPU and across GPUs of one host.
 
     python benchmarks/rl_gpus.py --steps 5                         # every layout below
     python benchmarks/rl_gpus.py --layouts 2gpu --steps 3

@@ -90,7 +90,7 @@ def mlflow_client(uri: str):
     """An MlflowClient on `uri`; for a SQLite URI the directory of the database is created first, and
     the store is opened under a file lock: MLflow creates and migrates a new database's schema on
     first use, and two jobs doing that at once on one new file both failed (`table _alembic_tmp_metrics
-    already exists`), seen with three demo seeds started together on 2026-12-02."""
+    already exists`), as three demo jobs started together did."""
     import fcntl
 
     from mlflow.tracking import MlflowClient

@@ -26,7 +26,7 @@ the whole sequence's reverse KL, grad E[sum_s log pi/T] = E[sum_t grad log pi(y_
 a token is also charged for what the teacher thinks of the tokens that follow it. It matters in
 multi-turn episodes, where a teacher disagrees most in the turns after a student's mistake (a
 wrong lookup, then an answer the teacher would not give): per token, that disagreement lands on
-the later turn, not on the token that caused it (benchmarks/distill_turns.py measures where it lands).
+the later turn, not on the token that caused it (experiments/distill_turns.py measures where it lands).
 Tool output (loss_mask 0) carries no r and does not count as a step of the discount.
 
 The exact estimator (`estimator: "exact"`): the same per-token reverse KL, taken over the whole

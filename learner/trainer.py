@@ -386,7 +386,7 @@ class Trainer:
         total_positions = 0
         minis = self._minibatches(keep, trajectories) if keep else []
         old_policy = epochs * len(minis) > 1
-        if not self.model.training:  # a walk over every module (~2 ms of host time with the GPU idle)
+        if not self.model.training:  # a walk over every module: host time, the GPU idle
             self.model.train()
         for idx in minis:
             mbs, n = self._micro_batches([trajectories[i] for i in idx], adv[idx])

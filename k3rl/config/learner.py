@@ -90,8 +90,8 @@ class LoraSection(_Section):
         description="the weights to adapt: the groups attention, shared_experts, routed_experts, latent, or "
                     "regular expressions searched in weight names (e.g. 'self_attn\\.q_proj\\.weight$')")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="the adapters' optimizer, in place of learner.optimizer (AdamW: measured ahead of "
-                             "Per-Head Muon on adapters, BENCHMARKS.md 'LoRA')")
+        "adamw", description="the adapters' optimizer, in place of learner.optimizer (AdamW: it fit faster than "
+                             "Per-Head Muon on adapters, each at its best learning rate)")
     sync: Literal["adapters", "merged"] = Field(
         "adapters", description="what a weight sync sends: the adapters alone (each engine merges them into its "
                                 "own base weights) or the merged weights W + (alpha / rank) B A under the release's names")

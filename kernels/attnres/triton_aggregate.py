@@ -24,14 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-# elements per row block (rows x padded d): one row per program from d = 513 on. H200, 65,536 rows of
-# d = 768, an fp32 source then bf16 ones: 3 / 6 / 9 sources forward 212 / 451 / 827 us, backward 392 /
-# 750 / 1,205 us, against 354 / 625 / 1,639 and 1,190 / 2,205 / 3,536 us with 8 rows (8192) a block
+# elements per row block (rows x padded d): one row per program from d = 513 on (a launch sweep at
+# k3-small's d = 768 found one row a program faster than 8, forward and backward, at 3 to 9 sources)
 ROWS = 1024
 MAX_D = 16384  # widest row a program holds in registers
 MAX_PROGRAMS = 8192  # backward programs at most, each over consecutive row blocks ...
-DQ_PARTIALS = 2**23  # ... and at most this many fp32 dq partials (programs x padded d): d = 7168, 1,024
-# programs 1,144 us, 8,192 programs 1,303 us (16,384 rows, 4 sources), the partials' sum grows
+DQ_PARTIALS = 2**23  # ... and at most this many fp32 dq partials (programs x padded d): at K3's d = 7168
+# more programs than that cost more in the partials' sum than they gain
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # counts of tokens: one compile for any length (kernels/__init__.py)

@@ -9,7 +9,7 @@ This module is the host side (launch configuration, chunk tables, the autograd f
   triton_chunk_intra.py   intra_blocks_fwd per (chunk and 16-row block, head): A_qk, A_kk by 16x16
                           blocks (dense thanks to the bounded gate), the diagonal blocks' inverses,
                           QG = Q Gamma, KD = K e^{G_C - G}, beta Gamma K (intra_fwd: all of stages 2-3
-                          in one kernel, CONFIG["split_intra"] = False, 1.4x slower on the H200)
+                          in one kernel, CONFIG["split_intra"] = False: slower, at 255 registers)
   triton_chunk_solve.py   intra_solve_fwd: T~ = (I + A_kk)^-1 by block forward substitution,
                           W = T~ (beta Gamma K), U = T~ (beta V)
   triton_chunk_state.py   state_fwd, serial over chunks per (document, head, V-block):
@@ -91,25 +91,22 @@ def _chunk_tables(B, T, cu_seqlens, device):
 
 # launch configuration; BV = value-block width of the serial state kernels (more programs when smaller)
 # (3 pipeline stages of the serial loops need 234 KB of shared memory, over the 227 KB of an H100/H200;
-# 2 stages prefetch the next chunk's tiles (1.290 vs 1.314 ms forward at 1 x 4096 x 96, 19:35 sweep),
-# though their 152 KB of shared memory leave one state program per SM)
-# maxnreg_* caps registers per thread (None: the compiler's choice).
-# Chosen by the launch sweeps of 2026-11-29 17:18 and 19:30 UTC on the H200 (benchmarks/results/kernels.md).
+# 2 stages prefetch the next chunk's tiles, though their 152 KB of shared memory leave one state program
+# per SM). maxnreg_* caps registers per thread (None: the compiler's choice).
+# Each value is the best of a launch sweep on the GPU (benchmarks/kernels.py --only sweep).
 CONFIG = {
-    # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd instead of a pass of its own (needs split_intra;
-    # 1.158 vs 1.288 ms forward at 1 x 4096 x 96, 20:07 sweep)
+    # fuse_l2norm: q/k L2 norm inside intra_blocks_fwd as it reads the rows, instead of a pass of its own
+    # (needs split_intra)
     "fuse_l2norm": True,
-    "warps_gate": 8,  # gate_cumsum_fwd (19:47 sweep: 1.300 vs 1.305 ms at 4 warps, 1.322 at 2)
-    # (gate + cumsum inside intra_blocks_fwd too was timed at 2.21 ms forward on 20:07 and removed)
+    "warps_gate": 8,  # gate_cumsum_fwd (the gate + cumsum inside intra_blocks_fwd was slower and removed)
     "BV": 64, "warps_state": 4, "stages_state": 2,  # state_fwd (BV 128 at 8 warps: one program per head)
     "BV_intra": 64,  # U = T~ (beta V) by V blocks of this width in intra_solve_fwd / intra_fwd
     # intra_blocks_fwd + intra_solve_fwd (split_intra; False: the single intra_fwd kernel, 8 warps)
     "split_intra": True, "warps_blocks": 4, "warps_solve": 4, "warps_intra": 8, "maxnreg_intra": None,
     "split_output": False, "BV_out": 64, "warps_out": 4,  # split: O by a parallel kernel after the serial pass
     "BV_bwd": 64, "warps_state_bwd": 4, "stages_state_bwd": 1,  # state_bwd
-    # grads_chunk and grads_subtiles: K slices of 32 and 64 since the 2026-12-02 17:35 sweep at 1 x 16384 x 96
-    # (fwd + bwd 21.47 -> 18.45 ms; grads_chunk 6.21 -> 4.82 ms, grads_subtiles 7.21 -> 5.60 ms, whose TF32
-    # products had made it slower). stages_grads 1 faults (illegal address; Triton 3.6), so 2 stays.
+    # grads_chunk and grads_subtiles take K in slices (BKS, BKS_tiles): the same sums in other slices,
+    # sized by the sweep at 1 x 16384 x 96. stages_grads 1 faults (illegal address; Triton 3.6), so 2 stays.
     "BKS": 32, "BV_grads": 64, "warps_grads": 4, "stages_grads": 2, "maxnreg_grads": None,  # grads_chunk
     "BKS_tiles": 64, "warps_subtiles": 4,  # grads_subtiles
 }  # fmt: skip

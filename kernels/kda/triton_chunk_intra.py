@@ -5,7 +5,7 @@ intra_blocks_fwd  per (chunk and 16-row block, head): A_qk, A_kk by 16x16 blocks
                   KD = K e^{G_C - G} and beta Gamma K; the triangular solve follows in
                   ``triton_chunk_solve.py``
 intra_fwd         the same numbers and the solve in one kernel, 16-row tiles (CONFIG["split_intra"] =
-                  False; 1.4x slower on the H200: 255 registers, one program per SM)
+                  False; slower: 255 registers, one program per SM)
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def intra_fwd_kernel(
     # 1) A_kk and A_qk, one 16-row tile at a time, reference point n = first row of the tile:
     #    A[i, j] = sum_c (X_ic e^{G_ic - G_nc}) (K_jc e^{G_nc - G_jc}); row factors <= 1, column factors
     #    <= 1 before the tile and < e^80 inside it (bounded gate).
-    #    (by 16x16 blocks below the diagonal instead: same numbers, 1.1 ms slower at 1 x 4096 x 96 on the H200)
+    #    (by 16x16 blocks below the diagonal instead: the same numbers, slower)
     _intra_a_tiles(q, k, G, beta, Aqk, Ti, start, eos, i_h, H, K, BK)
     tl.debug_barrier()
     # 2) (I + A_kk)^-1 by 16x16 blocks: diagonal blocks by forward substitution, then
@@ -139,7 +139,6 @@ def intra_fwd_kernel(
 #                     inverse X_rr of the diagonal block of I + A_kk, and the rows' QG, KD, beta Gamma K;
 #   intra_solve_fwd   per (chunk, head): T~ from those blocks (block forward substitution), W and U.
 # Registers (sm_90a, K = V = 128): 128 at 4 warps and 128 at 8 warps, no spills (intra_fwd: 255 + 48 B).
-# H200, 1 x 4096 x 96: 0.43 + 0.27 ms against intra_fwd's 1.19 ms (forward 1.33 against 1.84 ms).
 @triton.jit
 def intra_blocks_fwd_kernel(
     q, k, G, beta, Aqk, Ti, QG, KD, W, qn, kn, rq, rk, scale, cu, chunk_idx, H, K: tl.constexpr,

@@ -17,8 +17,8 @@ from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
 
 # launch configuration (value-block width, warps, streaming cache hints on the state); benchmarks/kernels.py
-# sweeps these on the GPU. BV 32 / 2 warps / no hints: best of a 16-point sweep on an H200 (2026-11-29
-# 19:31, benchmarks/results/kernels.md): 0.204 ms, 95% of a plain copy of the same state bytes
+# sweeps these on the GPU. BV 32 / 2 warps / no hints: the best of that sweep, near the copy bandwidth of the
+# state's bytes (streaming hints made it slower)
 CONFIG = {"BV": 32, "num_warps": 2, "stream": False}
 
 

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 ROWS = 4096  # elements per row block (rows x padded d), forward
-# backward: smaller blocks and more programs (H200, [65536, 768] bf16: 150 us with 2048 / 4096 against
-# 230 us with 4096 / 1024; results/learner_2026-12-04_s23_defer_shortconv_ab.log)
+# backward: smaller blocks and more programs than the forward (faster at the k3-small micro-batch,
+# [65536, 768] bf16, in a launch sweep)
 BWD_ROWS = 2048
 MAX_PROGRAMS = 4096  # backward programs at most, each over consecutive row blocks
 
