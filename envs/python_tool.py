@@ -212,7 +212,8 @@ class PythonToolEnv(ToolEnv):
         messages = self._messages(history)
         last = messages[-1] if messages else None
         terse = self.system_prompt is None
-        if last is not None and last.role == "tool" and last.tool_name == "python":
+        if last is not None and last.role == "tool" and last.tool_name == "python" and "\n[" not in last.content \
+                and not last.content.startswith(("[", "Error")):  # a clean run's output, not an error
             value = last_integer(last.content)
             if value is not None:
                 return self.say(str(value) if terse else f"The answer is {value}.")

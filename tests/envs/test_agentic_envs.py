@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import k3rl.envs  # noqa: F401
-from k3rl.config import ContextSection, JobConfig
+from k3rl.config import JobConfig
 from k3rl.envs.base import task_split
 from k3rl.envs.long_horizon import make_code_trail
 from k3rl.envs.screen_read import CELL
