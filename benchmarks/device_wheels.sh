@@ -28,7 +28,13 @@ pkgs=(Farama-Notifications Mako SQLAlchemy alembic cachetools cffi cryptography 
       jsonschema jsonschema-specifications mlflow-skinny opentelemetry-api opentelemetry-exporter-prometheus
       opentelemetry-proto opentelemetry-sdk opentelemetry-semantic-conventions pyasn1 pyasn1-modules
       python-dotenv referencing rpds-py smmap sqlparse starlette uvicorn wcwidth)
-# (pydantic and its two helpers travel in .whl/, with the kernel benchmarks' wheels)
+# pydantic and its helpers travel in .whl/, beside the kernel benchmarks' wheels (fla-core)
+mkdir -p .whl
+grep -qx '/.whl/' .gitignore || echo '/.whl/' >> .git/info/exclude
+for p in pydantic pydantic_core annotated_types typing_inspection; do
+  v=$(.venv/bin/pip show "$p" 2>/dev/null | awk '/^Version/{print $2}')
+  get .whl "$p==$v"
+done
 for p in "${pkgs[@]}"; do
   v=$(.venv/bin/pip show "$p" 2>/dev/null | awk '/^Version/{print $2}')
   [ -n "$v" ] || { echo "not in .venv: $p (run make setup first)" >&2; exit 1; }

@@ -32,7 +32,9 @@
   share `test_fraction`, `split="test"` only those inside it (`task_split(task_id)`), so a job's
   `envs.eval` can measure tasks training never saw; `split="all"` (the default) draws every task.
 * Info of a step: turn, tool_calls (name, arguments, index, ok, error), errors, parse_error,
-  timings (`Timings`: seconds per phase and per tool), truncated_by, task_id.
+  timings (`Timings`: seconds per phase and per tool: "parse", "tool:<i>:<name>", "sandbox" (inside
+  the sandbox's exec/read/write), "sandbox_acquire", whatever a tool adds with `self.timed(...)`,
+  "step"), truncated_by, task_id. Reset's info has timings too ("reset", "sandbox_acquire", ...).
 
 A subclass implements `generate_task(rng, options)` (the task: any object; its `id`
 attribute, or else `str(task)`, names it), `opening_messages(task)`, `score(final_text)` and,
@@ -42,6 +44,7 @@ for `k3rl envs check` and SFT demonstrations, `oracle(history)`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import hashlib
 import time
@@ -124,6 +127,8 @@ class ToolEnv(gym.Env, abc.ABC):
         self._sandbox_factory = sandbox_factory
         self._sandbox_release = sandbox_release
         self._sandbox: Any = None
+        self._sandbox_busy_seen = 0.0
+        self._timings = Timings()  # of the current step (or reset): tools add phases with `timed`
 
         declared = collect_tools(self) + [t if isinstance(t, Tool) else Tool(t, is_method=False) for t in tools]
         self._tools: dict[str, Tool] = {}
@@ -204,13 +209,14 @@ class ToolEnv(gym.Env, abc.ABC):
         if not self.uses_sandbox:
             raise AttributeError(f"{type(self).__name__} does not use a sandbox (uses_sandbox = False)")
         if self._sandbox is None:
-            if self._sandbox_factory is not None:
-                sb = self._sandbox_factory()
-            else:
-                from k3rl.sandboxes import open_sandbox
+            with self.timed("sandbox_acquire"):  # a warm pool's hand-out, or a start; then the task's files
+                if self._sandbox_factory is not None:
+                    sb = self._sandbox_factory()
+                else:
+                    from k3rl.sandboxes import open_sandbox
 
-                sb = open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
-            self._sandbox = sb
+                    sb = open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
+            self._sandbox, self._sandbox_busy_seen = sb, getattr(sb, "busy_s", 0.0)
             try:
                 self.setup_sandbox(sb)
             except Exception as e:
@@ -225,7 +231,25 @@ class ToolEnv(gym.Env, abc.ABC):
     def has_sandbox(self) -> bool:
         return self._sandbox is not None
 
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Add the block's wall seconds to `phase` of the current step's (or reset's) `info["timings"]`, e.g.
+        `with self.timed("render"):` in a tool that draws a screen."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timings[phase] = self._timings.get(phase, 0.0) + time.perf_counter() - t0
+
+    def _account_sandbox(self) -> None:
+        """The sandbox's busy seconds since last looked: this step's `sandbox` timing."""
+        busy = getattr(self._sandbox, "busy_s", None)
+        if busy is not None:
+            self._timings["sandbox"] = self._timings.get("sandbox", 0.0) + busy - self._sandbox_busy_seen
+            self._sandbox_busy_seen = busy
+
     def _release_sandbox(self) -> None:
+        self._account_sandbox()
         sb, self._sandbox = self._sandbox, None
         if sb is None:
             return
@@ -238,6 +262,7 @@ class ToolEnv(gym.Env, abc.ABC):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         self._end_episode()
+        t_reset, self._timings = time.perf_counter(), Timings()
         try:
             self.task = self._draw_task(dict(options or {}))
             opening = list(self.opening_messages(self.task))
@@ -250,7 +275,9 @@ class ToolEnv(gym.Env, abc.ABC):
         self._turn = 0
         self._t0 = time.monotonic()
         self._active = True
-        info = {"task_id": self.task_id, "tools": self.tools, "max_turns": self.max_turns}
+        self._account_sandbox()
+        self._timings["reset"] = time.perf_counter() - t_reset
+        info = {"task_id": self.task_id, "tools": self.tools, "max_turns": self.max_turns, "timings": self._timings}
         return [message_dict(m) for m in opening], info
 
     def _draw_task(self, options: dict[str, Any]) -> Any:
@@ -269,7 +296,7 @@ class ToolEnv(gym.Env, abc.ABC):
             )
         t_step = time.perf_counter()
         self._turn += 1
-        timings = Timings()
+        timings = self._timings = Timings()
         info: dict[str, Any] = {"turn": self._turn, "task_id": self.task_id, "tool_calls": [], "errors": [],
                                 "parse_error": None, "timings": timings, "truncated_by": None}
         reward, terminated, truncated = 0.0, False, False
@@ -311,6 +338,7 @@ class ToolEnv(gym.Env, abc.ABC):
         except BaseException:
             self._end_episode()
             raise
+        self._account_sandbox()
         timings["step"] = time.perf_counter() - t_step
         return [message_dict(m) for m in new], reward, terminated, truncated, info
 

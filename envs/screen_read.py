@@ -168,7 +168,9 @@ class ScreenReadEnv(ToolEnv):
         self._shown.append(panel)
         if panel not in self.task.panels:
             raise ToolError(f"no panel {panel!r}; panels: {' '.join(self.task.panels)}")
-        return ToolResult("screen:", images=[self.screenshot(panel)])
+        with self.timed("render"):
+            shot = self.screenshot(panel)
+        return ToolResult("screen:", images=[shot])
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._shown, self._paid, self._oracle_panel = [], 0.0, None

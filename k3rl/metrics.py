@@ -36,6 +36,7 @@ def episode_stats(traj: Trajectory) -> dict[str, Any]:
         "min_version": min(gen) if gen else None, "max_version": max(gen) if gen else None,
         "version_sum": sum(gen), "seconds": float(traj.timings.get("episode_s", 0.0)),
         "parse_errors": int(traj.metadata.get("parse_errors", 0)),
+        "timings": {k: float(v) for k, v in traj.timings.items()},
     }
 
 
@@ -75,7 +76,20 @@ def step_metrics(batch: list[dict[str, Any]], step: int) -> dict[str, float]:
         by_env.setdefault(s["env_id"], []).append(s["reward"])
     for env_id, rs in by_env.items():
         m.update(_mean_std(f"reward/{env_id.replace('/', '_')}", rs))
+    m.update(episode_time(batch))
     return m
+
+
+def episode_time(batch: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the batch's episodes spent their time, summed over them (they run concurrently, so these add
+    up to more than a step): `episode_time/<phase>_s` for waiting on the engine (generate), the env's steps
+    (env), and the env's own phases inside them: sandbox calls, acquiring a sandbox, rendering screens,
+    resets."""
+    out: dict[str, float] = {}
+    for s in batch:
+        for phase, seconds in (s.get("timings") or {}).items():
+            out[f"episode_time/{phase}"] = out.get(f"episode_time/{phase}", 0.0) + seconds
+    return out
 
 
 def rollout_metrics(stats: list[dict[str, Any]], version: int) -> dict[str, float]:

@@ -166,7 +166,10 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
     try:
         env = await within(asyncio.to_thread(make_env))
         stage = "reset"
+        e0 = time.monotonic()
         obs, info = await within(asyncio.to_thread(env.reset, seed=spec.seed, options=spec.options or None))
+        timings["env_s"] += time.monotonic() - e0
+        _add_env_timings(timings, info)
         traj.task_id = str((info or {}).get("task_id", ""))
         session, traj.turns, images = open_session(template, env, obs)
         traj.prompt_ids = list(session.rendered.ids)
@@ -220,6 +223,7 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             e0 = time.monotonic()
             obs, reward, terminated, truncated, info = await within(asyncio.to_thread(env.step, action))
             timings["env_s"] += time.monotonic() - e0
+            _add_env_timings(timings, info)
             said.reward = float(reward)
             traj.reward += float(reward)
             if (info or {}).get("parse_error"):  # a malformed message: the format guard's signal
@@ -286,6 +290,15 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
                 traj.metadata["close_error"] = f"{type(e).__name__}: {e}"
         traj.timings.update(timings, episode_s=time.monotonic() - t0)
     return traj
+
+
+def _add_env_timings(timings: dict[str, float], info: Any) -> None:
+    """The env's own phases of a reset or step (`info["timings"]`: sandbox, sandbox_acquire, render,
+    reset, parse, score...) summed into the episode's timings as `<phase>_s`; tools' and the whole
+    step's own entries are left out (`env_s` times the step from the loop)."""
+    for phase, seconds in ((info or {}).get("timings") or {}).items():
+        if not phase.startswith("tool:") and phase != "step":
+            timings[f"{phase}_s"] = timings.get(f"{phase}_s", 0.0) + float(seconds)
 
 
 def _append_generated(traj: Trajectory, ids: list[int], out: Any, record_routing: bool) -> None:

@@ -85,6 +85,20 @@ def _cut(data: bytes, total: int) -> tuple[str, bool]:
     return text, False
 
 
+def _timed(fn):
+    """Add the call's wall time to the sandbox's `busy_s`."""
+
+    @functools.wraps(fn)
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    return timed
+
+
 class Sandbox(ABC):
     """An isolated place to run commands: `exec`, `write_file`, `read_file`, `close` (+ `a*` async twins).
 
@@ -100,6 +114,7 @@ class Sandbox(ABC):
         self.id = f"k3rl-{self.backend}-{uuid.uuid4().hex[:12]}"
         self.created_at = time.time()
         self.exec_count = 0
+        self.busy_s = 0.0  # wall seconds spent in exec / write_file / read_file calls (the env's step timings)
         self._closed = False
         self._lock = threading.Lock()
         self._destroyed = threading.Event()
@@ -152,6 +167,7 @@ class Sandbox(ABC):
             raise SandboxError(message)
         return header, payload
 
+    @_timed
     def exec(
         self,
         cmd: str | Sequence[str],
@@ -226,6 +242,7 @@ class Sandbox(ABC):
         header, _ = self._call("spawn", args)
         return SandboxProcess(self, args["id"], args["cmd"], header["pid"])
 
+    @_timed
     def write_file(self, path: str, data: bytes | str) -> None:
         """Write `data` to `path` (relative to the work dir); parent dirs are created."""
         if isinstance(data, str):
@@ -237,6 +254,7 @@ class Sandbox(ABC):
         target = resolve_in_workdir(path)
         self._call("write", {"path": target, "max": self.limits.max_file_bytes}, stdin=bytes(data))
 
+    @_timed
     def read_file(self, path: str) -> bytes:
         """Return the bytes of `path` (relative to the work dir)."""
         target = resolve_in_workdir(path)

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .base import Sandbox, _cut, log
+from .base import Sandbox, _cut, _timed, log
 from .paths import WORK_DIR, resolve_in_workdir
 from .types import (
     ExecResult,
@@ -56,6 +56,7 @@ class UnsandboxedSandbox(Sandbox):
         return host
 
     # -- the contract -----------------------------------------------------------------------------
+    @_timed
     def exec(self, cmd, timeout=None, stdin=None, env=None, workdir=None) -> ExecResult:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
@@ -97,6 +98,7 @@ class UnsandboxedSandbox(Sandbox):
                           stderr=stderr, timed_out=timed_out, truncated=cut_out or cut_err,
                           duration_s=time.monotonic() - t0)
 
+    @_timed
     def write_file(self, path: str, data: bytes | str) -> None:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")
@@ -109,6 +111,7 @@ class UnsandboxedSandbox(Sandbox):
         self.host_path(path)  # the parents made may not be links out either
         host.write_bytes(data)
 
+    @_timed
     def read_file(self, path: str) -> bytes:
         if self._closed:
             raise SandboxClosedError(f"sandbox {self.id} is closed")

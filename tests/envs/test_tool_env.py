@@ -28,7 +28,9 @@ def test_reset_observation_and_info():
     assert obs in env.observation_space
     assert obs == [{"role": "user", "content": f"keys {' '.join(env.task.keys)}; lookup {env.task.key}", "images": []}]
     assert len(env.task.keys) == 4 and env.task.key in env.task.keys
+    timings = info.pop("timings")
     assert info == {"task_id": env.task.id, "tools": [], "max_turns": 4}
+    assert list(timings) == ["reset"] and timings["reset"] >= 0  # KeyLookup's reset needs no sandbox
 
 
 def test_same_seed_same_task_and_different_seeds_differ():
