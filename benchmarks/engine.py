@@ -332,7 +332,7 @@ def main() -> None:
         if isinstance(m, RMSNorm):
             m.backend = args.norms
     if args.router == "torch":
-        import k3rl.rollout.engine_decode as engine_decode
+        import k3rl.rollout.engine.decode as engine_decode
         from k3rl.kernels.moe.router import route_topk_reference
 
         engine_decode.route_topk = lambda *a, backend=None: route_topk_reference(*a)

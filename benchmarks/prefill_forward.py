@@ -91,7 +91,7 @@ def main() -> None:
         for rows, tokens in shapes:
             timed_row(f"{rows} x {tokens}", lambda r=rows, t=tokens: forward(r, t), device)
         if args.graphs:
-            from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
+            from k3rl.rollout.engine.prefill_graphs import PrefillGraphs
 
             graphs = PrefillGraphs(model, eng.autocast_dtype, max_tokens=max(t for _, t in shapes), use_graphs=True)
             with torch.no_grad():

@@ -290,7 +290,7 @@ def test_many_coroutines_share_one_background_engine(model):
 
 
 def test_sampling_distribution_filters_exactly():
-    from k3rl.rollout.sampling import filtered_probs, sample_tokens
+    from k3rl.rollout.engine.sampling import filtered_probs, sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     one = torch.ones(1)
@@ -324,7 +324,7 @@ def test_sampling_distribution_filters_exactly():
 
 def test_seed_hash_is_splitmix64_modulo_2_64():
     """The per-token uniform is integer arithmetic (the same on every device): check it against Python ints."""
-    from k3rl.rollout.sampling import request_seed, uniform
+    from k3rl.rollout.engine.sampling import request_seed, uniform
 
     M = (1 << 64) - 1
 

@@ -77,7 +77,7 @@ def test_weight_update_reaches_the_captured_graphs():
 
 
 def test_seed_hash_is_the_same_on_the_gpu():
-    from k3rl.rollout.sampling import request_seed, uniform
+    from k3rl.rollout.engine.sampling import request_seed, uniform
 
     seeds = torch.tensor([request_seed(s) for s in (0, 1, 2**63, 2**64 - 1, 987654321)])
     counters = torch.tensor([0, 5, 2**40, 17, 123456])
@@ -157,7 +157,7 @@ def test_compiled_decode_step_is_as_accurate_as_the_eager_step():
     import copy
 
     from k3rl.model.model import allow_layer_recompiles
-    from k3rl.rollout.engine_decode import _layer, decode_forward
+    from k3rl.rollout.engine.decode import _layer, decode_forward
 
     torch.manual_seed(0)
     fp32 = K3ForCausalLM(K3Config.preset("k3-tiny")).eval().to("cuda")
@@ -275,7 +275,7 @@ def test_cached_prefill_graph_replays_equal_the_same_forward_run_eagerly():
     """Bit for bit: the captured cached-chunk graph (rows after prefixes of 10, 70 and 33 tokens, a
     padding row) against the same forward run eagerly over the same kind of buffers, the first replay and
     a later one with other states; and both near the model's own forward on each row's cache."""
-    from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
+    from k3rl.rollout.engine.prefill_graphs import PrefillGraphs
 
     model = _model()
     eager = PrefillGraphs(model, None, max_tokens=512, use_graphs=False)

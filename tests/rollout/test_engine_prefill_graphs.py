@@ -9,7 +9,7 @@ import torch
 
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
-from k3rl.rollout.engine_prefill_graphs import ALIGN, PrefillGraphs, bucket
+from k3rl.rollout.engine.prefill_graphs import ALIGN, PrefillGraphs, bucket
 from k3rl.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -131,7 +131,7 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
 def test_a_group_larger_than_one_context_buffer_runs_in_parts(monkeypatch):
     """Latent buffers hold at most ROW_POSITIONS rows x positions: three rows at 256 positions with room for
     512 run as parts of 2 and 1 (each row still its own forward's result); a chunk past it is not taken."""
-    from k3rl.rollout import engine_prefill_graphs
+    from k3rl.rollout.engine import prefill_graphs as engine_prefill_graphs
 
     monkeypatch.setattr(engine_prefill_graphs, "ROW_POSITIONS", 512)
     model = _model()

@@ -10,8 +10,8 @@ import torch
 
 from k3rl.kernels.varlen import remember_host_copy
 
-from .engine_prefill_graphs import bucket
-from .engine_seq import Seq
+from .prefill_graphs import bucket
+from .seq import Seq
 
 
 class AdmitAndPrefill:

@@ -39,7 +39,7 @@ from k3rl.model import K3Cache
 from k3rl.model.kda import KDACacheEntry
 from k3rl.model.mla import MLACacheEntry
 
-from .engine_decode import context_rung, decode_forward, end_failed_capture, rung
+from .decode import context_rung, decode_forward, end_failed_capture, rung
 
 ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)

@@ -13,7 +13,7 @@ import torch
 
 from k3rl.types import SamplingParams
 
-from .engine_contract import FinishReason
+from .contract import FinishReason
 
 
 def image_digest(image) -> str:

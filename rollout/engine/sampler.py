@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .engine_contract import FinishReason, GenerationResult
-from .engine_seq import Launch, Seq
+from .contract import FinishReason, GenerationResult
 from .sampling import needs_filter, params_tensors, policy_logprobs, sample_tokens
+from .seq import Launch, Seq
 
 
 class DecodeAndSample:

@@ -68,14 +68,14 @@ import torch
 
 from k3rl.types import SamplingParams, WeightUpdate
 
-from .engine_contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
-from .engine_decode import DecodeRunner, keep_fp32_island_weights
-from .engine_prefill import AdmitAndPrefill
-from .engine_prefill_graphs import ALIGN, PrefillGraphs
-from .engine_sample import DecodeAndSample
-from .engine_seq import Launch, Seq, as_pil, image_digest
+from .contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine  # noqa: F401 (re-exported)
+from .decode import DecodeRunner, keep_fp32_island_weights
+from .prefill import AdmitAndPrefill
+from .prefill_graphs import ALIGN, PrefillGraphs
 from .prefix_cache import PrefixCache
+from .sampler import DecodeAndSample
 from .sampling import request_seed, validate
+from .seq import Launch, Seq, as_pil, image_digest
 from .state_pool import StatePool
 
 
