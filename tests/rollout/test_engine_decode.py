@@ -72,7 +72,7 @@ def test_padding_rows_of_a_rung_change_nothing():
     results = []
     for pad in (False, True):
         eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
-        eng._runner.pad = pad
+        eng.scheduler.decoder.pad = pad
         futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
         while not all(f.done() for f in futures):
             eng.step()
@@ -117,7 +117,7 @@ def test_a_failed_graph_capture_decodes_that_shape_eagerly_and_the_engine_goes_o
 
     def run(fail: bool):
         eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
-        runner = eng._runner
+        runner = eng.scheduler.decoder
         attempts = []
         if fail:
             runner.use_graphs = runner.pad = True  # as on CUDA; every capture fails
