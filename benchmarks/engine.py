@@ -154,8 +154,8 @@ def decode_throughput(model, batch: int, prompt_len: int, new_tokens: int, graph
     while not all(f.done() for f in futures):
         eng.step()
     replay_ms = None
-    if eng._runner.graphs:  # the GPU's part of a step: the captured decode step replayed alone
-        graph, _ = list(eng._runner.graphs.values())[-1]
+    if eng.scheduler.decoder.graphs:  # the GPU's part of a step: the captured decode step replayed alone
+        graph, _ = list(eng.scheduler.decoder.graphs.values())[-1]
         t = time.perf_counter()
         for _ in range(new_tokens):
             graph.replay()
@@ -332,7 +332,7 @@ def main() -> None:
         if isinstance(m, RMSNorm):
             m.backend = args.norms
     if args.router == "torch":
-        import k3rl.rollout.engine_decode as engine_decode
+        import k3rl.rollout.engine.decode as engine_decode
         from k3rl.kernels.moe.router import route_topk_reference
 
         engine_decode.route_topk = lambda *a, backend=None: route_topk_reference(*a)

@@ -4,7 +4,7 @@
     python3 benchmarks/prefill_forward.py                                      # k3-tiny on the CPU
     python3 benchmarks/prefill_forward.py --preset k3-small --device cuda --graphs --cached 200   # next turns
 
-The embedded engine's prefill is the model's forward over a fresh cache (`rollout/engine_prefill.py`),
+The embedded engine's prefill is the model's forward over a fresh cache (`rollout/engine/prefill.py`),
 eager. For each (rows, tokens) the median of 8 timed forwards after 3 warm-ups, then a torch.profiler
 table of one forward (host time by op, GPU time by kernel) and its host-device copies and syncs: when
 the host time is many times the GPU's, the forward is launch-bound and its size barely moves its time.
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="1x32,1x128,8x128,32x128,8x512", help="rows x tokens, comma separated")
     ap.add_argument("--profile", default="8x128", help="the shape profiled ('' for none)")
     ap.add_argument("--graphs", action="store_true",
-                    help="also time the engine's prefill graphs (engine_prefill_graphs.py) at the shapes whose tokens "
+                    help="also time the engine's prefill graphs (rollout/engine/prefill_graphs.py) at the shapes whose tokens "
                          "are a multiple of 16: a replay and the copy of its caches (the first call captures)")
     ap.add_argument("--cached", type=int, default=0, help="each chunk after a cached prefix of this many tokens")
     args = ap.parse_args()
@@ -91,7 +91,7 @@ def main() -> None:
         for rows, tokens in shapes:
             timed_row(f"{rows} x {tokens}", lambda r=rows, t=tokens: forward(r, t), device)
         if args.graphs:
-            from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
+            from k3rl.rollout.engine.prefill_graphs import PrefillGraphs
 
             graphs = PrefillGraphs(model, eng.autocast_dtype, max_tokens=max(t for _, t in shapes), use_graphs=True)
             with torch.no_grad():

@@ -51,7 +51,7 @@ def drive(engine, stop: threading.Event, profiler: cProfile.Profile | None) -> N
     torch.set_grad_enabled(False)
     try:
         while not stop.is_set():
-            if engine._incoming or engine._has_work() or engine._updates:
+            if engine._has_work():
                 engine.step()
             else:
                 time.sleep(0.0002)

@@ -52,10 +52,10 @@ def test_ties_go_to_the_lower_expert_id():
 def test_the_decode_step_through_its_kernels_is_the_torch_decode_step():
     """k3-tiny's decode step (batch 1: the routed experts by the decode kernels) with every op on its Triton
     kernel (the router's top-k, the experts, RMSNorm, AttnRes, the KDA islands and recurrence) equals
-    the same step by PyTorch ops: the wiring of engine_decode, not only each kernel alone."""
+    the same step by PyTorch ops: the wiring of rollout/engine/decode.py, not only each kernel alone."""
     from k3rl.model import K3Config, K3ForCausalLM
-    from k3rl.rollout.engine_decode import decode_forward
-    from k3rl.rollout.state_pool import StatePool
+    from k3rl.rollout.engine.decode import decode_forward
+    from k3rl.rollout.engine.state_pool import StatePool
 
     def step(backend):
         torch.manual_seed(0)

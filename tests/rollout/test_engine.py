@@ -290,7 +290,7 @@ def test_many_coroutines_share_one_background_engine(model):
 
 
 def test_sampling_distribution_filters_exactly():
-    from k3rl.rollout.sampling import filtered_probs, sample_tokens
+    from k3rl.rollout.engine.sampling import filtered_probs, sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
     one = torch.ones(1)
@@ -324,7 +324,7 @@ def test_sampling_distribution_filters_exactly():
 
 def test_seed_hash_is_splitmix64_modulo_2_64():
     """The per-token uniform is integer arithmetic (the same on every device): check it against Python ints."""
-    from k3rl.rollout.sampling import request_seed, uniform
+    from k3rl.rollout.engine.sampling import request_seed, uniform
 
     M = (1 << 64) - 1
 
@@ -379,9 +379,9 @@ def test_state_pool_growth_and_slot_moves_keep_every_sequence_exact(model):
     futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
     while not all(f.done() for f in futures):
         eng.step()
-        assert [s.slot for s in eng._decoding] == list(range(len(eng._decoding)))  # occupied slots lead
-    assert eng._pool.capacity >= 512 and eng._pool.generation >= 1
-    assert eng._pool.lengths == [0, 0, 0]  # every slot freed
+        assert [s.slot for s in eng.scheduler.decoding] == list(range(len(eng.scheduler.decoding)))  # occupied slots lead
+    assert eng.scheduler.pool.capacity >= 512 and eng.scheduler.pool.generation >= 1
+    assert eng.scheduler.pool.lengths == [0, 0, 0]  # every slot freed
     for p, s, f in zip(prompts, params, futures, strict=True):
         alone = _engine(model).generate(p, s)
         assert f.result().token_ids == alone.token_ids
@@ -447,7 +447,7 @@ def test_a_step_in_flight_during_a_weight_update_keeps_its_version():
     futures = [eng.submit(_prompt(10, i), SamplingParams(temperature=0, max_tokens=12)) for i in range(3)]
     for _ in range(5):
         eng.step()
-    assert eng._inflight is not None
+    assert eng.scheduler.inflight is not None
     eng.update_weights(WeightUpdate.from_state_dict(1, {k: v.detach() for k, v in to_hf(other.state_dict()).items()}))
     while not all(f.done() for f in futures):
         eng.step()

@@ -48,7 +48,7 @@ def test_graph_decode_equals_eager_decode_token_for_token():
     eager = _run(EmbeddedEngine(model, background=False, enforce_eager=True), prompts, PARAMS)
     eng = EmbeddedEngine(model, background=False, prefill_graphs=False)  # the decode graphs alone
     graphed = _run(eng, prompts, PARAMS)
-    assert eng._runner.graphs, "no decode step was captured"
+    assert eng.scheduler.decoder.graphs, "no decode step was captured"
     for a, b in zip(eager, graphed, strict=True):
         assert b.token_ids == a.token_ids
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
@@ -77,7 +77,7 @@ def test_weight_update_reaches_the_captured_graphs():
 
 
 def test_seed_hash_is_the_same_on_the_gpu():
-    from k3rl.rollout.sampling import request_seed, uniform
+    from k3rl.rollout.engine.sampling import request_seed, uniform
 
     seeds = torch.tensor([request_seed(s) for s in (0, 1, 2**63, 2**64 - 1, 987654321)])
     counters = torch.tensor([0, 5, 2**40, 17, 123456])
@@ -141,7 +141,7 @@ def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results(pref
     got, stats = run(eng)
     assert stats["fed_prompt_tokens"] > 0
     if prefill_graphs:  # first turns fresh, second turns after their cached first turn: both graphed
-        assert eng._prefill_graphs.captures >= 2 and eng._prefill_graphs.cached_runs >= 1
+        assert eng.scheduler.prefill.graphs.captures >= 2 and eng.scheduler.prefill.graphs.cached_runs >= 1
     else:
         assert stats["prefill_forwards"] < ref_stats["prefill_forwards"]
     for a, b in zip(ref, got, strict=True):
@@ -152,12 +152,12 @@ def test_fed_prompt_tails_and_a_shared_start_give_the_prefill_paths_results(pref
 
 def test_compiled_decode_step_is_as_accurate_as_the_eager_step():
     """compile_decode fuses the layers' small kernels, which reorders bf16 roundings, so its sampled
-    tokens can part from the eager engine's at a near tie (seen on 2026-12-02). What must hold: fed the
+    tokens can part from the eager engine's at a near tie (it has been seen on an H200). What must hold: fed the
     same tokens, the compiled bf16 step is as close to the fp32 model as the eager bf16 step is."""
     import copy
 
     from k3rl.model.model import allow_layer_recompiles
-    from k3rl.rollout.engine_decode import _layer, decode_forward
+    from k3rl.rollout.engine.decode import _layer, decode_forward
 
     torch.manual_seed(0)
     fp32 = K3ForCausalLM(K3Config.preset("k3-tiny")).eval().to("cuda")
@@ -194,8 +194,8 @@ def test_compiled_decode_runs_in_graphs_and_stays_close_to_the_eager_engine():
     eager = _run(EmbeddedEngine(model, background=False, enforce_eager=True), prompts, PARAMS)
     eng = EmbeddedEngine(model, background=False, compile_decode=True, prefill_graphs=False)
     compiled = _run(eng, prompts, PARAMS)
-    assert eng._runner.graphs and not eng._runner.capture_failures
-    assert eng._runner.layer_fn is not None and hasattr(eng._runner.layer_fn, "_torchdynamo_orig_callable")
+    assert eng.scheduler.decoder.graphs and not eng.scheduler.decoder.capture_failures
+    assert eng.scheduler.decoder.layer_fn is not None and hasattr(eng.scheduler.decoder.layer_fn, "_torchdynamo_orig_callable")
     diffs = []
     for a, b, p in zip(eager, compiled, PARAMS, strict=True):
         if p.temperature > 0:
@@ -203,8 +203,8 @@ def test_compiled_decode_runs_in_graphs_and_stays_close_to_the_eager_engine():
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y), len(a.token_ids))
         assert same >= 8, (a.token_ids, b.token_ids)
         diffs += [abs(x - y) for x, y in zip(a.logprobs[:same], b.logprobs[:same], strict=False)]
-    # this model's logits are sharpened (lm_head x 40): positions near a tie move by tenths (H200: 80
-    # positions, |d| summing to 1.10 on 2026-12-02; 57 of 80 under 1e-2 on 2026-12-03), so the typical
+    # this model's logits are sharpened (lm_head x 40): positions near a tie move by tenths (on an H200 the
+    # |d| of 80 positions summed to 1.10 in one run, 57 of 80 under 1e-2 in another), so the typical
     # position is held, not a share: the accuracy itself is the teacher-forced test's above
     assert statistics.median(diffs) < 1e-2, diffs
 
@@ -219,7 +219,7 @@ def test_prefill_graphs_are_captured_and_agree_with_the_eager_prefill():
     eager = _run(EmbeddedEngine(model, background=False, prefill_graphs=False), prompts, PARAMS)
     eng = EmbeddedEngine(model, background=False, prefill_graphs=True)
     graphed = _run(eng, prompts, PARAMS)
-    g = eng._prefill_graphs
+    g = eng.scheduler.prefill.graphs
     assert g is not None and g.captures >= 1 and not g.failed and g.replays >= 1
     again = _run(eng, [_prompt(n, n + 1) for n in (66, 90)], PARAMS[:2])  # bucket 64 again: a replay
     assert all(len(r.token_ids) == 40 for r in again) and g.replays >= 2
@@ -244,7 +244,7 @@ def test_a_next_turn_prefills_through_a_captured_cached_graph():
     eager = EmbeddedEngine(model, **kw, prefill_graphs=False)
     eng = EmbeddedEngine(model, **kw, prefill_graphs=True)
     chunked = EmbeddedEngine(model, **kw, prefill_graphs=False, prefill_chunk=64)
-    g = eng._prefill_graphs
+    g = eng.scheduler.prefill.graphs
 
     def agreement(a, b):
         return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
@@ -275,7 +275,7 @@ def test_cached_prefill_graph_replays_equal_the_same_forward_run_eagerly():
     """Bit for bit: the captured cached-chunk graph (rows after prefixes of 10, 70 and 33 tokens, a
     padding row) against the same forward run eagerly over the same kind of buffers, the first replay and
     a later one with other states; and both near the model's own forward on each row's cache."""
-    from k3rl.rollout.engine_prefill_graphs import PrefillGraphs
+    from k3rl.rollout.engine.prefill_graphs import PrefillGraphs
 
     model = _model()
     eager = PrefillGraphs(model, None, max_tokens=512, use_graphs=False)

@@ -11,8 +11,8 @@ from k3rl.kernels.moe import latent_experts_loop
 from k3rl.kernels.moe.triton_decode_experts import decode_experts_reference
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.model.attnres import query_vector
-from k3rl.rollout.engine_decode import _grouped_experts, attnres_queries, decode_forward
-from k3rl.rollout.state_pool import StatePool
+from k3rl.rollout.engine.decode import _grouped_experts, attnres_queries, decode_forward
+from k3rl.rollout.engine.state_pool import StatePool
 
 torch.set_num_threads(1)
 
@@ -72,7 +72,7 @@ def test_padding_rows_of_a_rung_change_nothing():
     results = []
     for pad in (False, True):
         eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
-        eng._runner.pad = pad
+        eng.scheduler.decoder.pad = pad
         futures = [eng.submit(p, s) for p, s in zip(prompts, params, strict=True)]
         while not all(f.done() for f in futures):
             eng.step()
@@ -105,8 +105,8 @@ def test_a_failed_graph_capture_decodes_that_shape_eagerly_and_the_engine_goes_o
     every later capture then failed too, killing every episode) leaves the step to the eager path:
     the same tokens as an engine that never captures; the shape is not captured again, and after
     MAX_CAPTURE_FAILURES failures the runner stops capturing. The capture is made to fail here (CPU)."""
-    from k3rl.rollout import engine_decode
     from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.rollout.engine import decode as engine_decode
     from k3rl.types import SamplingParams
 
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def test_a_failed_graph_capture_decodes_that_shape_eagerly_and_the_engine_goes_o
 
     def run(fail: bool):
         eng = EmbeddedEngine(model, background=False, prefill_chunk=8, max_prefill_tokens=16)
-        runner = eng._runner
+        runner = eng.scheduler.decoder
         attempts = []
         if fail:
             runner.use_graphs = runner.pad = True  # as on CUDA; every capture fails
@@ -150,7 +150,7 @@ def test_the_fp32_island_weights_held_in_fp32_decode_bit_for_bit_the_same():
 
     from k3rl.model.kda import KimiDeltaAttention
     from k3rl.model.moe import MoEGate
-    from k3rl.rollout.engine_decode import keep_fp32_island_weights
+    from k3rl.rollout.engine.decode import keep_fp32_island_weights
 
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.preset("k3-tiny")).eval()

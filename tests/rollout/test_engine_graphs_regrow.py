@@ -26,7 +26,7 @@ def _generate(model, enforce_eager: bool, **kw) -> list[list[int]]:
         while not all(f.done() for f in futures):
             eng.step()
         if not enforce_eager:
-            assert eng._pool.generation >= 1 and eng._runner.graphs  # grew, and decoded by new graphs
+            assert eng.scheduler.pool.generation >= 1 and eng.scheduler.decoder.graphs  # grew, and decoded by new graphs
         return [f.result().token_ids for f in futures]
 
 

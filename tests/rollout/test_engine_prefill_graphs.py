@@ -1,4 +1,4 @@
-"""The prefill graphs' path on the CPU (engine_prefill_graphs.py): bucketed chunks (fresh and after a
+"""The prefill graphs' path on the CPU (rollout/engine/prefill_graphs.py): bucketed chunks (fresh and after a
 cached prefix), padding rows, the rest fed by decode steps, run eagerly over the same static buffers the
 CUDA graphs capture. Every request's tokens equal the plain engine's, its log-probs to float rounding."""
 
@@ -9,7 +9,7 @@ import torch
 
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.rollout.engine import EmbeddedEngine
-from k3rl.rollout.engine_prefill_graphs import ALIGN, PrefillGraphs, bucket
+from k3rl.rollout.engine.prefill_graphs import ALIGN, PrefillGraphs, bucket
 from k3rl.types import SamplingParams
 
 torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def test_graphed_prefill_gives_the_plain_engines_tokens():
     for a, b in zip(plain, graphed, strict=True):
         assert b.token_ids == a.token_ids and b.routed_experts == a.routed_experts
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
-    g = eng._prefill_graphs
+    g = eng.scheduler.prefill.graphs
     assert eng.decode_append == 64 and g.runs >= 1 and eng.metrics()["prefill_graph_runs"] == g.runs and g.captures == 0  # no graphs on the CPU: the same path eagerly
     # buckets of 16: the prompts' tails (70 - 64, 75 - 64, 130 - 128, 200 - 192, 40 - 32) were fed by decode
     # steps; 600 went as a fresh chunk of 512 and a cached one of 80, its last 8 fed
@@ -131,7 +131,7 @@ def test_cached_chunks_equal_the_model_forward_after_each_rows_prefix():
 def test_a_group_larger_than_one_context_buffer_runs_in_parts(monkeypatch):
     """Latent buffers hold at most ROW_POSITIONS rows x positions: three rows at 256 positions with room for
     512 run as parts of 2 and 1 (each row still its own forward's result); a chunk past it is not taken."""
-    from k3rl.rollout import engine_prefill_graphs
+    from k3rl.rollout.engine import prefill_graphs as engine_prefill_graphs
 
     monkeypatch.setattr(engine_prefill_graphs, "ROW_POSITIONS", 512)
     model = _model()
@@ -171,7 +171,7 @@ def test_a_conversations_next_turn_prefills_through_a_cached_graph():
         tool = [[(7 * i + turn + c) % 250 + 1 for i in range(100 + 20 * c)] for c in range(3)]
         for eng in (plain, graphed):
             outs[id(eng)] = [p + r.token_ids + t for p, r, t in zip(outs[id(eng)], results[id(eng)], tool, strict=True)]
-    g = graphed._prefill_graphs
+    g = graphed.scheduler.prefill.graphs
     # turns 2 and 3 of each conversation: a prefix hit, then a cached chunk (tool outputs of 100-140 tokens
     # plus the completion: one bucket of 16s each, the rest fed)
     assert graphed.stats["prefix_hit_tokens"] > 0 and g.latents and g.cached_runs >= 2

@@ -65,7 +65,7 @@ def test_fed_tails_give_the_prefill_paths_tokens_logprobs_and_routing(model):
         # a decode step and a chunked prefill add in different orders
         assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4), k
     assert got["c2"].cached_prompt_tokens > 0 and len(got["c2"].routed_experts) == len(got["c2"].token_ids)
-    assert eng._pool.lengths == [0] * len(eng._pool.lengths)  # every slot freed
+    assert eng.scheduler.pool.lengths == [0] * len(eng.scheduler.pool.lengths)  # every slot freed
 
 
 def test_abort_while_feeding_frees_the_slot_and_offers_no_half_fed_state(model):
@@ -76,13 +76,13 @@ def test_abort_while_feeding_frees_the_slot_and_offers_no_half_fed_state(model):
     fut = eng.submit(p + r1.token_ids + tail, SamplingParams(temperature=0.0, max_tokens=4), request_id="x")
     for _ in range(3):
         eng.step()
-    assert eng._decoding and eng._decoding[0].feed  # mid-tail
-    cached = set(eng._prefix.entries)
+    assert eng.scheduler.decoding and eng.scheduler.decoding[0].feed  # mid-tail
+    cached = set(eng.scheduler.prefix.entries)
     assert eng.abort("x")
     r = fut.result()
     assert r.finish_reason == "abort" and r.token_ids == []
-    assert not eng._decoding and eng._pool.lengths == [0] * len(eng._pool.lengths)
-    assert set(eng._prefix.entries) == cached  # the half-fed state is not offered as a prefix
+    assert not eng.scheduler.decoding and eng.scheduler.pool.lengths == [0] * len(eng.scheduler.pool.lengths)
+    assert set(eng.scheduler.prefix.entries) == cached  # the half-fed state is not offered as a prefix
     # the engine goes on: the same second turn, fed whole, equals a fresh engine's prefill
     again = eng.generate(p + r1.token_ids + tail, SamplingParams(temperature=0.0, max_tokens=6))
     fresh = EmbeddedEngine(model, background=False, decode_append=0).generate(
@@ -154,7 +154,7 @@ def test_prefill_wait_steps_gathers_staggered_prompts_into_one_forward(model):
     idle = _engine(model, prefill_wait_steps=50)
     fut = idle.submit(_prompt(9), SamplingParams(temperature=0.0, max_tokens=2))
     idle.step()
-    assert idle.stats["prefill_forwards"] == 1 and idle._decoding
+    assert idle.stats["prefill_forwards"] == 1 and idle.scheduler.decoding
     idle.generate(_prompt(9), SamplingParams(temperature=0.0, max_tokens=2))
     assert fut.result().token_ids
     assert EmbeddedEngine(model, background=False).prefill_wait_steps == 0  # off on the CPU by default

@@ -2,7 +2,7 @@
 
 import torch
 
-from k3rl.rollout.prefix_cache import PrefixCache
+from k3rl.rollout.engine.prefix_cache import PrefixCache
 
 PAD = 7
 

@@ -3,7 +3,7 @@ prompts that extend them (a conversation's next turn, a GRPO group's shared prom
 by which a prompt that shares a long start with an earlier one (a system prompt) is found.
 
 An entry's `cache` covers `ids` (with the images of `images` in order) and `logits` follow its last
-id. Entries are kept least-recently-used first; a hit moves an entry to the end. The engine decides
+id. Entries are kept least-recently-used first; a hit moves an entry to the end. The scheduler decides
 which states may be offered (only those computed entirely by the current weights) and empties the
 cache at every weight update.
 """

@@ -1,8 +1,8 @@
-"""The embedded engine's first prefill chunk of fresh prompts through CUDA graphs (issue [12] item 5).
+"""The embedded engine's prefill chunks without images through CUDA graphs: a fresh prompt's first chunk,
+and a chunk after a cached prefix.
 
-An eager prefill forward of k3-small costs 72-78 ms on an H200 whatever its size (1 x 32 to 32 x 128
-tokens), of which the GPU works ~5 ms: it is bound by its ~1,000 launches, and in the RL job it is half
-the engine's time (BENCHMARKS.md, "the engines' counters"). Captured, a forward costs its kernels.
+An eager prefill forward costs about the same whatever its size: the host's launches of its kernels,
+not the GPU's work, bound it. Captured, a forward costs its kernels.
 
 Shapes are made few. A chunk of a prompt without images, with `rest` tokens left to prefill, goes
 here when its T = ALIGN * floor(min(rest, prefill_chunk) / ALIGN) tokens leave fewer than ALIGN (fed by
@@ -39,7 +39,7 @@ from k3rl.model import K3Cache
 from k3rl.model.kda import KDACacheEntry
 from k3rl.model.mla import MLACacheEntry
 
-from .engine_decode import context_rung, decode_forward, end_failed_capture, rung
+from .decode import context_rung, decode_forward, end_failed_capture, rung
 
 ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)

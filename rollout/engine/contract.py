@@ -1,5 +1,5 @@
-"""The inference-engine contract: what rollout workers talk to (`EmbeddedEngine` in `engine.py`, the
-vLLM adapter in `vllm_adapter.py`): token ids in, token ids plus per-token log-probs (plus, on
+"""The inference-engine contract: what rollout workers talk to (`EmbeddedEngine` in `embedded.py`, the
+vLLM adapter in `rollout/vllm_adapter.py`): token ids in, token ids plus per-token log-probs (plus, on
 request, routed experts) out, versioned weight updates."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A request inside the embedded engine (`engine.py`): its state from admission to its result
+"""A request inside the embedded engine: its state from admission to its result
 (`Seq`), a decode step in flight (`Launch`), and how its images are keyed for the prefix cache."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from k3rl.types import SamplingParams
 
-from .engine_contract import FinishReason
+from .contract import FinishReason
 
 
 def image_digest(image) -> str:

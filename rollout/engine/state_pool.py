@@ -3,7 +3,7 @@
 For `num_slots` sequences (the engine's `max_num_seqs`) the pool holds, per KDA layer, the
 fp32 recurrent state [N, H, K, V] and the short-convolution window [N, W-1, 3P]; per MLA layer
 the latent cache [N, capacity, r + dr] (docs/model.md §2.7, §3.4). Sequences join by copying
-their prefilled batch-1 `K3Cache` into a free slot and leave by freeing it; the engine keeps
+their prefilled batch-1 `K3Cache` into a free slot and leave by freeing it; the scheduler keeps
 the decoding sequences in slots 0..n-1, so a decode step works on the leading rows of every
 buffer (`view`), whose addresses never change: no re-stacking per step, and the same tensors
 can be captured in a CUDA graph. Token counts per slot live on the host (`lengths`).

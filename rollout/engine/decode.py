@@ -205,7 +205,7 @@ class DecodeRunner:
     `compile`: each layer's step through `torch.compile(_layer)` (regional: layers of one shape share a
     compiled graph), fusing the small elementwise kernels between the Triton kernels and GEMVs, which
     stay as they are. A shape's first step compiles (in the warm-up before its graph capture). One
-    compiled function serves every batch rung: a copy per rung was measured no faster (BENCHMARKS.md)."""
+    compiled function serves every batch rung (a copy per rung is no faster)."""
 
     def __init__(self, model, pool: StatePool, banned: int | None, use_graphs: bool, compile: bool = False):
         self.model, self.pool, self.banned = model, pool, banned
@@ -226,6 +226,12 @@ class DecodeRunner:
         self.eager_keys: set[tuple] = set()  # shapes whose capture failed: decoded eagerly
         self.capture_failures: list[str] = []
         self.captures, self.capture_s = 0, 0.0  # graphs captured (warm-up step included in the seconds)
+
+    def routed_experts(self, row: list[float]) -> list[list[int]]:
+        """The experts each MoE layer chose, from one of `step`'s out rows brought to the host."""
+        k = self.model.config.num_experts_per_token
+        experts = [int(e) for e in row[2:]]
+        return [experts[m : m + k] for m in range(0, len(experts), k)]
 
     def context_rung(self, longest: int) -> int:
         """Positions the attention covers: room for the longest sequence's next token, at most max_len."""
