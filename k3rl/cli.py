@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 from k3rl.config import ConfigError, JobConfig
+from k3rl.replay import replay_command
 
 app = typer.Typer(
     name="k3rl",
@@ -71,6 +72,7 @@ def train(
 ) -> None:
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
+    # lazy: torch, Ray and MLflow take seconds to import; only `train` needs them
     from k3rl.job import run_job
 
     try:  # the job checks env ids, envs.imports and its first prompts before Ray starts
@@ -89,8 +91,6 @@ def replay(
     re_execute: Annotated[bool, typer.Option("--re-execute", help="replay the tool calls in a fresh sandbox")] = False,
 ) -> None:
     """Show an episode turn by turn (and optionally re-run its tool calls)."""
-    from k3rl.replay import replay_command
-
     raise typer.Exit(replay_command(run, episode=episode, step=step, html=html, re_execute=re_execute))
 
 
@@ -102,6 +102,7 @@ def compare(
     metric: Annotated[str, typer.Option(help="metric to plot")] = "reward/mean",
 ) -> None:
     """Reward curves of several runs side by side, read from MLflow."""
+    # lazy: MLflow takes seconds to import; only `compare` needs it
     from k3rl.compare import CompareError, compare_runs
 
     try:
@@ -179,6 +180,7 @@ ImportOpt = Annotated[Optional[list[str]], typer.Option(
 
 
 def _import_env_modules(modules: Optional[list[str]]) -> None:
+    # lazy: importing k3rl.envs loads every env plugin; only `envs` needs them
     from k3rl.envs.registration import import_env_modules
 
     try:
@@ -191,7 +193,8 @@ def _import_env_modules(modules: Optional[list[str]]) -> None:
 def envs_list(import_: ImportOpt = None) -> None:
     """Registered environments under the k3rl namespace (and third-party entry points)."""
     _import_env_modules(import_)
-    from k3rl.envs.cli import list_envs
+    # lazy: loads every env plugin (above)
+    from k3rl.envs_cli import list_envs
 
     list_envs(console)
 
@@ -201,8 +204,9 @@ def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v
                import_: ImportOpt = None) -> None:
     """Run Gymnasium's env checker and one oracle episode, printing the transcript."""
     _import_env_modules(import_)
-    from k3rl.envs.cli import check_env_command
+    # lazy: loads every env plugin (above)
     from k3rl.envs.registration import unknown_env_message
+    from k3rl.envs_cli import check_env_command
 
     unknown = unknown_env_message(env_id)
     if unknown:

@@ -449,7 +449,7 @@ class EmbeddedEngine(AdmitAndPrefill, DecodeAndSample, InferenceEngine):
         W + (alpha / r) B A, with W the engine's weights from before the first adapters update
         (kept aside then: each version is merged into the base, never into merged weights).
         Any other update is returned as it is."""
-        from k3rl.learner.lora import is_adapter_update, lora_targets, merge_adapters
+        from k3rl.model.lora import is_adapter_update, lora_targets, merge_adapters
         from k3rl.model.state_dict_adapter import to_hf
 
         adapters = update.state_dict()

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 from k3rl.chat import ChatTemplate
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.registration import import_env_modules
+from k3rl.model import K3Config
+from k3rl.model.factory import architecture_differences, model_config
 from k3rl.rollout.episode import (
     EpisodeSpec,
     job_limits,
@@ -67,9 +70,6 @@ def preflight(cfg: JobConfig) -> None:
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:
-    from pathlib import Path
-
-    from k3rl.model.factory import architecture_differences
 
     ckpt = cfg.model.checkpoint
     if ckpt is None:
@@ -87,10 +87,6 @@ def _check_checkpoint(cfg: JobConfig) -> None:
 def _check_teachers(cfg: JobConfig) -> None:
     """Each learner.distill.teachers checkpoint holds the K3 architecture its preset + overrides
     describe, with the student's vocabulary (it scores the student's token ids)."""
-    from pathlib import Path
-
-    from k3rl.model import K3Config
-    from k3rl.model.factory import architecture_differences, model_config
 
     for i, t in enumerate(cfg.learner.distill.teachers):
         field = f"learner.distill.teachers.{i}"
