@@ -218,9 +218,9 @@ def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v
 
 
 def _mount_sandbox() -> None:
-    try:
+    try:  # the sandbox CLI needs the docker SDK; without it the other commands still work
         from k3rl.sandboxes.cli import app as sandbox_app
-    except ImportError as e:  # the sandbox CLI needs the docker SDK
+    except ImportError as e:
         sandbox_app = typer.Typer(help=f"Sandbox tools (unavailable: {e}).")
     app.add_typer(sandbox_app, name="sandbox", help="Build, check and clean up the sandboxes.")
 
