@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND := Agg
 
-.PHONY: setup venv host demo test test-fast bench lint clean
+.PHONY: setup venv host demo test test-fast wheel-check bench lint clean
 
 setup: venv host
 
@@ -49,6 +49,10 @@ test: setup
 
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# the package as a user installs it: the wheel (not editable) in a fresh venv, run from outside the repository
+wheel-check: venv
+	bash .ci/wheel_check $(PY)
 
 bench: setup
 	$(PY) benchmarks/sandboxes.py

@@ -68,7 +68,7 @@ def import_engine_alone() -> None:
 
 
 import_engine_alone()
-from k3rl.learner.distributed import free_port  # noqa: E402
+from k3rl.cluster import free_port  # noqa: E402
 from k3rl.model import K3Config, K3ForCausalLM  # noqa: E402
 from k3rl.model.common import RMSNorm  # noqa: E402
 from k3rl.model.state_dict_adapter import to_hf  # noqa: E402

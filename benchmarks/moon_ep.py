@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from k3rl.learner.distributed import free_port  # noqa: E402
+from k3rl.cluster import free_port  # noqa: E402
 from k3rl.learner.expert_parallel import ExpertParallelExperts  # noqa: E402
 from k3rl.learner.moon_ep import MoonEPExperts, plan_redundant_experts, rank_loads, route_destinations  # noqa: E402
 from k3rl.model import K3Config  # noqa: E402

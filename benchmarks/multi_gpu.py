@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from k3rl.learner.distributed import free_port  # noqa: E402
+from k3rl.cluster import free_port  # noqa: E402
 
 
 def trajectories(step: int, n: int, length: int, vocab: int):

@@ -52,13 +52,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
+from gymnasium.envs.registration import load_env_creator
 
 from k3rl.chat import ChatTemplate, Message, ToolCallParseError
 from k3rl.envs.actions import assistant_message, assistant_text
 from k3rl.envs.spaces import AssistantAction, ChatMessages, message_dict
 from k3rl.envs.timings import Timings
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult, collect_tools
-from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError
+from k3rl.images import png_size
+from k3rl.sandboxes import PathEscapeError, RenderError, SandboxError, SandboxFileError, open_sandbox
 from k3rl.types import ToolCall
 
 # Sandbox errors the model caused (a bad path, a missing file, drawing code that fails) come
@@ -213,8 +215,6 @@ class ToolEnv(gym.Env, abc.ABC):
                 if self._sandbox_factory is not None:
                     sb = self._sandbox_factory()
                 else:
-                    from k3rl.sandboxes import open_sandbox
-
                     sb = open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
             self._sandbox, self._sandbox_busy_seen = sb, getattr(sb, "busy_s", 0.0)
             try:
@@ -388,8 +388,6 @@ class ToolEnv(gym.Env, abc.ABC):
 
     def transcript(self, history: Sequence[Message | dict] | None = None) -> str:
         """Readable text of the conversation (images shown as [image WxH])."""
-        from k3rl.images import png_size
-
         lines = []
         for m in self._messages(history):
             head = m.role if m.role != "tool" else f"tool {m.tool_name}#{m.tool_index}"
@@ -417,8 +415,6 @@ class ToolEnv(gym.Env, abc.ABC):
 
 def registered_entry_point(env_id: str) -> Any:
     """What `env_id` is registered with, loaded: a class or a factory function (Gymnasium's error when unknown)."""
-    from gymnasium.envs.registration import load_env_creator
-
     entry = gym.spec(env_id).entry_point
     return load_env_creator(entry) if isinstance(entry, str) else entry
 

@@ -29,6 +29,7 @@ from k3rl.chat import Message
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.similarity import image_similarity
 from k3rl.envs.tools import ToolError, ToolResult, tool
+from k3rl.sandboxes import RenderError, image_version, open_sandbox, render_matplotlib, render_svg
 
 WIDTH, HEIGHT, DPI = 256, 192, 64
 NUM_TASKS = 32
@@ -110,8 +111,6 @@ class ChartMatchEnv(ToolEnv):
         if task.index in _SHIPPED:
             return _SHIPPED[task.index]
         if task.index not in _RENDERED:
-            from k3rl.sandboxes import render_matplotlib
-
             _RENDERED[task.index] = render_matplotlib(self.sandbox, task.code, width=WIDTH, height=HEIGHT, dpi=DPI,
                                                       timeout=self.render_timeout_s)
         return _RENDERED[task.index]
@@ -129,8 +128,6 @@ class ChartMatchEnv(ToolEnv):
             code: Python code that draws with matplotlib (plt is imported), or an SVG document.
             language: "matplotlib" or "svg".
         """
-        from k3rl.sandboxes import RenderError, render_matplotlib, render_svg
-
         timeout = max(1.0, min(self.render_timeout_s, self.remaining_s()))
         try:
             if language == "svg":
@@ -158,8 +155,6 @@ class ChartMatchEnv(ToolEnv):
 
 def build_targets(backend: str = "auto", path: Path = TARGETS_FILE) -> Path:
     """Render every task's target in a sandbox and write them to `path` (run after a sandbox image change)."""
-    from k3rl.sandboxes import image_version, open_sandbox, render_matplotlib
-
     targets = {}
     with open_sandbox(backend=backend) as sb:
         for i in range(NUM_TASKS):

@@ -21,6 +21,7 @@ call format. `declare_tools=True` puts the usual JSON declaration in the prompt.
 from __future__ import annotations
 
 import string
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,8 +112,6 @@ class KeyLookupEnv(ToolEnv):
         a simulated long-tailed environment latency (sandbox start, slow tools) for pipeline
         benchmarks. The draw comes from the episode's seeded RNG, so it is reproducible."""
         if self.step_delay_s > 0:
-            import time
-
             time.sleep(self.step_delay_s * float(self.np_random.lognormal(0.0, self.step_delay_sigma)))
         obs, reward, terminated, truncated, info = super().step(action)
         if self.turn_rewards:  # the key credit is paid in the turn that earned it, once

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from k3rl.chat import Message
 from k3rl.envs.mcp_tools import McpServer, McpToolEnv
+from k3rl.images import to_png
 
 SERVER = McpServer(command=("python3", "-I", "/work/.mcp/files_server.py", "/work"),
                    files={".mcp/files_server.py": Path(__file__).with_name("mcp_files_server.py").read_bytes()})
@@ -66,9 +69,6 @@ def _setting_task(rng) -> FilesTask:
 
 
 def _colour_task(rng) -> FilesTask:
-    from PIL import Image
-
-    from k3rl.images import to_png
 
     names = list(COLOURS)
     picks = [names[i] for i in rng.permutation(len(names))[:3]]

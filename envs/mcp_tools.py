@@ -39,6 +39,7 @@ import mcp_types
 from mcp import ClientSession
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
+from PIL import Image
 
 from k3rl.envs.base import ToolEnv
 from k3rl.envs.tools import Tool, ToolArgumentError, ToolError, ToolResult
@@ -246,8 +247,6 @@ def tool_result(result: mcp_types.CallToolResult) -> ToolResult:
 def png_of(data: bytes) -> bytes:
     if data.startswith(b"\x89PNG\r\n\x1a\n"):
         return data
-    from PIL import Image
-
     return to_png(Image.open(io.BytesIO(data)))
 
 

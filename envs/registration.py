@@ -29,6 +29,11 @@ import warnings
 from importlib.metadata import entry_points
 from typing import Any
 
+import gymnasium as gym
+
+from k3rl.config import ConfigError
+from k3rl.envs.base import ToolEnv, registered_entry_point
+
 ENTRY_POINT_GROUP = "k3rl.envs"
 _loaded: dict[str, str] = {}  # entry-point name -> "ok" or the error text
 
@@ -59,8 +64,6 @@ def import_env_modules(modules: list[str], field: str = "envs.imports") -> None:
     Modules are found on PYTHONPATH, in installed packages, and in the current directory (the Ray
     workers of a job get the driver's current directory on their path too, unless the job ships a
     `working_dir`)."""
-    from k3rl.config import ConfigError
-
     if modules and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     for i, name in enumerate(modules):
@@ -77,8 +80,6 @@ def import_env_modules(modules: list[str], field: str = "envs.imports") -> None:
 def unknown_env_message(env_id: str) -> str | None:
     """None when `env_id` is registered, else Gymnasium's own error text (with its "did you mean", or the
     closest registered ids when Gymnasium has none)."""
-    import gymnasium as gym
-
     try:
         gym.spec(env_id)
         return None
@@ -94,9 +95,6 @@ def unknown_env_message(env_id: str) -> str | None:
 def check_env_ids(cfg: Any) -> None:
     """Import `cfg.envs.imports`, then refuse (ConfigError) every `envs.train[i].id` and `envs.eval[i].id`
     that is not registered or is not a ToolEnv. Call it before Ray starts."""
-    import k3rl.envs  # noqa: F401  (the built-ins and the entry points)
-    from k3rl.config import ConfigError
-
     import_env_modules(cfg.envs.imports)
     problems = []
     for section in ("train", "eval"):
@@ -111,9 +109,6 @@ def check_env_ids(cfg: Any) -> None:
 
 
 def _not_a_tool_env(env_id: str) -> str | None:
-    import gymnasium as gym
-
-    from k3rl.envs.base import ToolEnv, registered_entry_point
 
     try:
         creator = registered_entry_point(env_id)

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from k3rl.envs.tools import ToolError
+from k3rl.sandboxes.types import PathEscapeError, SandboxFileError
 
 
 def on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
@@ -62,8 +63,6 @@ def format_exec(result: Any, timeout: float) -> str:
 
 
 def sandbox_path_errors() -> tuple[type[BaseException], ...]:
-    from k3rl.sandboxes.types import PathEscapeError, SandboxFileError
-
     return (PathEscapeError, SandboxFileError)
 
 

@@ -1,6 +1,6 @@
 """k3rl's example jobs (`*.yaml`), their stored warm starts and a custom-environment example,
-installed with the package as `k3rl.examples` so a wheel install can run them too:
-`k3rl train "$(python -c 'import k3rl.examples as e; print(e.path("demo.yaml"))')"`."""
+installed with the package as `k3rl.examples` so a wheel install can run them too: `k3rl train demo.yaml`
+from any directory takes the installed example when no file of that name is there (`path` finds them)."""
 
 from pathlib import Path
 

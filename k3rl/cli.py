@@ -13,7 +13,9 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 
+from k3rl import examples
 from k3rl.config import ConfigError, JobConfig
+from k3rl.replay import replay_command
 
 app = typer.Typer(
     name="k3rl",
@@ -33,9 +35,23 @@ err = Console(stderr=True)
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config value: a.b.c=value (repeatable)")]
 
 
+def _config_path(config: Optional[Path]) -> Optional[Path]:
+    """`config`; or, when that is not a file and names an example installed with k3rl (`k3rl train demo.yaml`
+    from any directory, `.yaml` optional), the example."""
+    if config is None or config.exists() or len(config.parts) != 1:
+        return config
+    for name in (config.name, config.name + ".yaml"):
+        if (examples.HERE / name).is_file():
+            err.print(f"[yellow]note:[/] no file {config} here: the example installed with k3rl, "
+                      f"{examples.HERE / name}", highlight=False, soft_wrap=True)
+            return examples.HERE / name
+    jobs = ", ".join(sorted(p.name for p in examples.HERE.glob("*.yaml")))
+    _refused(ConfigError(f"config file {config} does not exist, nor is it an example installed with k3rl ({jobs})"))
+
+
 def _load(config: Optional[Path], overrides: Optional[list[str]]) -> JobConfig:
     try:
-        cfg = JobConfig.load(config, overrides or [])
+        cfg = JobConfig.load(_config_path(config), overrides or [])
     except ConfigError as e:
         _refused(e)
     for note in cfg.notes():
@@ -71,6 +87,7 @@ def train(
 ) -> None:
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
+    # lazy: torch, Ray and MLflow take seconds to import; only `train` needs them
     from k3rl.job import run_job
 
     try:  # the job checks env ids, envs.imports and its first prompts before Ray starts
@@ -89,8 +106,6 @@ def replay(
     re_execute: Annotated[bool, typer.Option("--re-execute", help="replay the tool calls in a fresh sandbox")] = False,
 ) -> None:
     """Show an episode turn by turn (and optionally re-run its tool calls)."""
-    from k3rl.replay import replay_command
-
     raise typer.Exit(replay_command(run, episode=episode, step=step, html=html, re_execute=re_execute))
 
 
@@ -102,6 +117,7 @@ def compare(
     metric: Annotated[str, typer.Option(help="metric to plot")] = "reward/mean",
 ) -> None:
     """Reward curves of several runs side by side, read from MLflow."""
+    # lazy: MLflow takes seconds to import; only `compare` needs it
     from k3rl.compare import CompareError, compare_runs
 
     try:
@@ -179,6 +195,7 @@ ImportOpt = Annotated[Optional[list[str]], typer.Option(
 
 
 def _import_env_modules(modules: Optional[list[str]]) -> None:
+    # lazy: importing k3rl.envs loads every env plugin; only `envs` needs them
     from k3rl.envs.registration import import_env_modules
 
     try:
@@ -191,7 +208,8 @@ def _import_env_modules(modules: Optional[list[str]]) -> None:
 def envs_list(import_: ImportOpt = None) -> None:
     """Registered environments under the k3rl namespace (and third-party entry points)."""
     _import_env_modules(import_)
-    from k3rl.envs.cli import list_envs
+    # lazy: loads every env plugin (above)
+    from k3rl.envs_cli import list_envs
 
     list_envs(console)
 
@@ -201,8 +219,9 @@ def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v
                import_: ImportOpt = None) -> None:
     """Run Gymnasium's env checker and one oracle episode, printing the transcript."""
     _import_env_modules(import_)
-    from k3rl.envs.cli import check_env_command
+    # lazy: loads every env plugin (above)
     from k3rl.envs.registration import unknown_env_message
+    from k3rl.envs_cli import check_env_command
 
     unknown = unknown_env_message(env_id)
     if unknown:
@@ -214,9 +233,9 @@ def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v
 
 
 def _mount_sandbox() -> None:
-    try:
+    try:  # the sandbox CLI needs the docker SDK; without it the other commands still work
         from k3rl.sandboxes.cli import app as sandbox_app
-    except ImportError as e:  # the sandbox CLI needs the docker SDK
+    except ImportError as e:
         sandbox_app = typer.Typer(help=f"Sandbox tools (unavailable: {e}).")
     app.add_typer(sandbox_app, name="sandbox", help="Build, check and clean up the sandboxes.")
 

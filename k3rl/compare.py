@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import matplotlib
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
@@ -127,11 +129,7 @@ def compare_runs(runs: list[str], out: Path = Path("runs/compare.png"), tracking
 
 def plot_runs(curves: list[RunCurve], labels: dict[str, str], metric: str) -> bytes:
     """PNG bytes: `metric` by run, and below it (when a run has them) the held-out eval curves."""
-    import matplotlib
-
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
     with_eval = any(c.evals for c in curves)
     fig = Figure(figsize=(8, 8 if with_eval else 4.5), dpi=100)
     axes = fig.subplots(2 if with_eval else 1, 1, squeeze=False)[:, 0]

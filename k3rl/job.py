@@ -6,7 +6,7 @@
 
 The driver holds handles and small per-episode stats, never tokens. Who does what:
 `rollout/scheduler.py` (admission, supervision, staleness, failures), `rollout/buffer.py`
-(groups, the store), `rollout/teacher.py` (distillation teachers on engines of their own, scoring
+(groups, the store), `learner/teacher_engines.py` (distillation teachers on engines of their own, scoring
 each batch before the learner trains it), `learner/actor.py` (ranks, checkpoints, the weight transport),
 `k3rl/metrics.py` (step metrics and the policy-version convention), `docs/architecture.md`.
 """
@@ -22,12 +22,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 from rich.console import Console
 from rich.live import Live
 
+from k3rl.cluster import init_ray
 from k3rl.config import JobConfig
+from k3rl.envs.registration import check_env_ids
 from k3rl.guard import FormatGuard
+from k3rl.learner.actor import LearnerGroup, latest_checkpoint
+from k3rl.learner.teacher_engines import TeacherGroup
 from k3rl.metrics import eval_metrics, rollout_metrics, step_metrics, step_table, trainable
+from k3rl.rollout.buffer import TrajectoryBuffer
+from k3rl.rollout.job_start import collect_demonstration_sets, preflight
+from k3rl.rollout.pool import EngineSpec, PoolActor
+from k3rl.rollout.scheduler import Scheduler, heldout_groups
+from k3rl.rollout.worker import RolloutWorker
+from k3rl.store import TrajectoryStore
+from k3rl.tracking import Tracker
 
 console = Console()
 LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
@@ -48,9 +60,6 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
             kill_learner_at_step: int | None = None, kill_teacher_at_step: int | None = None) -> dict[str, Any]:
     """Run (or with `resume`, continue) the job. `kill_*_at_step` kill rollout worker 0, inference
     engine 0, learner rank 0 or the first teacher engine after that step's training (the failure tests)."""
-    from k3rl.envs.registration import check_env_ids
-    from k3rl.rollout.job_start import preflight
-
     check_env_ids(cfg)  # before Ray starts: an unknown id, a prompt over the context, a bad oracle
     preflight(cfg)
     faults = {"worker": kill_worker_at_step, "engine": kill_engine_at_step, "learner": kill_learner_at_step,
@@ -80,7 +89,7 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                                     f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
                 stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
                 t1 = time.monotonic()
-                # teachers served by engines of their own attach log T to the episodes (rollout/teacher.py)
+                # teachers on engines of their own attach log T to the episodes (learner/teacher_engines.py)
                 ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
                 m = {**step_metrics(stats, step), "policy_version": float(step), **scored}
                 verdict = job.guard.observe(m.get("episodes/format_error_rate", 0.0)) if job.guard else "ok"
@@ -136,7 +145,7 @@ class Job:
     tracker: Any
     pool: Any
     learner: Any
-    teachers: Any  # the engines of learner.distill.teachers (rollout/teacher.py)
+    teachers: Any  # the engines of learner.distill.teachers (learner/teacher_engines.py)
     buffer: Any
     sched: Any
     step: int  # training steps done (the checkpoint's, on resume)
@@ -145,17 +154,6 @@ class Job:
 
     @classmethod
     async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack) -> Job:
-        import ray
-
-        from k3rl.cluster import init_ray
-        from k3rl.learner.actor import LearnerGroup, latest_checkpoint
-        from k3rl.rollout.buffer import TrajectoryBuffer
-        from k3rl.rollout.pool import EngineSpec, PoolActor
-        from k3rl.rollout.scheduler import Scheduler
-        from k3rl.rollout.teacher import TeacherGroup
-        from k3rl.rollout.worker import RolloutWorker
-        from k3rl.store import TrajectoryStore
-        from k3rl.tracking import Tracker
 
         run_name = cfg.tracking.run_name or cfg.name
         run_dir = Path(cfg.tracking.runs_dir) / run_name
@@ -218,9 +216,6 @@ class Job:
     async def warm_start(self) -> None:
         """A fresh run: the starting policy's reward (the curve's step 0: untrained, or model.checkpoint's), then
         SFT on oracle demonstrations, collected in a Ray task so the driver never holds their tokens."""
-        import ray
-
-        from k3rl.rollout.job_start import collect_demonstration_sets
 
         cfg, P = self.cfg, self.cfg.rollout.prompts_per_step
         if self.resumed:
@@ -262,8 +257,6 @@ class Job:
         """The held-out evaluation (envs.eval) logged at `step`: the policy after `step` RL steps, version
         step + 1, which the engines serve now. The driver pushes no weights until this returns, so every
         eval token is of that version, also with max_policy_lag > 0 (training episodes run beside it)."""
-        from k3rl.rollout.scheduler import heldout_groups
-
         version, t = step + 1, time.monotonic()
         assert self.sched.serving == version, f"evaluating version {version}, the engines serve {self.sched.serving}"
         plan = heldout_groups(self.cfg, self.sched.run_name, step, version)
@@ -309,8 +302,6 @@ async def _quietly(ref) -> None:
 
 
 async def _stop_pool(pool) -> None:
-    import ray
-
     await _quietly(pool.shutdown.remote())  # kills the engine actors
     with contextlib.suppress(Exception):
         ray.kill(pool)
@@ -318,8 +309,6 @@ async def _stop_pool(pool) -> None:
 
 async def _close_workers(workers: list) -> None:
     """Each rollout worker closes its sandbox pool (its warm containers), then is killed."""
-    import ray
-
     await asyncio.gather(*(_quietly(w.close.remote()) for w in workers))
     for w in workers:
         with contextlib.suppress(Exception):
@@ -327,8 +316,6 @@ async def _close_workers(workers: list) -> None:
 
 
 def _inject_faults(faults: dict[str, int | None], step: int, job: Job) -> None:
-    import ray
-
     if faults["learner"] == step:
         ray.kill(job.learner.actors[0], no_restart=True)
     if faults["worker"] == step:
@@ -353,8 +340,6 @@ def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, fl
 async def _engine_metrics(pool) -> dict[str, float]:
     """The engines' counters (`engine/...`, cumulative; EmbeddedEngine.metrics). Only observed: an engine
     that does not answer within ENGINE_METRICS_S leaves them out of this step's metrics."""
-    import ray
-
     try:
         return await asyncio.wait_for(pool.engine_metrics.remote(), ENGINE_METRICS_S)
     except (TimeoutError, ray.exceptions.RayError):
@@ -396,8 +381,6 @@ def _report(job: Job, summary: dict[str, Any], quiet: bool) -> None:
 def _log_samples(job: Job, stats: list[dict], step: int) -> None:
     """The step's best episodes as HTML artifacts and MLflow traces, read back from the store (the driver
     holds no tokens)."""
-    from k3rl.store import TrajectoryStore
-
     n = job.cfg.tracking.sample_episodes
     best = {s["id"] for s in sorted(filter(trainable, stats), key=lambda s: -s["reward"])[:n]}
     for t in TrajectoryStore(job.run_dir, readonly=True).read(step=step):

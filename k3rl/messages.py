@@ -13,10 +13,11 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal
 
+from PIL import Image, UnidentifiedImageError
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from k3rl.images import PNG_MAGIC, to_png
-from k3rl.types import ToolCall
+from k3rl.types import ToolCall, _check_png, _unb64
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
@@ -82,8 +83,6 @@ def _image_part(part: dict[str, Any], where: str) -> bytes:
         except binascii.Error:
             raise ValueError(f"{where}: the image is not base64 (a data URL is 'data:image/png;base64,...')") from None
     if isinstance(value, (bytes, bytearray)) and not bytes(value).startswith(PNG_MAGIC):
-        from PIL import Image, UnidentifiedImageError
-
         try:
             value = Image.open(io.BytesIO(value))
         except UnidentifiedImageError:
@@ -117,8 +116,6 @@ class Message(BaseModel):
     @field_validator("images", mode="before")
     @classmethod
     def _png(cls, v):
-        from k3rl.types import _check_png, _unb64
-
         return [_check_png(_unb64(x)) for x in (v or [])]
 
     @field_validator("tool_calls", mode="before")

@@ -43,10 +43,12 @@ def resolve_run_dir(run: str, runs_dir: str | Path = "runs", tracking_uri: str =
     for candidate in (Path(run), Path(runs_dir) / run):
         if (candidate / "trajectories").is_dir():
             return candidate
+    # lazy: MLflow (seconds) only for a run named in MLflow
     from k3rl.tracking import RUN_DIR_TAG, TrackingError, find_run, sqlite_path
 
     db = sqlite_path(tracking_uri)
     if db is None or db.exists():
+        # lazy: MLflow (seconds) only for a run named in MLflow
         from k3rl.tracking import mlflow_client
 
         try:
@@ -269,6 +271,7 @@ def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = Non
     """Run the recorded assistant turns (their exact sampled ids) again through the episode loop,
     in a fresh environment made as the job made it (`cfg`: the run's config, else the defaults);
     collect every divergence of what the env says back, the rewards and the episode's end."""
+    # lazy: torch (seconds) and every env plugin load only for --re-execute
     from k3rl.envs.registration import import_env_modules
     from k3rl.rollout.episode import (
         NO_LIMIT,

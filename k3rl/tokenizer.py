@@ -18,6 +18,9 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import tiktoken
+from tokenizers import Tokenizer as _HF
+
 # The K3 special tokens and their ids in the released vocabulary (docs/model.md §9.7, §7.4).
 SPECIAL_TOKEN_IDS: dict[str, int] = {
     "[BOS]": 163584,
@@ -123,10 +126,6 @@ class HFTokenizer(_SpecialsMixin):
     """
 
     def __init__(self, path: str | Path) -> None:
-        try:
-            from tokenizers import Tokenizer as _HF
-        except ImportError as e:  # pragma: no cover - tokenizers is a dependency
-            raise ImportError("loading a tokenizer.json needs the 'tokenizers' package: pip install tokenizers") from e
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.exists():
@@ -194,10 +193,6 @@ class TiktokenTokenizer(_SpecialsMixin):
     MAX_RUN_CHARS = 25_000
 
     def __init__(self, path: str | Path) -> None:
-        try:
-            import tiktoken
-        except ImportError as e:  # pragma: no cover - tiktoken is a dependency
-            raise ImportError("loading tiktoken.model needs the 'tiktoken' package: pip install tiktoken") from e
         path = Path(path)
         folder = path if path.is_dir() else path.parent
         model, config = folder / "tiktoken.model", folder / "tokenizer_config.json"

@@ -21,6 +21,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import mlflow
+from mlflow.entities import SpanType
+from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+from k3rl.images import png_size
 from k3rl.types import Trajectory, Turn
 
 TEXT_LIMIT = 4000  # characters of a message kept in a span (the episode's HTML artifact has them all)
@@ -32,8 +37,6 @@ def _text(text: str | None) -> str:
 
 
 def _shown(turn: Turn) -> str:
-    from k3rl.images import png_size
-
     images = "".join("[image {}x{}] ".format(*png_size(p)) for p in turn.images)
     return images + _text(turn.text)
 
@@ -45,9 +48,6 @@ def finish_reason(turn: Turn) -> str:
 
 def log_episode_trace(client: Any, experiment_id: str, run_id: str, traj: Trajectory, step: int) -> str:
     """Log `traj` as one MLflow trace of `run_id` at `step` through `client`; returns the trace id."""
-    from mlflow.entities import SpanType
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
     opening = traj.turns[: _first_assistant(traj)]
     assistant = [t for t in traj.turns if t.role == "assistant"]
     final = next((t.text for t in reversed(assistant) if not t.tool_calls), None)
@@ -103,8 +103,6 @@ def log_episode_trace(client: Any, experiment_id: str, run_id: str, traj: Trajec
         client.end_trace(trace_id, outputs={"final_answer": _text(final), **outcome},
                          attributes={"turns": traj.num_turns, "generated_tokens": traj.num_generated},
                          status="ERROR" if traj.error else "OK", end_time_ns=max(clock, now))
-        import mlflow
-
         mlflow.flush_trace_async_logging()
     return trace_id
 

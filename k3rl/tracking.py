@@ -9,6 +9,8 @@ live in one process (tests, Ray actors) without stepping on each other.
 
 from __future__ import annotations
 
+import fcntl
+import io
 import logging
 import math
 import posixpath
@@ -19,6 +21,15 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import matplotlib
+from matplotlib.figure import Figure
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from k3rl import __version__
+from k3rl.render_html import render_episode_html
+from k3rl.traces import log_episode_trace
 from k3rl.types import Trajectory
 
 try:  # MLflow's own limits, so we never send what it would reject
@@ -91,9 +102,6 @@ def mlflow_client(uri: str):
     the store is opened under a file lock: MLflow creates and migrates a new database's schema on
     first use, and two jobs doing that at once on one new file both failed (`table _alembic_tmp_metrics
     already exists`), as three demo jobs started together did."""
-    import fcntl
-
-    from mlflow.tracking import MlflowClient
 
     path = sqlite_path(uri)
     if path is None:
@@ -109,8 +117,6 @@ def mlflow_client(uri: str):
 def find_run(client, name_or_id: str, experiment: str | None = None):
     """An MLflow run by id, or by run name (the newest run of that name) in any experiment
     (or only in `experiment`). Raises TrackingError listing what exists when nothing matches."""
-    from mlflow.exceptions import MlflowException
-
     if re.fullmatch(r"[0-9a-f]{32}", name_or_id):
         try:
             return client.get_run(name_or_id)
@@ -144,8 +150,6 @@ class Tracker:
     def __init__(self, uri: str = "sqlite:///runs/mlflow.db", experiment: str = "k3rl", run_name: str | None = None,
                  run_id: str | None = None, artifact_root: str | Path | None = None,
                  tags: Mapping[str, str] | None = None, run_dir: str | Path | None = None) -> None:
-        from mlflow.exceptions import MlflowException
-
         self.uri = uri
         self.client = mlflow_client(uri)
         if run_id is not None:
@@ -174,8 +178,6 @@ class Tracker:
         self.finished = False
 
     def _experiment(self, name: str, artifact_root: str | Path | None) -> str:
-        from mlflow.exceptions import MlflowException
-
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             location = None
@@ -202,8 +204,6 @@ class Tracker:
         run, params already logged with the same value are skipped; a changed value cannot
         replace an MLflow param, so it is recorded as the tag `param_changed.<key>`.
         Returns what was logged (cleaned key -> value)."""
-        from mlflow.entities import Param, RunTag
-
         existing = self.client.get_run(self.run_id).data.params
         new: dict[str, str] = {}
         changed: dict[str, str] = {}
@@ -224,8 +224,6 @@ class Tracker:
         return new
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        from mlflow.entities import RunTag
-
         items = [RunTag(clean_key(k), truncate_value(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
             self.client.log_batch(self.run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
@@ -233,8 +231,6 @@ class Tracker:
     # -- metrics -------------------------------------------------------------------------
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log numbers at a training step (ints, floats, numpy/torch scalars; NaN/inf allowed)."""
-        from mlflow.entities import Metric
-
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         now = int(time.time() * 1000)
@@ -284,16 +280,12 @@ class Tracker:
     def log_episode_html(self, trajectory: Trajectory, step: int) -> str:
         """The episode rendered as one self-contained HTML page (images inline), stored as
         `episodes/step_<step>/<episode id>.html`."""
-        from k3rl.render_html import render_episode_html
-
         html = render_episode_html(trajectory, title=f"step {step} · episode {trajectory.id}")
         return self.log_artifact_text(html, f"episodes/step_{step:06d}/{trajectory.id}.html")
 
     def log_episode_trace(self, trajectory: Trajectory, step: int) -> str:
         """The episode as an MLflow trace of this run (a span per turn and tool call, the reward;
         see `k3rl.traces`), tagged `k3rl.step`; returns the trace id."""
-        from k3rl.traces import log_episode_trace
-
         return log_episode_trace(self.client, self.experiment_id, self.run_id, trajectory, step)
 
     def log_reward_curve_png(self, metrics: Iterable[str] | None = None, artifact_path: str = "reward_curve.png") -> str | None:
@@ -356,11 +348,7 @@ def metric_history(client, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def plot_curves(curves: Mapping[str, list[tuple[int, float]]], title: str, ylabel: str, xlabel: str = "step") -> bytes:
     """Line plot of named (step, value) series as PNG bytes (matplotlib, Agg backend, no display)."""
-    import matplotlib
-
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(8, 4.5), dpi=100)
     ax = fig.add_subplot()
     for label, points in curves.items():
@@ -375,8 +363,6 @@ def plot_curves(curves: Mapping[str, list[tuple[int, float]]], title: str, ylabe
 
 def figure_png(fig, axes) -> bytes:
     """A matplotlib figure as PNG bytes, its axes gridded and with legends."""
-    import io
-
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
@@ -387,6 +373,4 @@ def figure_png(fig, axes) -> bytes:
 
 
 def _k3rl_version() -> str:
-    from k3rl import __version__
-
     return __version__

@@ -332,9 +332,11 @@ class WeightBucket(_Record):
     @classmethod
     def _load(cls, value):
         if isinstance(value, (bytes, str)):
+            # lazy: `import k3rl` (the CLI) stays free of torch (seconds)
             from safetensors.torch import load
 
             return dict(load(_unb64(value)))
+        # lazy: `import k3rl` (the CLI) stays free of torch (seconds)
         import torch
 
         for name, t in value.items():
@@ -347,6 +349,7 @@ class WeightBucket(_Record):
         return _b64(self.to_bytes())
 
     def to_bytes(self) -> bytes:
+        # lazy: `import k3rl` (the CLI) stays free of torch (seconds)
         from safetensors.torch import save
 
         return save({k: v.detach().contiguous().cpu() for k, v in self.tensors.items()})

@@ -20,7 +20,7 @@ BACKENDS = ("auto", "torch", "triton")
 
 def triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (the check itself: triton is a Linux-only dependency)
     except ImportError:  # pragma: no cover - triton is a Linux dependency of the project
         return False
     return True

@@ -32,7 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+import torch
+import torch.distributed as dist
+
+from k3rl.cluster import free_port, rendezvous_host
 from k3rl.config import JobConfig
+from k3rl.learner.trainer import Trainer
+from k3rl.rollout.transport import make_transport
 from k3rl.types import Trajectory
 
 
@@ -49,8 +56,6 @@ class LearnerActor:
     and builds the trainer; every other method is called on all ranks with the same arguments."""
 
     def __init__(self, cfg: dict[str, Any], run_dir: str, rank: int = 0, world_size: int = 1, pool=None) -> None:
-        import torch
-
         torch.set_num_threads(max(1, int(os.environ.get("K3RL_LEARNER_THREADS", "1"))))
         self.cfg = JobConfig.model_validate(cfg)
         self.run_dir = Path(run_dir)
@@ -63,17 +68,10 @@ class LearnerActor:
 
     def rendezvous_address(self) -> str:
         """A free host:port on this (rank 0's) node for the ranks' process group store."""
-        from k3rl.learner.distributed import free_port, rendezvous_host
-
         host = rendezvous_host(bool(self.cfg.ray.address))
         return f"{host}:{free_port(host)}"
 
     def setup(self, rendezvous: str | None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from k3rl.learner.trainer import Trainer
-        from k3rl.rollout.transport import make_transport
 
         if self.world_size > 1:
             backend = "nccl" if self.device == "cuda" else "gloo"
@@ -91,7 +89,6 @@ class LearnerActor:
         set): of demo_sets[0], and from learner.sft_phases[k].from_step on of demo_sets[k + 1]. The driver
         calls it in pieces to show progress; the demonstrations drawn do not depend on the pieces (one RNG
         from step 0). After step learner.sft_steps - 1 the KL term's reference becomes the warm-started policy."""
-        import torch
 
         starts = [p.from_step for p in self.cfg.learner.sft_phases]
         if len(demo_sets) != len(starts) + 1:
@@ -137,8 +134,6 @@ class LearnerActor:
         fp32 allow-list stays fp32) and where it is (packed on the GPU, if any); rank 0 sends it.
         With `learner.lora.sync: adapters` the update is the adapters alone (fp32), which is what
         the report's `weight_sync/bytes` then counts."""
-        import torch
-
         dtype = torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None
         update = self.trainer.export_weights(version, dtype=dtype, to_cpu=False)
         if self.rank != 0:
@@ -180,8 +175,6 @@ class LearnerGroup:
     `cfg.rollout.weight_transport` (its send half lives in rank 0)."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path, pool) -> None:
-        import ray
-
         ranks = cfg.learner.world_size if cfg.learner.data_parallel == "fsdp" else 1
         actor = ray.remote(num_cpus=1, num_gpus=cfg.learner.gpus / ranks, max_restarts=0)(LearnerActor)
         self.actors = [actor.remote(cfg.to_dict(), str(run_dir), r, ranks, pool) for r in range(ranks)]
@@ -194,8 +187,6 @@ class LearnerGroup:
     async def call(self, method: str, *args: Any) -> Any:
         """`method(*args)` on every rank; rank 0's answer. An ObjectRef argument is passed as it
         is (each rank's Ray resolves it); the others are put into the object store once."""
-        import ray
-
         if len(self.actors) > 1:
             args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
         answers = await asyncio.gather(*(getattr(a, method).remote(*args) for a in self.actors))
@@ -212,8 +203,6 @@ class LearnerGroup:
     def shutdown(self) -> None:
         """Kill every rank (their process groups, transport groups and published weights go with
         them). Idempotent; never raises."""
-        import ray
-
         actors, self.actors = self.actors, []
         for a in actors:
             with contextlib.suppress(Exception):

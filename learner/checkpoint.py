@@ -22,6 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
+
+from k3rl.model import build_model, load_state_into, save_hf
+from k3rl.model.lora import base_state_dict, load_peft_adapter, save_peft_adapter
 
 from .distributed import is_distributed, load_full_state_dict
 
@@ -68,6 +72,7 @@ def _optimizer_state_local(optimizer) -> dict:
 
 def _optimizer_state_global(optimizer, sd: dict) -> dict:
     """Wrap local shards back into DTensors placed like their parameters."""
+    # lazy: torch.distributed.tensor takes ~1 s to import; only FSDP runs hold DTensors
     from torch.distributed.tensor import DTensor
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -84,8 +89,6 @@ def _optimizer_state_global(optimizer, sd: dict) -> dict:
 
 def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
     """A plain K3ForCausalLM holding `state` (tensors assigned as they are, dtypes kept)."""
-    from k3rl.model import build_model
-
     model = build_model(trainer.model_config, device="meta")
     model.load_state_dict(state, strict=True, assign=True)
     return model
@@ -93,8 +96,6 @@ def _unsharded_model_for_saving(trainer, state: dict[str, torch.Tensor]):
 
 def _lora_base_state(trainer) -> dict[str, torch.Tensor]:
     """The adapted model's own weights under a plain model's names (views: loading into them loads them)."""
-    from .lora import base_state_dict
-
     return base_state_dict(trainer.model)
 
 
@@ -105,12 +106,8 @@ def _load_reference(trainer, path: Path) -> None:
         state = trainer.full_state_dict()
         trainer.reference.load_state_dict({k: v.to(trainer.device) for k, v in state.items()}, strict=True)
     elif hasattr(trainer.model_config, "to_hf"):
-        from k3rl.model import load_state_into
-
         load_state_into(trainer.reference, path)
     else:
-        from safetensors.torch import load_file
-
         trainer.reference.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
 
 
@@ -122,8 +119,6 @@ def save(trainer, directory) -> Path:
     _barrier()
     # 1. model in the official layout
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
-        from k3rl.model import save_hf
-
         # experts as the model holds them (fp32 master weights stay fp32), whatever the starting
         # checkpoint stored: a resume must continue from these exact values
         if trainer.sharded:
@@ -131,27 +126,19 @@ def save(trainer, directory) -> Path:
             if rank == 0:
                 save_hf(_unsharded_model_for_saving(trainer, state), d / "model", experts="dense")
         elif trainer.lora is not None:  # LoRA is single-rank (config refuses FSDP)
-            from .lora import save_peft_adapter
-
             save_hf(_unsharded_model_for_saving(trainer, _lora_base_state(trainer)), d / "model", experts="dense")
             save_peft_adapter(trainer.model, d / "adapter", trainer.lora.settings())
         elif rank == 0:
             save_hf(trainer.model, d / "model", experts="dense")
     else:
-        from safetensors.torch import save_file
-
         state = trainer.full_state_dict()
         if rank == 0:
             (d / "model").mkdir(exist_ok=True)
             save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(d / "model" / "model.safetensors"))
     if trainer.reference is not None and rank == 0:
         if hasattr(trainer.model_config, "to_hf"):
-            from k3rl.model import save_hf
-
             save_hf(trainer.reference, d / "reference", experts="dense")
         else:
-            from safetensors.torch import save_file
-
             (d / "reference").mkdir(exist_ok=True)
             ref_state = {k: v.detach().cpu().contiguous() for k, v in trainer.reference.state_dict().items()}
             save_file(ref_state, str(d / "reference" / "model.safetensors"))
@@ -194,15 +181,11 @@ def load(trainer, directory) -> None:
     rank = trainer.rank
     # 1. model
     if trainer.model_config is not None and hasattr(trainer.model_config, "to_hf"):
-        from k3rl.model import load_state_into
-
         if trainer.sharded:
             state = trainer.full_state_dict()  # collective: the whole model on every rank, streamed into
             load_state_into(state, d / "model")
             load_full_state_dict(trainer.model, state)
         elif trainer.lora is not None:
-            from .lora import load_peft_adapter
-
             if not (d / "adapter" / "adapter_model.safetensors").exists():
                 raise FileNotFoundError(f"{d} has no adapter/ (PEFT adapters): it was not written with learner.lora; "
                                         "resume it without learner.lora, or start a new run")
@@ -211,8 +194,6 @@ def load(trainer, directory) -> None:
         else:
             load_state_into(trainer.model, d / "model")
     else:
-        from safetensors.torch import load_file
-
         state = load_file(str(d / "model" / "model.safetensors"))
         if trainer.sharded:
             load_full_state_dict(trainer.model, state)

@@ -36,6 +36,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from k3rl.images import from_png
+from k3rl.kernels.varlen import remember_host_copy, remember_host_offsets
 from k3rl.types import Trajectory
 
 from .losses import aggregation_weights
@@ -68,8 +70,6 @@ class MicroBatch:
         """Its images, decoded and preprocessed for `model` (`as_media`); None without images."""
         if not self.images:
             return None
-        from k3rl.images import from_png
-
         return model.as_media([from_png(b) for b in self.images])
 
     def ready(self) -> MicroBatch:
@@ -87,8 +87,6 @@ class MicroBatch:
         cuda = device.type == "cuda" and torch.cuda.is_available()
         moved = {k: _move(v, device) for k, v in self.__dict__.items()}
         if cuda and self.cu_seqlens.device.type == "cpu":
-            from k3rl.kernels.varlen import remember_host_copy, remember_host_offsets
-
             remember_host_offsets(moved["cu_seqlens"], self.cu_seqlens.tolist())
             remember_host_copy(moved["input_ids"], self.input_ids)  # the model's media check reads it
         return MicroBatch(**moved)

@@ -48,7 +48,7 @@ multi-teacher setup, one expert per domain); a teacher named for no env takes th
 episodes no teacher takes keep the env's advantage alone.
 
 Where a teacher runs: with `engines: 0` the learner loads it (`load_teachers`) and scores in its own
-process; otherwise the job serves it by engines of its own (rollout/teacher.py), which score the
+process; otherwise the job serves it by engines of its own (learner/teacher_engines.py), which score the
 step's episodes before the learner gets them and attach log T to each, `metadata["teacher_logprobs"]`;
 `distill_advantages` uses attached scores where an episode has them and scores the rest itself.
 """
@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3rl.model.factory import build_model
 from k3rl.types import Trajectory
 
 from .advantages import turn_returns
@@ -86,8 +87,6 @@ def load_teacher(checkpoint: str, preset: str, overrides: dict | None = None, *,
                  coef: float = 1.0, clip: float | None = None, discount: float = 0.0, estimator: str = "sampled",
                  device: str = "cpu", dtype: str = "float32") -> Teacher:
     """A teacher from an HF-layout checkpoint (its config.json must match `preset` + `overrides`)."""
-    from k3rl.model.factory import build_model
-
     model = build_model(preset, overrides, dtype=dtype, device=device, checkpoint=checkpoint).eval()
     return Teacher(model, tuple(envs), coef, clip, name=checkpoint, discount=discount, estimator=estimator)
 
@@ -159,8 +158,8 @@ def _teacher_logprobs(teacher: Teacher, trajectories: list[Trajectory], micro_ba
         raise ValueError(
             f"teacher {teacher.name} is served by engines of its own, but episode {trajectories[missing[0]].id} "
             f"carries no scores of it (metadata[{TEACHER_LOGPROBS!r}]): score the batch with "
-            "k3rl.rollout.teacher.TeacherGroup before train_step (the job does), or set the teacher's engines: 0 "
-            "to score it in the learner")
+            "k3rl.learner.teacher_engines.TeacherGroup before train_step (the job does), or set the teacher's "
+            "engines: 0 to score it in the learner")
     if missing:
         for i, log_t in zip(missing, score(teacher.model, [trajectories[i] for i in missing], micro_batch_tokens,
                                            temperature), strict=True):

@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from .expert_parallel import sharded_expert_params
 
 __all__ = [
     "is_distributed",
@@ -28,25 +31,6 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
 ]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now: where a process group's store can listen."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def rendezvous_host(on_cluster: bool) -> str:
-    """Where a process group's store listens (on the node of its rank 0): loopback when the job
-    runs its own local Ray (every process is on this machine), the node's address on a cluster."""
-    if not on_cluster:
-        return "127.0.0.1"
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 def is_distributed() -> bool:
@@ -70,7 +54,7 @@ def apply_fsdp(
             "data_parallel='fsdp' needs an initialised process group: call "
             "torch.distributed.init_process_group (nccl for GPUs, gloo for CPUs) in every rank first"
         )
-    from torch.distributed.device_mesh import init_device_mesh
+    # lazy: FSDP takes ~1 s to import; only FSDP runs need it
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -109,8 +93,6 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) state dict on the CPU, on every rank (collective)."""
-    from .expert_parallel import sharded_expert_params
-
     experts = sharded_expert_params(model)
     state = model.state_dict()
     out = {}
@@ -126,9 +108,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Copy full tensors into a (possibly sharded) model: each rank keeps its own shard."""
+    # lazy: torch.distributed.tensor takes ~1 s to import; only FSDP runs need it
     from torch.distributed.tensor import distribute_tensor
-
-    from .expert_parallel import sharded_expert_params
 
     experts = sharded_expert_params(model)
     keys = set(model.state_dict())

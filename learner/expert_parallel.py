@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from k3rl.kernels.moe import combine as combine_routes
 from k3rl.kernels.moe import latent_experts, permute_by_expert
@@ -155,8 +156,6 @@ def _check_divides(num_experts: int, ep: int) -> None:
 def expert_parallel_groups(ep: int, device_type: str):
     """(EP group, replica group or None) of this rank: ranks form a [W / ep, ep] grid; an EP
     group is a row of ep contiguous ranks, the replicas of an expert slice are a column."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     W = dist.get_world_size()
     if ep < 1 or W % ep:
         raise ValueError(f"learner.expert_parallel={ep} must divide the world size {W}")

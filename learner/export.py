@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from k3rl.model.lora import SCALING_NAME, adapter_state_dict, merged_state_dict
+from k3rl.model.model import FP32_PARAM_SUFFIXES
+from k3rl.model.state_dict_adapter import to_hf
 from k3rl.types import WeightUpdate
 
 
 def weight_update(trainer, version: int, dtype: torch.dtype | None, bucket_bytes: int, to_cpu: bool,
                   experts: str | None) -> WeightUpdate:
     """The trainer's policy as a WeightUpdate; collective under FSDP (call on every rank)."""
-    from k3rl.model.model import FP32_PARAM_SUFFIXES
-    from k3rl.model.state_dict_adapter import to_hf
-
     if trainer.lora is not None and trainer.lora.sync == "adapters":
         return _adapters_update(trainer, version, bucket_bytes, to_cpu)
     if trainer.lora is not None:
-        from .lora import merged_state_dict
-
         state = merged_state_dict(trainer.model)
     else:
         state = trainer.full_state_dict()
@@ -39,8 +37,6 @@ def _adapters_update(trainer, version: int, bucket_bytes: int, to_cpu: bool) -> 
     """LoRA with `sync: adapters`: the adapters alone, in fp32 under PEFT's names, plus the scaling
     alpha / r (`lora.SCALING_NAME`); each engine merges them into its own base weights. Marked
     full: with the base an engine starts from, it makes the whole policy."""
-    from .lora import SCALING_NAME, adapter_state_dict
-
     state = {**adapter_state_dict(trainer.model), SCALING_NAME: torch.tensor(trainer.lora.settings().scaling)}
     state = {k: (v.detach().cpu() if to_cpu else v.detach().to(trainer.device)).contiguous() for k, v in state.items()}
     return WeightUpdate.from_state_dict(version, state, bucket_bytes=bucket_bytes)

@@ -54,6 +54,8 @@ __all__ = [
     "QKClip",
 ]
 
+import torch.distributed as dist
+
 from .qk_clip import QKClip  # noqa: E402  (re-exported: the MLA weight clip that goes with Muon)
 
 NO_GROUP_SUFFIXES = ("e_score_correction_bias",)
@@ -207,6 +209,7 @@ def _like_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Slice a full-size update to p's local shard (DTensor) without communication."""
     if not _is_dtensor(p):
         return full
+    # lazy: torch.distributed.tensor takes ~1 s to import; only FSDP runs need it
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
@@ -216,8 +219,6 @@ def _split_ns_over_ranks(stacked: torch.Tensor, steps: int, backend: str, group)
     """NS5 of a [N, r, c] stack with the work split over the ranks of `group`: each rank
     orthogonalises N/W blocks (zero blocks pad N to a multiple of W; NS(0) = 0), then one
     all-gather reassembles the stack on every rank."""
-    import torch.distributed as dist
-
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     N = stacked.shape[0]
     per = -(-N // W)

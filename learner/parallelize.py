@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .context_parallel_layers import ContextParallel
 from .distributed import apply_fsdp
 from .expert_parallel import apply_expert_parallel, expert_parallel_groups, local_expert_params
 from .moon_ep import apply_moon_ep
@@ -28,8 +29,6 @@ def parallelize(model: nn.Module, config, device: torch.device, world_size: int)
     # context parallelism: every rank gets the same micro-batches and trains on its part of their positions
     context_parallel = None
     if getattr(config, "context_parallel", 1) > 1:
-        from .context_parallel_layers import ContextParallel
-
         if config.context_parallel != world_size:
             raise ValueError(f"learner.context_parallel={config.context_parallel} must equal the world size "
                              f"{world_size} (data parallelism beyond it is not supported yet)")

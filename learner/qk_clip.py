@@ -58,6 +58,7 @@ class QKClip:
         for w, scale in zip((q_b_proj, kv_b_proj), self.row_scales(max_logits.cpu()), strict=True):
             scale = scale[:, None].to(dtype=w.dtype)
             if _is_dtensor(w):
+                # lazy: torch.distributed.tensor takes ~1 s to import; only FSDP runs need it
                 from torch.distributed.tensor import distribute_tensor
 
                 scale = distribute_tensor(scale.to(w.to_local().device), w.device_mesh, w.placements, src_data_rank=None)

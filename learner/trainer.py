@@ -40,6 +40,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from k3rl.model import build_model
+from k3rl.model.lora import apply_lora
 from k3rl.types import Trajectory, WeightUpdate
 
 from . import checkpoint as ckpt
@@ -130,11 +132,9 @@ class Trainer:
         self.reference = None
         if config.kl_coef > 0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
-        # LoRA (learner/lora.py): adapters on the built model, before any sharding; the rest frozen
+        # LoRA (k3rl/model/lora.py): adapters on the built model, before any sharding; the rest frozen
         self.lora = getattr(config, "lora", None)
         if self.lora is not None:
-            from .lora import apply_lora
-
             apply_lora(model, self.lora.settings())
         self.expert_parallel = getattr(config, "expert_parallel", 1)
         self.context_parallel = parallelize(model, config, self.device, self.world_size)
@@ -192,8 +192,6 @@ class Trainer:
     def from_job(cls, job, device: str | torch.device | None = None) -> Trainer:
         """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer.
         The master weights are fp32 whatever `job.model.dtype` (the engines' dtype) is."""
-        from k3rl.model import build_model
-
         model = build_model(job.model.preset, job.model.overrides, seed=job.model.seed,
                             checkpoint=job.model.checkpoint or None)
         return cls(model, job.learner, device=device, temperature=job.rollout.sampling.policy_temperature)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .distributed import all_reduce_sum
@@ -65,8 +66,6 @@ def apply_qk_clip(qk_clip: QKClip | None, max_logits: MaxLogitTracker | None, wo
     for name in sorted(maxima):
         S = maxima[name]
         if world_size > 1:
-            import torch.distributed as dist
-
             dist.all_reduce(S, op=dist.ReduceOp.MAX)
         mla = max_logits.modules[name]
         gamma = qk_clip.apply(mla.q_b_proj.weight, mla.kv_b_proj.weight, S)
@@ -83,7 +82,7 @@ def qb_update(model: nn.Module, frozen: bool, world_size: int) -> int:
         return 0
     if world_size == 1:
         return model.qb_step()
-    import torch.distributed as dist
+    # lazy: torch.distributed.tensor takes ~1 s to import; only FSDP runs need it
     from torch.distributed.tensor import distribute_tensor
 
     updated = 0

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
+
 from k3rl.metrics import episode_stats, trainable
+from k3rl.store import TrajectoryStore
 from k3rl.types import Trajectory
 
 
@@ -36,8 +39,6 @@ class TrajectoryBuffer:
                       "unused": 0, "eval": 0}
         self._store = None
         if store_dir:
-            from k3rl.store import TrajectoryStore
-
             self._store = TrajectoryStore(store_dir)
 
     async def put(self, traj: Trajectory | str | dict) -> bool:
@@ -88,8 +89,6 @@ class TrajectoryBuffer:
 
     def take_ref(self, group_ids: list[str], step: int) -> list:
         """`take`, returned as [ObjectRef] (put here, so only the learner ranks fetch the tokens)."""
-        import ray
-
         return [ray.put(self.take(group_ids, step))]
 
     def drop(self, group_ids: list[str], step: int, status: str = "stale") -> None:

@@ -52,10 +52,12 @@ from typing import Any
 
 import gymnasium
 
+import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
 from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.envs.actions import action_to_ids
 from k3rl.envs.base import NoOracleError, is_tool_env
+from k3rl.images import num_image_tokens
 from k3rl.rollout.context import SUMMARY_REQUEST, Compactor, asks_for_summary, start_segment
 from k3rl.rollout.engine import GenerationResult
 from k3rl.tokenizer import load_tokenizer
@@ -372,8 +374,6 @@ def run_oracle_episode(env: Any, seed: int | None = 0, *, options: dict[str, Any
     """The oracle episode of `env` (a registered id, or an env: wrapped or not, made with its own
     template) through the episode loop. The env's own `max_turns` applies; `limits` add the loop's."""
     if isinstance(env, str):
-        import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
-
         env_id, template = env, template or ChatTemplate()
 
         def make() -> Any:
@@ -402,8 +402,6 @@ def run_sync(coro: Awaitable) -> Any:
 # -- a job's episodes -------------------------------------------------------------------------------
 def make_template(cfg: JobConfig) -> ChatTemplate:
     """The chat template whose image-token count matches the model's vision tower."""
-    from k3rl.images import num_image_tokens
-
     vc = getattr(cfg.model.k3_config(), "vision_config", None)
     kw = {}
     if vc is not None:
@@ -437,8 +435,6 @@ def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = 
     """The episode's environment. A ToolEnv (registered with its class) also gets the job's chat
     template, turn limit, time budget and sandbox settings; its `env_kwargs` win. Any other
     Gymnasium env gets only its `env_kwargs`."""
-    import k3rl.envs  # noqa: F401
-
     kwargs = dict(spec.env_kwargs)
     if is_tool_env(spec.env_id):
         kwargs.setdefault("max_turns", cfg.envs.max_turns)

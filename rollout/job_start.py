@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+from pathlib import Path
 
 from k3rl.chat import ChatTemplate
 from k3rl.config import ConfigError, JobConfig
+from k3rl.envs.base import ToolEnv, registered_entry_point
 from k3rl.envs.registration import import_env_modules
+from k3rl.model import K3Config
+from k3rl.model.factory import architecture_differences, model_config
 from k3rl.rollout.episode import (
     EpisodeSpec,
     job_limits,
@@ -20,6 +24,7 @@ from k3rl.rollout.episode import (
     oracle_episode,
     run_sync,
 )
+from k3rl.sandboxes import BackendUnavailableError, choose_backend
 from k3rl.types import Trajectory
 
 DEMONSTRATIONS_AT_ONCE = 8
@@ -73,9 +78,6 @@ def preflight(cfg: JobConfig) -> None:
 def _check_sandbox_backend(cfg: JobConfig) -> None:
     """Envs whose tools run in sandboxes need a backend that works here; "auto" never falls back to running
     them unsandboxed: that takes `sandbox.backend: none`, by name."""
-    from k3rl.envs.base import ToolEnv, registered_entry_point
-    from k3rl.sandboxes import BackendUnavailableError, choose_backend
-
     needing = sorted({e.id for e in [*cfg.envs.train, *cfg.envs.eval]
                       if isinstance(cls := registered_entry_point(e.id), type) and issubclass(cls, ToolEnv)
                       and cls.uses_sandbox})
@@ -90,9 +92,6 @@ def _check_sandbox_backend(cfg: JobConfig) -> None:
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:
-    from pathlib import Path
-
-    from k3rl.model.factory import architecture_differences
 
     ckpt = cfg.model.checkpoint
     if ckpt is None:
@@ -110,10 +109,6 @@ def _check_checkpoint(cfg: JobConfig) -> None:
 def _check_teachers(cfg: JobConfig) -> None:
     """Each learner.distill.teachers checkpoint holds the K3 architecture its preset + overrides
     describe, with the student's vocabulary (it scores the student's token ids)."""
-    from pathlib import Path
-
-    from k3rl.model import K3Config
-    from k3rl.model.factory import architecture_differences, model_config
 
     for i, t in enumerate(cfg.learner.distill.teachers):
         field = f"learner.distill.teachers.{i}"

@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from k3rl.types import SamplingParams, WeightUpdate
 
-from .engine import EngineLoad, GenerationResult, InferenceEngine
+from .engine import EmbeddedEngine, EngineLoad, GenerationResult, InferenceEngine
 from .transport import TRANSPORTS, PublishedUpdate, publish
+from .vllm_adapter import VLLMEngine
 
 
 @dataclass
@@ -64,19 +66,13 @@ class EngineSpec:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def build(self, name: str = "engine") -> InferenceEngine:
-        import torch
-
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         if self.kind == "embedded":
-            from .engine import EmbeddedEngine
-
             return EmbeddedEngine.from_preset(self.preset, device=self.device, dtype=self.dtype, seed=self.seed,
                                               checkpoint=self.checkpoint, overrides=self.overrides or None,
                                               name=name, **self.engine_kwargs)
         if self.kind == "vllm":
-            from .vllm_adapter import VLLMEngine
-
             if not self.checkpoint:
                 raise ValueError("a vLLM worker serves an HF-layout checkpoint: set EngineSpec.checkpoint")
             return VLLMEngine(self.checkpoint, dtype=self.dtype, seed=self.seed, name=name, **self.engine_kwargs)

@@ -52,6 +52,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 from k3rl.config import EvalSpec, JobConfig
 from k3rl.metrics import trainable
 
@@ -193,8 +195,6 @@ class Scheduler:
 
     # -- supervision ---------------------------------------------------------------------------
     async def _run(self, group: Group, spec: dict[str, Any], counted: bool = True) -> None:
-        import ray
-
         errors: list[str] = []
         stats = None
         while stats is None:

@@ -44,6 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from k3rl.images import from_png
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.state_dict_adapter import from_hf
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .engine import EngineLoad, GenerationResult, InferenceEngine
@@ -54,6 +57,7 @@ K3_ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK3ForCausalLM")
 
 def vllm_available() -> bool:
     try:
+        # optional dependency (k3rl[vllm]): the check itself
         import vllm  # noqa: F401
     except ImportError:
         return False
@@ -62,6 +66,7 @@ def vllm_available() -> bool:
 
 def _require_vllm():
     try:
+        # optional dependency (k3rl[vllm])
         import vllm
     except ImportError as e:
         raise ImportError("the vLLM engine needs vLLM: pip install 'k3rl[vllm]' (on a CUDA machine), "
@@ -138,8 +143,6 @@ class K3ForVLLM(nn.Module):
 
     def __init__(self, *, vllm_config=None, prefix: str = "", config=None):
         super().__init__()
-        from k3rl.model import K3Config, K3ForCausalLM
-
         if config is None:
             hf = vllm_config.model_config.hf_config
             raw = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
@@ -172,8 +175,6 @@ class K3ForVLLM(nn.Module):
         return hidden_states  # forward already returned logits
 
     def load_weights(self, weights) -> set[str]:
-        from k3rl.model.state_dict_adapter import from_hf
-
         expected = self.k3.state_dict()
         state, unexpected = from_hf(dict(weights), expected)
         if unexpected:
@@ -202,6 +203,7 @@ def register_k3_architecture() -> bool:
 
 def _register_hf_config() -> None:
     """Let transformers' AutoConfig (which vLLM uses to read config.json) parse model_type kimi_k3."""
+    # optional dependency: transformers comes with vLLM
     from transformers import AutoConfig, PretrainedConfig
 
     try:
@@ -273,6 +275,7 @@ class VLLMEngine(InferenceEngine):
         self._ids = itertools.count()
 
         async def build():
+            # optional dependency (k3rl[vllm])
             from vllm.engine.arg_utils import AsyncEngineArgs
 
             self._idle, self._gate = asyncio.Event(), asyncio.Lock()
@@ -297,13 +300,14 @@ class VLLMEngine(InferenceEngine):
         return fut
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, images, request_id: str) -> GenerationResult:
+        # optional dependency (k3rl[vllm])
         from vllm import SamplingParams as VSamplingParams
+
+        # optional dependency (k3rl[vllm])
         from vllm.inputs import TokensPrompt
 
         prompt = TokensPrompt(prompt_token_ids=ids)
         if images:
-            from k3rl.images import from_png
-
             prompt["multi_modal_data"] = {"image": [from_png(bytes(im)) if isinstance(im, (bytes, bytearray)) else im
                                                     for im in images]}
         params = VSamplingParams(**sampling_kwargs(sampling))

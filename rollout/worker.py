@@ -15,6 +15,8 @@ import concurrent.futures
 import time
 from typing import Any
 
+import torch
+
 from k3rl.config import JobConfig
 from k3rl.envs.registration import import_env_modules
 from k3rl.envs.sandboxed import on_loop_thread
@@ -28,15 +30,13 @@ from k3rl.rollout.episode import (
     run_episode,
     sandbox_limits,
 )
+from k3rl.sandboxes import SandboxPool
 
 __all__ = ["RolloutWorker", "make_env", "make_template", "sandbox_limits"]
 
 
 class RolloutWorker:
     def __init__(self, cfg: dict[str, Any], pool: Any, buffer: Any, index: int = 0) -> None:
-        import torch
-
-        from k3rl.sandboxes import SandboxPool
 
         torch.set_num_threads(1)
         self.cfg = JobConfig.model_validate(cfg)

@@ -12,6 +12,7 @@ leftovers of crashed jobs; `doctor` says what this host can run. CLI: `k3rl sand
 """
 
 from .base import Sandbox
+from .doctor import print_report
 from .factory import choose_backend, open_sandbox
 from .gc import gc
 from .image import build_image, image_tag, image_version
@@ -37,8 +38,6 @@ def cli_build(force: bool = False) -> str:
 
 def cli_doctor() -> bool:
     """`k3rl sandbox doctor`: print what is available and what to install; True when a backend works."""
-    from .doctor import print_report
-
     return print_report()
 
 

@@ -21,9 +21,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .paths import WORK_DIR, resolve_in_workdir
+from .process import SandboxProcess
 from .types import (
     TRUNCATION_MARKER,
     ExecResult,
@@ -33,9 +33,6 @@ from .types import (
     SandboxFileError,
     SandboxLimits,
 )
-
-if TYPE_CHECKING:
-    from .process import SandboxProcess
 
 log = logging.getLogger("k3rl.sandboxes")
 
@@ -236,8 +233,6 @@ class Sandbox(ABC):
 
         It runs until it exits, `kill()` ends it, or the sandbox is reset or closed; no timeout applies.
         """
-        from .process import SandboxProcess
-
         args = self._command(cmd, env, workdir)
         header, _ = self._call("spawn", args)
         return SandboxProcess(self, args["id"], args["cmd"], header["pid"])

@@ -6,6 +6,8 @@ import logging
 
 import typer
 
+from . import cli_build, cli_doctor, cli_gc
+
 app = typer.Typer(help="Sandboxes: build the image, check the host, remove leftovers.", no_args_is_help=True)
 
 
@@ -14,8 +16,6 @@ def build(
     force: bool = typer.Option(False, "--force", help="rebuild even when the recipe is unchanged"),
 ) -> None:
     """Build k3rl-sandbox:<version> offline (debootstrap + docker import) if its recipe changed."""
-    from . import cli_build
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cli_build(force=force)
 
@@ -23,8 +23,6 @@ def build(
 @app.command()
 def doctor() -> None:
     """Say which sandbox backends work here and what to install for the others."""
-    from . import cli_doctor
-
     if not cli_doctor():
         raise typer.Exit(code=1)
 
@@ -35,8 +33,6 @@ def gc(
     all: bool = typer.Option(False, "--all", help="remove every k3rl sandbox, live owners included"),
 ) -> None:
     """Remove sandboxes whose owning process is gone (or all of --job, or --all)."""
-    from . import cli_gc
-
     cli_gc(job=job, all=all)
 
 

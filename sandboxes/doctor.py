@@ -6,6 +6,13 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import docker
+
+from .bwrap_backend import bwrap_available, bwrap_path
+from .cgroups import ROOT
+from .docker_backend import docker_client
+from .factory import choose_backend
+from .image import cache_dir, debian_mirrors, image_exists, image_tag, rootfs_dir, rootfs_tarball
 from .types import BackendUnavailableError
 
 
@@ -18,22 +25,9 @@ class Check:
 
 
 def run_checks() -> list[Check]:
-    from .bwrap_backend import bwrap_available, bwrap_path
-    from .cgroups import ROOT
-    from .image import cache_dir, debian_mirrors, image_tag, rootfs_dir, rootfs_tarball
-
-    checks: list[Check] = []
-    # Docker
-    try:
-        import docker
-
-        checks.append(Check("docker SDK", True, f"docker-py {docker.__version__}"))
-    except ImportError:
-        checks.append(Check("docker SDK", False, "python package `docker` missing", "pip install docker"))
+    checks = [Check("docker SDK", True, f"docker-py {docker.__version__}")]  # a dependency of the package
     daemon_ok = False
     try:
-        from .docker_backend import docker_client
-
         client = docker_client()
         info = client.info()
         daemon_ok = True
@@ -44,7 +38,7 @@ def run_checks() -> list[Check]:
                 f"server {info.get('ServerVersion')}, storage {info.get('Driver')}, cgroup v{info.get('CgroupVersion', '?')}",
             )
         )
-    except (BackendUnavailableError, ImportError) as exc:
+    except BackendUnavailableError as exc:
         checks.append(
             Check(
                 "docker daemon",
@@ -54,8 +48,6 @@ def run_checks() -> list[Check]:
             )
         )
     if daemon_ok:
-        from .image import image_exists
-
         present = image_exists(client)
         checks.append(
             Check(
@@ -138,8 +130,6 @@ def run_checks() -> list[Check]:
 
 def print_report() -> bool:
     """Print every check and the backend `auto` would pick; return True when some backend works."""
-    from .factory import choose_backend
-
     for check in run_checks():
         mark = "ok  " if check.ok else "MISS"
         line = f"[{mark}] {check.name:18s} {check.detail}"

@@ -6,7 +6,11 @@ import os
 from pathlib import Path
 
 from .base import Sandbox, log
+from .bwrap_backend import BwrapSandbox, bwrap_path
+from .docker_backend import DockerSandbox, docker_client
+from .image import image_exists, image_tag
 from .types import BackendUnavailableError, SandboxLimits
+from .unsandboxed import UnsandboxedSandbox
 
 BACKENDS = ("docker", "bwrap", "auto", "none")
 
@@ -24,10 +28,6 @@ def choose_backend(backend: str = "auto", image: str | None = None) -> str:
         raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {BACKENDS}")
     if backend != "auto":
         return backend
-    from .bwrap_backend import bwrap_path
-    from .docker_backend import docker_client
-    from .image import image_exists, image_tag
-
     tag = image or image_tag()
     try:
         client = docker_client()
@@ -71,13 +71,7 @@ def open_sandbox(
     chosen = choose_backend(backend, image)
     job = job or default_job()
     if chosen == "none":
-        from .unsandboxed import UnsandboxedSandbox
-
         return UnsandboxedSandbox(base, job=job)
     if chosen == "docker":
-        from .docker_backend import DockerSandbox
-
         return DockerSandbox(base, job=job, image=image)
-    from .bwrap_backend import BwrapSandbox
-
     return BwrapSandbox(base, job=job, rootfs=rootfs)

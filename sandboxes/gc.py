@@ -23,7 +23,13 @@ import signal
 import socket
 from pathlib import Path
 
+import docker.errors
+
 from .base import log
+from .bwrap_backend import OWNER_FILE, sandbox_base_dir
+from .cgroups import PARENT, ROOT, SandboxCgroup
+from .docker_backend import LABEL_JOB, LABEL_OWNER, LABEL_SANDBOX, docker_client
+from .types import BackendUnavailableError
 
 
 def _owner_alive(owner: str) -> bool:
@@ -51,10 +57,6 @@ def _doomed(job_label: str | None, owner: str, job: str | None, all: bool) -> bo
 
 
 def gc_docker(job: str | None = None, all: bool = False) -> list[str]:
-    import docker.errors
-
-    from .docker_backend import LABEL_JOB, LABEL_OWNER, LABEL_SANDBOX, docker_client
-    from .types import BackendUnavailableError
 
     try:
         client = docker_client()
@@ -77,9 +79,6 @@ def gc_docker(job: str | None = None, all: bool = False) -> list[str]:
 
 
 def gc_bwrap(job: str | None = None, all: bool = False) -> list[str]:
-    from .bwrap_backend import OWNER_FILE, sandbox_base_dir
-    from .cgroups import PARENT, ROOT, SandboxCgroup
-
     removed = []
     base = sandbox_base_dir()
     live_ids = set()
@@ -112,8 +111,6 @@ def gc_bwrap(job: str | None = None, all: bool = False) -> list[str]:
 
 
 def _remove_cgroups(sandbox_id: str) -> None:
-    from .cgroups import PARENT, ROOT, SandboxCgroup
-
     if not sandbox_id:
         return
     dirs = {

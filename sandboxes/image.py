@@ -27,6 +27,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import docker
+import docker.errors
+
 IMAGE_REPOSITORY = "k3rl-sandbox"
 SUITE = "bookworm"
 SANDBOX_UID = 1000
@@ -229,8 +232,6 @@ def extract_rootfs(log: Log = print) -> Path:
 
 def image_exists(client, tag: str | None = None) -> bool:
     """Whether the daemon holds `tag` (default: the k3rl-sandbox image of this version)."""
-    import docker.errors
-
     try:
         client.images.get(tag or image_tag())
         return True
@@ -240,8 +241,6 @@ def image_exists(client, tag: str | None = None) -> bool:
 
 def build_image(client=None, force: bool = False, log: Log = print, with_rootfs_dir: bool = True) -> str:
     """Build `k3rl-sandbox:<version>` if missing (or `force`); return the tag."""
-    import docker
-
     client = client or docker.from_env()
     tag = image_tag()
     if not force and image_exists(client):
@@ -261,8 +260,6 @@ def build_image(client=None, force: bool = False, log: Log = print, with_rootfs_
 
 def prune_old_versions(log: Log = print, client=None) -> None:
     """Delete cached rootfs tarballs/dirs and images of other recipe versions (images still used stay)."""
-    import docker.errors
-
     keep = image_version()
     if client is not None:
         for img in client.images.list(name=IMAGE_REPOSITORY):

@@ -35,6 +35,7 @@ sandbox (`end_sandbox`), so a crashed job leaves no running container behind.
 import json
 import os
 import selectors
+import shutil
 import signal
 import struct
 import subprocess
@@ -413,8 +414,6 @@ def do_reset(args, data):
         except OSError as exc:
             fail("other", f"could not empty {root}: {exc}")
     if os.path.isdir(TMP_SEED):
-        import shutil
-
         for name in os.listdir(TMP_SEED):
             shutil.copytree(os.path.join(TMP_SEED, name), os.path.join("/tmp", name), dirs_exist_ok=True)
     return reply({"reset": True})

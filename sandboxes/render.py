@@ -15,6 +15,8 @@ import io
 import struct
 import uuid
 
+from PIL import Image
+
 from .base import Sandbox
 from .types import SandboxError
 
@@ -171,8 +173,6 @@ def _cleanup(sandbox: Sandbox, job: str) -> None:
 
 def to_pil(png: bytes):
     """Decode PNG bytes into a PIL image (for envs that hand images to the model)."""
-    from PIL import Image
-
     image = Image.open(io.BytesIO(png))
     image.load()
     return image

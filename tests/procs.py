@@ -59,7 +59,7 @@ def start_ui(uri: str, cwd: Path, timeout_s: float = 180.0):
     import subprocess
     import sys
 
-    from k3rl.learner.distributed import free_port
+    from k3rl.cluster import free_port
 
     port = free_port()
     ui = subprocess.Popen([sys.executable, "-m", "k3rl.cli", "ui", "--port", str(port), "--tracking-uri", uri],

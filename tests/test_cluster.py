@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from ray_head import ray_head
 
+from k3rl.cluster import free_port
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.registration import check_env_ids, import_env_modules
-from k3rl.learner.distributed import free_port
 
 K3RL_BIN = str(Path(sys.executable).with_name("k3rl"))  # the console script a user runs
 

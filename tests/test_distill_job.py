@@ -73,9 +73,9 @@ def test_a_teacher_engine_dying_ends_the_job_naming_its_checkpoint_and_leaves_no
 
     from k3rl.config import JobConfig
     from k3rl.job import run_job
+    from k3rl.learner.teacher_engines import TeacherError
     from k3rl.model import build_model
     from k3rl.model.checkpoint import save_hf
-    from k3rl.rollout.teacher import TeacherError
 
     save_hf(build_model("k3-tiny", seed=7), tmp_path / "teacher")
     cfg = JobConfig.load(None, settings(tmp_path, "dies", str(tmp_path / "teacher"), "learner.steps=3"))

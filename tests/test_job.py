@@ -130,8 +130,8 @@ def test_job_against_a_local_ray_start_head_cluster(tmp_path):
 
     from ray_head import ray_head
 
+    from k3rl.cluster import free_port
     from k3rl.job import run_job
-    from k3rl.learner.distributed import free_port
 
     tests = str(Path(__file__).resolve().parent)
     with ray_head(free_port(), num_cpus=4) as address:
@@ -153,8 +153,7 @@ def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
     import torch
 
     from k3rl.job import run_job
-    from k3rl.model import K3Config
-    from k3rl.model.checkpoint import load_hf
+    from k3rl.model import K3Config, load_hf
 
     ray.shutdown()
     cfg = _cfg(tmp_path, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",

@@ -20,8 +20,8 @@ def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_pat
     from safetensors.torch import load_file
 
     from k3rl.config import LoraSection
-    from k3rl.learner.lora import PEFT_PREFIX, apply_lora, load_peft_adapter
     from k3rl.model import build_model, load_state_into
+    from k3rl.model.lora import PEFT_PREFIX, apply_lora, load_peft_adapter
 
     runs, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/runs/mlflow.db"
     sets = ["name=lora", "tracking.run_name=lora", "rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_policy_lag=0",

@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from k3rl.tokenizer import ByteTokenizer
+
 from .base import ConfigError, _format, _refuse, _Section
 from .envs import IMAGE_ENVS, EnvsSection
 from .learner import LearnerSection
@@ -82,8 +84,6 @@ class JobConfig(_Section):
             problems.append(("learner.expert_parallel", f"learner.expert_parallel={ep} must divide the model's "
                                                         f"num_experts={k3.num_experts}"))
         problems += self._moon_ep_problems(k3.num_experts)
-        from k3rl.tokenizer import ByteTokenizer
-
         if self.model.tokenizer == "byte" and k3.vocab_size < ByteTokenizer.vocab_size:
             problems.append(("model.overrides.vocab_size", f"{k3.vocab_size} is smaller than the byte tokenizer's "
                                                            f"{ByteTokenizer.vocab_size} ids; raise it, or set "

@@ -3,6 +3,7 @@ teachers, LoRA, MoonEP and the collapse guard."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -32,9 +33,10 @@ class TeacherSpec(_Section):
     discount: float = Field(0.0, ge=0, le=1, description="gamma: a token's advantage also sums gamma^k times the "
                                                          "log-ratio of the k-th sampled token after it (1 = the "
                                                          "whole sequence's reverse KL; 0 = each token's own term)")
-    engines: int = Field(1, ge=0, description="scoring actors of its own (rollout/teacher.py), started by the job "
-                                              "beside the inference engines, each scoring a share of the step's "
-                                              "episodes; 0 = the learner loads it and scores in its own process")
+    engines: int = Field(1, ge=0, description="scoring actors of its own (learner/teacher_engines.py), started by "
+                                              "the job beside the inference engines, each scoring a share of the "
+                                              "step's episodes; 0 = the learner loads it and scores in its own "
+                                              "process")
     gpus_per_engine: float = Field(0.0, ge=0, description="GPUs of each of its engines (0: on the CPU)")
 
     @model_validator(mode="after")
@@ -80,7 +82,7 @@ LORA_GROUPS = ("attention", "shared_experts", "routed_experts", "latent")
 
 
 class LoraSection(_Section):
-    """LoRA RL (learner/lora.py): only low-rank adapters W + (alpha / rank) B A train."""
+    """LoRA RL (k3rl/model/lora.py): only low-rank adapters W + (alpha / rank) B A train."""
 
     rank: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0, description="the update is scaled by alpha / rank")
@@ -98,8 +100,6 @@ class LoraSection(_Section):
 
     @model_validator(mode="after")
     def _patterns_compile(self):
-        import re
-
         problems = []
         for i, t in enumerate(self.targets):
             if t in LORA_GROUPS:
@@ -113,8 +113,9 @@ class LoraSection(_Section):
         return self
 
     def settings(self):
-        """The `k3rl.learner.lora.LoraSettings` of this section (groups expanded to their patterns)."""
-        from k3rl.learner.lora import GROUPS, LoraSettings
+        """The `k3rl.model.lora.LoraSettings` of this section (groups expanded to their patterns)."""
+        # lazy: keeps torch (seconds) out of the CLI's start-up
+        from k3rl.model.lora import GROUPS, LoraSettings
 
         patterns = [p for t in self.targets for p in GROUPS.get(t, [t])]
         return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=patterns)

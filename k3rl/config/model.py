@@ -22,6 +22,7 @@ class ModelSection(_Section):
     def k3_config(self):
         """The K3Config this section describes (preset + overrides), validated: the one combination
         of the two (`k3rl.model.model_config`) that the learner and the engines build from."""
+        # lazy: keeps torch (seconds) out of the CLI's start-up
         from k3rl.model import model_config
 
         try:
@@ -30,6 +31,7 @@ class ModelSection(_Section):
             raise ConfigError(_format(e, prefix="model.overrides")) from None
 
     def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
+        # lazy: keeps torch (seconds) out of the CLI's start-up
         from k3rl.model import K3Config
 
         try:

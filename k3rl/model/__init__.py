@@ -4,9 +4,9 @@ release's layout (its names, MXFP4 experts: docs/model.md §12)."""
 
 from . import mxfp4
 from .cache import K3Cache
-from .checkpoint import CheckpointMismatchError, load_hf, load_state_into, save_hf
+from .checkpoint import CheckpointMismatchError, load_state_into, save_hf
 from .config import K3Config, LinearAttnConfig, VisionConfig
-from .factory import build_model, model_config
+from .factory import build_model, load_hf, model_config
 from .load_plan import plan_loading
 from .model import K3ForCausalLM
 from .params import count_parameters, count_vision_parameters

@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 
 from . import mxfp4
 from . import state_dict_adapter as adapter
-from .config import K3Config
 from .model import K3ForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -296,19 +295,3 @@ def _read(d: Path, fname: str, name: str, open_file=None) -> torch.Tensor:
         return open_file.get_tensor(name)
     with safe_open(str(d / fname), framework="pt") as f:
         return f.get_tensor(name)
-
-
-def load_hf(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> K3ForCausalLM:
-    """Build a model from `config.json` (`build_model`) and load its weights. The parameter dtype
-    is `dtype` (the fp32 allow-list excepted) or, by default, the checkpoint's embedding dtype."""
-    from .factory import build_model
-
-    config = K3Config.from_hf(directory)
-    if dtype is None:
-        embed = [t for n, t in stored_tensors(directory).items()
-                 if adapter.resolve(n) == adapter.Target("model.embed_tokens.weight")]
-        if not embed:
-            raise CheckpointMismatchError(f"checkpoint {directory} has no token embedding "
-                                          f"({adapter.hf_name('model.embed_tokens.weight')})")
-        dtype = embed[0].dtype
-    return build_model(config, dtype=dtype, device=device, checkpoint=directory)

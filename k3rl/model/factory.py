@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from . import state_dict_adapter as adapter
+from .checkpoint import CheckpointMismatchError, load_state_into, stored_tensors
 from .config import K3Config
 from .model import K3ForCausalLM
 
@@ -77,8 +79,6 @@ def build_model(preset_or_config: str | K3Config, overrides: dict[str, Any] | No
     if dtype != torch.float32:
         model.to_param_dtype(dtype)
     if checkpoint is not None:
-        from .checkpoint import CheckpointMismatchError, load_state_into
-
         differ = architecture_differences(config, checkpoint)
         hint = (f"its config.json describes another architecture than the model being built: {differ}; choose the "
                 f"preset (and overrides) that match it, e.g. model.preset: k3 for the release")
@@ -89,6 +89,20 @@ def build_model(preset_or_config: str | K3Config, overrides: dict[str, Any] | No
         if differ:  # same shapes, other constants (norm eps, SiTU betas, ...): it would compute something else
             raise ValueError(f"checkpoint {checkpoint}: {hint}")
     return model.to(device)
+
+
+def load_hf(directory: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> K3ForCausalLM:
+    """Build a model from `config.json` (`build_model`) and load its weights. The parameter dtype
+    is `dtype` (the fp32 allow-list excepted) or, by default, the checkpoint's embedding dtype."""
+    config = K3Config.from_hf(directory)
+    if dtype is None:
+        embed = [t for n, t in stored_tensors(directory).items()
+                 if adapter.resolve(n) == adapter.Target("model.embed_tokens.weight")]
+        if not embed:
+            raise CheckpointMismatchError(f"checkpoint {directory} has no token embedding "
+                                          f"({adapter.hf_name('model.embed_tokens.weight')})")
+        dtype = embed[0].dtype
+    return build_model(config, dtype=dtype, device=device, checkpoint=directory)
 
 
 # K3Config fields that do not change the weights or what they compute: the preset's values are kept

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import StoredTensor, match_checkpoint
+from .checkpoint import StoredTensor, assign_shards, match_checkpoint
 from .model import FP32_PARAM_SUFFIXES
 
 
@@ -89,8 +89,6 @@ def plan_loading(stored: dict[str, StoredTensor], expected: dict[str, torch.Tens
 def synthetic_index(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> dict[str, StoredTensor]:
     """The StoredTensors a checkpoint of `layout` (`hf_layout`) would have if `save_hf` wrote it with
     shards of at most `max_shard_bytes`: an index to plan from without writing (or having) the weights."""
-    from .checkpoint import assign_shards
-
     files = assign_shards(layout, max_shard_bytes)
     out = {}
     for name, (shape, dtype) in layout.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .._backend import resolve_backend
 from ..varlen import host_offsets
 from .reference import attention_mask, causal_attention_reference
+from .sdpa import causal_attention_sdpa
 
 HAS_TRITON_ATTENTION = True  # the fast GPU path is PyTorch SDPA in fp32 (see sdpa.py)
 
@@ -52,8 +53,6 @@ def causal_attention(q, k, v, scale, cu_seqlens=None, kv_lengths=None, backend="
     _check(q, k, v, cu_seqlens, kv_lengths)
     path = resolve_backend(backend, "causal_attention", q, k, v, has_triton=HAS_TRITON_ATTENTION)
     if path == "triton":
-        from .sdpa import causal_attention_sdpa
-
         return causal_attention_sdpa(q, k, v, scale, cu_seqlens, kv_lengths)
     return causal_attention_reference(q, k, v, scale, cu_seqlens, kv_lengths)
 

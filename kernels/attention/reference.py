@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..varlen import doc_lengths, pad_documents, unpad_documents
+
 
 def document_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """[T] document index of each packed position."""
@@ -37,8 +39,6 @@ def causal_attention_reference(q, k, v, scale, cu_seqlens=None, kv_lengths=None)
     S = k.shape[1]
     if cu_seqlens is not None and B == 1 and S == T and kv_lengths is None and cu_seqlens.numel() > 2:
         # packed documents: attend within each one as a padded batch, O(sum T_i^2) not O(T^2)
-        from ..varlen import doc_lengths, pad_documents, unpad_documents
-
         o = causal_attention_reference(
             *(pad_documents(x, cu_seqlens) for x in (q, k, v)), scale, kv_lengths=doc_lengths(cu_seqlens)
         )

@@ -55,6 +55,7 @@ def attnres_aggregate(
     if len(sources) == 1:
         return first
     if path == "triton" and all(s.dtype in TRITON_DTYPES for s in sources) and len(sources) <= MAX_TRITON_SOURCES:
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_aggregate import MAX_D, aggregate_triton
 
         if first.shape[-1] <= MAX_D and first.numel() > 0:

@@ -68,6 +68,7 @@ def chunk_kda(
         lower_bound=lower_bound,
     )
     if path == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_chunk import chunk_kda_triton
 
         return chunk_kda_triton(*args, **kwargs)

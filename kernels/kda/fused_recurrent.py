@@ -60,6 +60,7 @@ def fused_recurrent_kda(
         lower_bound=lower_bound,
     )
     if path == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_recurrent import fused_recurrent_kda_triton
 
         return fused_recurrent_kda_triton(*args, **kwargs, inplace_final_state=inplace_final_state)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..varlen import host_offsets
+from ..varlen import host_offsets, pad_documents, unpad_documents
 from .gate import compute_dtype, kda_gate, l2norm
 
 
@@ -123,8 +123,6 @@ def run_reference(
     if cu_seqlens is not None:
         # every document at once: right-pad to the longest (zero padding leaves the state
         # unchanged: g = 0 keeps it, beta = k = 0 writes nothing) and run one batched core
-        from ..varlen import pad_documents, unpad_documents
-
         n_docs = cu_seqlens.numel() - 1
         S0 = (
             torch.zeros(n_docs, H, K, V, dtype=dt, device=q.device)

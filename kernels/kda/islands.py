@@ -68,6 +68,7 @@ def short_conv(x, weight, left=None, cu_seqlens=None, backend="auto"):
         path = "torch"
     if path == "torch":
         return short_conv_reference(x, weight, left, cu_seqlens)
+    # lazy: triton (Linux only) loads on the first GPU call
     from .triton_short_conv import short_conv_decode, short_conv_triton
 
     if left is not None and x.shape[1] == 1 and W >= 2 and not (
@@ -98,6 +99,7 @@ def output_norm_gate(o, g, weight, eps, out_dtype=None, backend="auto"):
     out_dtype = out_dtype or o.dtype
     path = resolve_backend(backend, "output_norm_gate", o, g, weight)
     if path == "triton" and {o.dtype, g.dtype, out_dtype} <= set(TRITON_DTYPES):
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_output_gate import output_norm_gate_triton
 
         return output_norm_gate_triton(o, g, weight, eps, out_dtype)

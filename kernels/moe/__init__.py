@@ -90,6 +90,7 @@ def route_combine_reference(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
 
 def route_dispatch(z: torch.Tensor, pos: torch.Tensor, M: int, backend: str = "auto") -> torch.Tensor:
     if resolve_backend(backend, "route_dispatch", z, pos) == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_routes import route_dispatch_triton
 
         return route_dispatch_triton(z, pos, M)
@@ -99,6 +100,7 @@ def route_dispatch(z: torch.Tensor, pos: torch.Tensor, M: int, backend: str = "a
 def route_combine(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: torch.dtype,
                   backend: str = "auto") -> torch.Tensor:  # fmt: skip
     if resolve_backend(backend, "route_combine", Y, pos, w) == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_routes import route_combine_triton
 
         return route_combine_triton(Y, pos, w, dtype)

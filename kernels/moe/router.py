@@ -44,6 +44,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize
         raise ValueError(f"route_topk: top_k must lie in [1, E = {logits.shape[-1]}], got {top_k}")
     path = resolve_backend(backend, "route_topk", logits, bias)
     if path == "triton" and logits.dtype == torch.float32 and logits.shape[-1] <= MAX_TRITON_EXPERTS:
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_router import route_topk_triton
 
         return route_topk_triton(logits, bias, top_k, renormalize, scaling)

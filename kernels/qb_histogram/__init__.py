@@ -38,6 +38,7 @@ def qb_histogram(r, lo, width, bins, token_mask=None, backend="auto"):
     bins = int(bins)
     path = resolve_backend(backend, "qb_histogram", r, has_triton=HAS_TRITON_QB)
     if path == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_qb import qb_histogram_triton
 
         return qb_histogram_triton(r, lo, width, bins, token_mask)

@@ -36,6 +36,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str = "
         )
     path = resolve_backend(backend, "rms_norm", x, weight)
     if path == "triton" and x.dtype in TRITON_DTYPES and 0 < x.shape[-1] <= MAX_TRITON_D and x.numel() > 0:
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_rmsnorm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)

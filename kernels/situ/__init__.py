@@ -27,6 +27,7 @@ def situ_glu(
         raise ValueError(f"situ_glu: beta_gate and beta_up must be positive, got {beta_gate}, {beta_up}")
     path = resolve_backend(backend, "situ_glu", gate, up, has_triton=HAS_TRITON_SITU)
     if path == "triton":
+        # lazy: triton (Linux only) loads on the first GPU call
         from .triton_situ import situ_glu_triton
 
         return situ_glu_triton(gate, up, beta_gate, beta_up)

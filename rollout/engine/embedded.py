@@ -26,6 +26,8 @@ from collections import deque
 
 import torch
 
+from k3rl.model import build_model, preprocess_media
+from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .contract import EngineLoad, GenerationResult, InferenceEngine
@@ -108,8 +110,6 @@ class EmbeddedEngine(InferenceEngine):
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"autocast_dtype must be torch.bfloat16, torch.float16 or None, got {autocast_dtype!r}")
         if tokenizer is None:
-            from k3rl.tokenizer import ByteTokenizer
-
             tokenizer = ByteTokenizer()
         self.model = model.eval()
         keep_fp32_island_weights(model)
@@ -160,8 +160,6 @@ class EmbeddedEngine(InferenceEngine):
         """An engine on `build_model(preset, overrides, ...)`: the learner's architecture and seeded
         init, or the weights of an HF-layout `checkpoint` directory (the release, its MXFP4 experts
         dequantised to `dtype`, or what `save_hf` wrote)."""
-        from k3rl.model import build_model
-
         return cls(build_model(preset, overrides, dtype=dtype, device=device, seed=seed, checkpoint=checkpoint), **kw)
 
     # ----- contract ----------------------------------------------------------------------------
@@ -291,8 +289,6 @@ class EmbeddedEngine(InferenceEngine):
         pads = []
         n_pad = sum(1 for t in ids if t == self.config.media_placeholder_token_id)
         if pil:
-            from k3rl.model import preprocess_media
-
             pads = [preprocess_media([im], self.config.vision_config).tokens_per_item()[0] for im in pil]
         if n_pad != sum(pads):
             raise ValueError(

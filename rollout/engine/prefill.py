@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from k3rl.kernels.varlen import remember_host_copy
+from k3rl.model import K3Cache
 
 from .prefill_graphs import ALIGN, PrefillGraphs, bucket
 from .seq import Seq
@@ -146,8 +147,6 @@ class PrefillRunner:
                     yield c, row
                 return
         if len(chunks) > 1:
-            from k3rl.model import K3Cache
-
             try:
                 cache = K3Cache.stack([c.seq.cache for c in chunks])
                 ids = self._ids([c.seq.prompt[c.start : c.end] for c in chunks])

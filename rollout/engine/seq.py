@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from PIL import Image
+
+from k3rl.images import from_png
 
 from k3rl.types import SamplingParams
 
@@ -17,8 +20,6 @@ from .contract import FinishReason
 
 
 def image_digest(image) -> str:
-    from PIL import Image
-
     if isinstance(image, (bytes, bytearray)):
         return hashlib.sha256(bytes(image)).hexdigest()
     if isinstance(image, Image.Image):
@@ -27,8 +28,6 @@ def image_digest(image) -> str:
 
 
 def as_pil(image):
-    from k3rl.images import from_png
-
     return from_png(bytes(image)) if isinstance(image, (bytes, bytearray)) else image
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from k3rl.model.lora import is_adapter_update, lora_targets, merge_adapters
+from k3rl.model.state_dict_adapter import from_hf, to_hf
 from k3rl.types import WeightUpdate
 
 
@@ -21,8 +23,6 @@ class VersionedWeights:
     def apply(self, update: WeightUpdate) -> int:
         """Copy `update` into the model after checking all of it (names, shapes, completeness); returns the
         new version. A bad update raises and leaves the weights as they were."""
-        from k3rl.model.state_dict_adapter import from_hf
-
         if update.version <= self.version:
             raise ValueError(f"weight update v{update.version} is not newer than the engine's v{self.version}; "
                              "versions must increase")
@@ -58,9 +58,6 @@ class VersionedWeights:
         W + (alpha / r) B A, with W the engine's weights from before the first adapters update
         (kept aside then: each version is merged into the base, never into merged weights).
         Any other update is returned as it is."""
-        from k3rl.learner.lora import is_adapter_update, lora_targets, merge_adapters
-        from k3rl.model.state_dict_adapter import to_hf
-
         adapters = update.state_dict()
         if not is_adapter_update(adapters):
             return update

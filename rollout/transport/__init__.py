@@ -22,6 +22,8 @@ update is never lost. Packing (a bucket = one byte buffer + a manifest) is in `p
 
 from __future__ import annotations
 
+from k3rl.cluster import rendezvous_host
+
 from .collective import Broadcast, BroadcastGroup, CollectiveTransport
 from .cuda_ipc import CudaIpcTransport, IpcShare, open_cuda_ipc, share_cuda_ipc
 from .object_store import ObjectStoreTransport, PublishedUpdate, fall_back, publish
@@ -33,8 +35,6 @@ TRANSPORTS = {t.name: t for t in (ObjectStoreTransport, CollectiveTransport, Cud
 def make_transport(cfg, device: str = "cpu"):
     """The send half of `cfg.rollout.weight_transport` for a learner rank 0 on `device`. Its
     group's store listens on this node's address on a cluster, on loopback for a local Ray."""
-    from k3rl.learner.distributed import rendezvous_host
-
     name = cfg.rollout.weight_transport
     if name not in TRANSPORTS:
         raise ValueError(f"rollout.weight_transport={name!r} is not one of {sorted(TRANSPORTS)}")

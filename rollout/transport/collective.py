@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 
 import ray
 import torch
+import torch.distributed as dist
 
+from k3rl.cluster import free_port
 from k3rl.types import WeightUpdate
 
 from .object_store import fall_back, wait_for_pool
@@ -57,8 +59,6 @@ class BroadcastGroup:
     def __init__(self, rank: int, world_size: int, host: str = "127.0.0.1", port: int = 29555,
                  backend: str = "nccl", device: str | torch.device | None = None, src: int = 0,
                  timeout_s: float = 300.0):
-        import torch.distributed as dist
-
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
         if backend not in ("nccl", "gloo"):
@@ -79,8 +79,6 @@ class BroadcastGroup:
             self.group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = self.src, 0
         self.group.broadcast([t], opts).wait()
@@ -152,8 +150,6 @@ class CollectiveTransport:
     def send(self, update: WeightUpdate, pool) -> dict[str, float]:
         """Broadcast `update` to every engine of `pool` (a PoolActor handle); on failure the same
         version goes through the object store. Returns the timings."""
-        from k3rl.learner.distributed import free_port
-
         members = ray.get(pool.members.remote(), timeout=self.timeout_s)
         new_group = self.group is None or members != self.members  # an engine was restarted: re-form
         if new_group:

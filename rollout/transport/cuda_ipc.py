@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from k3rl.types import WeightUpdate
 
@@ -43,8 +44,6 @@ class IpcShare:
 
 
 def share_cuda_ipc(update: WeightUpdate, device: str | torch.device = "cuda") -> IpcShare:
-    from torch.multiprocessing.reductions import reduce_tensor
-
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise RuntimeError("CUDA IPC weight sharing needs a CUDA device shared by sender and receivers; "

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from k3rl.cli import app
 from k3rl.envs.builtin import BUILTIN_ENVS
-from k3rl.envs.cli import check_env_command, list_envs
+from k3rl.envs_cli import check_env_command, list_envs
 from k3rl.rollout.episode import run_oracle_episode
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from rich.console import Console
 
 import k3rl.envs  # noqa: F401
 from k3rl.config import ContextSection, JobConfig
-from k3rl.envs.cli import check_env_command
 from k3rl.envs.long_horizon import START, make_trail
+from k3rl.envs_cli import check_env_command
 from k3rl.rollout.episode import make_template, run_oracle_episode
 
 from .conftest import BACKEND

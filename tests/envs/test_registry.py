@@ -10,7 +10,7 @@ from gymnasium.utils.env_checker import check_env
 
 import k3rl.envs
 from k3rl.envs.builtin import BUILTIN_ENVS, register_all
-from k3rl.envs.cli import tool_env_ids
+from k3rl.envs_cli import tool_env_ids
 
 from .conftest import BACKEND
 

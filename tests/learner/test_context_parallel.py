@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from learner_helpers import gloo_group
 
+from k3rl.cluster import free_port
 from k3rl.kernels.kda import chunk_kda
 from k3rl.learner.context_parallel import context_layout, kcp_chunk_kda, local_documents, shard
 from k3rl.learner.context_parallel_layers import ContextParallel, cp_short_conv
-from k3rl.learner.distributed import free_port
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.model.kda import short_conv
 from k3rl.model.mla import GatedMLA

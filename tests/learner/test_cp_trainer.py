@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from learner_helpers import gloo_group, make_trajectories
 
+from k3rl.cluster import free_port
 from k3rl.config import LearnerSection
-from k3rl.learner.distributed import free_port
 from k3rl.learner.trainer import Trainer
 from k3rl.model import K3Config, K3ForCausalLM
 

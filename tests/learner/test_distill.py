@@ -1,7 +1,7 @@
 """On-policy distillation (learner/distill.py) with real k3-tiny teachers: the teacher's scores are
 the learner's own log-probs of the sampled tokens, segment by segment; the advantage is
 coef * (log T - log mu) on sampled tokens, added to the env's; each env goes to its teacher.
-A teacher served by engines of its own (rollout/teacher.py, real Ray actors) scores as the learner
+A teacher served by engines of its own (learner/teacher_engines.py, real Ray actors) scores as the learner
 would, and its engine dying is an error naming its checkpoint."""
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def test_an_exact_teacher_adds_its_kl_to_the_loss_and_pulls_the_student_to_it(tm
     assert kls[-1] < 0.5 * kls[0], kls
 
 
-# ----- teachers served by engines of their own (rollout/teacher.py) ----------------------------------
+# ----- teachers served by engines of their own (learner/teacher_engines.py) ----------------------------------
 def _job(*teachers: dict):
     from k3rl.config import JobConfig
 
@@ -325,7 +325,7 @@ def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(tmp_path):
 
     import ray
 
-    from k3rl.rollout.teacher import TeacherGroup
+    from k3rl.learner.teacher_engines import TeacherGroup
 
     a, b = tiny(1), tiny(2)
     save_hf(a, tmp_path / "a")
@@ -369,7 +369,7 @@ def test_a_teacher_engine_dying_or_not_starting_is_named_by_its_checkpoint(tmp_p
 
     import ray
 
-    from k3rl.rollout.teacher import TeacherError, TeacherGroup
+    from k3rl.learner.teacher_engines import TeacherError, TeacherGroup
 
     save_hf(tiny(1), tmp_path / "a")
     group = TeacherGroup(_job({"checkpoint": str(tmp_path / "a")}))

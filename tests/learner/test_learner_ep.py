@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from learner_helpers import gloo_group, make_trajectories
 
+from k3rl.cluster import free_port
 from k3rl.config import ConfigError, JobConfig, LearnerSection
-from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,

@@ -48,7 +48,7 @@ def test_reset_reference_under_fsdp(tmp_path):
     every rank (it raised before)."""
     import torch.multiprocessing as mp
 
-    from k3rl.learner.distributed import free_port
+    from k3rl.cluster import free_port
 
     mp.spawn(_fsdp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "ref.pt")

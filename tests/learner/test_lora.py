@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from k3rl.learner.lora import (
+from k3rl.model import build_model
+from k3rl.model.lora import (
     ATTENTION,
     LATENT,
     ROUTED_EXPERTS,
@@ -22,7 +23,6 @@ from k3rl.learner.lora import (
     merged_state_dict,
     save_peft_adapter,
 )
-from k3rl.model import build_model
 
 SETTINGS = LoraSettings(rank=4, alpha=8, dropout=0.0, targets=ATTENTION + SHARED_EXPERTS + ROUTED_EXPERTS + LATENT)
 
@@ -271,7 +271,7 @@ def test_kl_reference_stays_the_base_model():
 def test_checkpoint_holds_the_peft_adapter_and_resume_is_bit_identical(tmp_path):
     from learner_helpers import make_trajectories
 
-    from k3rl.learner.lora import base_state_dict
+    from k3rl.model.lora import base_state_dict
 
     batches = [make_trajectories(s) for s in range(4)]
     torch.manual_seed(0)

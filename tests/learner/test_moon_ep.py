@@ -31,9 +31,9 @@ from learner_helpers import gloo_group, make_trajectories
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import k3rl.learner.moon_ep as moon_ep
+from k3rl.cluster import free_port
 from k3rl.config import ConfigError, JobConfig, LearnerSection
 from k3rl.kernels.moe import GROUP_ALIGN, latent_experts_loop
-from k3rl.learner.distributed import free_port
 from k3rl.learner.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from k3rl.learner.moon_ep import (
     MoonEPExperts,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from k3rl.learner.distributed import free_port
+from k3rl.cluster import free_port
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.model.state_dict_adapter import to_hf
 from k3rl.rollout.engine import EmbeddedEngine

@@ -27,10 +27,12 @@ import time
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from k3rl.config import JobConfig
 from k3rl.learner.distill import TEACHER_LOGPROBS, score, teacher_index
+from k3rl.model import build_model
 from k3rl.types import Trajectory
 
 
@@ -54,9 +56,6 @@ class TeacherEngine:
     """One engine of one teacher (a Ray actor): the teacher's model, scoring its share of each batch."""
 
     def __init__(self, cfg: dict[str, Any], index: int, engine: int) -> None:
-        import torch
-
-        from k3rl.model import build_model
 
         self.cfg = JobConfig.model_validate(cfg)
         self.teachers = self.cfg.learner.distill.teachers

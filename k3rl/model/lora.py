@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -117,7 +118,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> dict[str, LoraAdapte
         raise ValueError(f"LoRA targets {bad[:3]} are neither linear weights nor stacked experts; narrow targets")
     if not names:
         raise ValueError(f"no weight of the model matches the LoRA targets {settings.targets}; "
-                         "see k3rl.learner.lora.ATTENTION / SHARED_EXPERTS / ROUTED_EXPERTS / LATENT")
+                         "see k3rl.model.lora.ATTENTION / SHARED_EXPERTS / ROUTED_EXPERTS / LATENT")
     for p in model.parameters():
         p.requires_grad_(False)
     adapters: dict[str, LoraAdapter] = {}
@@ -227,8 +228,6 @@ def peft_config(model: nn.Module, settings: LoraSettings, base_model: str | None
 def save_peft_adapter(model: nn.Module, directory: str | Path, settings: LoraSettings,
                       base_model: str | None = None) -> Path:
     """Write `adapter_config.json` + `adapter_model.safetensors` (written aside, then renamed)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous().cpu() for k, v in adapter_state_dict(model).items()}
@@ -243,8 +242,6 @@ def save_peft_adapter(model: nn.Module, directory: str | Path, settings: LoraSet
 
 def load_peft_adapter(model: nn.Module, directory: str | Path) -> None:
     """Load adapters `save_peft_adapter` wrote into a model adapted with the same settings."""
-    from safetensors.torch import load_file
-
     saved = load_file(str(Path(directory) / "adapter_model.safetensors"))
     wanted = adapter_state_dict(model)
     if set(saved) != set(wanted):

@@ -1,4 +1,5 @@
-"""`k3rl envs list` and `k3rl envs check ID`."""
+"""`k3rl envs list` and `k3rl envs check ID`. The check drives the rollout workers' episode loop
+(`k3rl.rollout.episode`), so it lives with the driver, above both `envs` and `rollout`."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import time
 import warnings
 
 import gymnasium as gym
+from gymnasium.utils.env_checker import check_env
 from rich.console import Console
 from rich.table import Table
 
 import k3rl.envs  # noqa: F401  (registers the built-ins and the entry points)
 from k3rl.envs.base import ToolEnv, registered_entry_point
 from k3rl.envs.builtin import DESCRIPTIONS
+from k3rl.images import png_size
 
 
 def tool_env_ids() -> list[str]:
@@ -58,8 +61,6 @@ def _role_style(role: str) -> str:
 
 def check_env_command(env_id: str, seed: int = 0, console: Console | None = None) -> int:
     """Gymnasium's env checker, then one oracle episode with its transcript. Exit code 0 when both pass."""
-    from gymnasium.utils.env_checker import check_env
-
     console = console or Console()
     if env_id not in gym.registry:
         known = ", ".join(tool_env_ids())
@@ -81,6 +82,7 @@ def check_env_command(env_id: str, seed: int = 0, console: Console | None = None
     finally:
         env.close()
 
+    # lazy: torch (seconds) loads only for `check`
     from k3rl.rollout.episode import run_oracle_episode
 
     episode = run_oracle_episode(env_id, seed=seed)  # through the episode loop, the env's oracle behind generate
@@ -94,8 +96,6 @@ def check_env_command(env_id: str, seed: int = 0, console: Console | None = None
         head = turn.role if turn.role != "tool" else f"tool {turn.tool_name}#{turn.tool_index}"
         console.print(f"[bold {_role_style(turn.role)}]{head}[/]", highlight=False)
         for png in turn.images:
-            from k3rl.images import png_size
-
             w, h = png_size(png)
             console.print(f"  [dim][image {w}x{h}, {len(png)} bytes][/]")
         if turn.text:
