@@ -31,6 +31,8 @@ def test_list_shows_every_builtin():
     for env_id in BUILTIN_ENVS:
         assert env_id in out
     assert "bash, read_file, write_file, str_replace, run_tests" in out
+    # an MCP env's tools come from its server, started in the sandbox at reset: the list shows those it declares
+    assert "list_files (MCP), read_file (MCP), view_image (MCP)" in out
 
 
 def test_check_prints_the_oracle_transcript():
