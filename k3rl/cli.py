@@ -112,7 +112,7 @@ def runs(
     """The runs of a runs folder and its MLflow store: status, steps, time, final and best reward, last eval."""
     from k3rl.runs import list_runs, print_runs
 
-    print_runs(list_runs(runs_dir, tracking_uri), console, tracking_uri or str(runs_dir))
+    print_runs(list_runs(runs_dir, tracking_uri), console, tracking_uri or str(runs_dir), runs_dir)
 
 
 @app.command()

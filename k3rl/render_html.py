@@ -49,7 +49,7 @@ figure{display:inline-block;margin:.3rem}figcaption{font-size:.8rem;color:#666}
 img{max-width:100%;image-rendering:pixelated;border:1px solid #ddd}
 .carried,.dropped{opacity:.6}h2.segment{border-top:3px double #888;padding-top:.5rem;font-size:1.1rem}
 .tok{border-radius:2px}.tok:hover{outline:1px solid #333}
-.p1{background:#fff2b3}.p2{background:#ffd699}.p3{background:#ffb3a6}.p4{background:#ff8080}
+.sp{color:#888}.p1{background:#fff2b3}.p2{background:#ffd699}.p3{background:#ffb3a6}.p4{background:#ff8080}
 """
 # a generated token's shade by its probability p = exp(log-prob): none above 0.9, then darker
 SHADES = ((0.9, ""), (0.5, "p1"), (0.2, "p2"), (0.05, "p3"), (0.0, "p4"))
@@ -131,13 +131,16 @@ def _generated_tokens(traj: Trajectory, turn: Turn, tokenizer: Any) -> str:
         lps = [traj.logprobs[j] for j in idx]
         p = math.exp(min(lps))
         shade = next(name for bound, name in SHADES if p >= bound)
+        if len(ids) == 1 and tokenizer.is_special(ids[0]):
+            shade += " sp"
         tip = "; ".join(f"id {traj.completion_ids[j]}: log-prob {traj.logprobs[j]:.4f} (p {math.exp(traj.logprobs[j]):.3f}),"
                         f" policy v{traj.versions[j]}" for j in idx)
         spans.append(f'<span class="tok {shade}" title="{escape(tip)}">{escape(text)}</span>')
     return "".join(spans)
 
 
-def _advantage_text(values: list[float] | None) -> str:
+def advantage_text(values: list[float] | None) -> str:
+    """An episode's advantages: one number when every turn has the same (an episode method), else per turn."""
     if values is None:
         return "-"
     if len(set(values)) == 1:
@@ -238,11 +241,11 @@ def _group(view: Any, nav: Nav | None) -> list[str]:
         head += '<p class="info">this episode was not trained: no advantage</p>'
     rows = []
     for m in view.group:
-        href = nav.href(m.id) if nav is not None else None
+        href = nav.href(m.id) if nav is not None and m.id != view.episode.id else None
         name = f'<a href="{escape(href)}">{escape(m.id)}</a>' if href else escape(m.id)
         current = ' class="current"' if m.id == view.episode.id else ""
         rows.append(f"<tr{current}><td>{name}</td><td class=\"num\">{m.reward:g}</td>"
-                    f"<td class=\"num\">{escape(_advantage_text(m.advantages))}</td><td>{escape(m.status)}</td>"
+                    f"<td class=\"num\">{escape(advantage_text(m.advantages))}</td><td>{escape(m.status)}</td>"
                     f"<td class=\"num\">{m.turns}</td><td class=\"num\">{m.generated}</td>"
                     f"<td>{escape((m.error or '')[:80])}</td></tr>")
     return [head, '<table class="grid" id="group"><tr><th>episode</th><th class="num">reward</th>'
@@ -307,13 +310,10 @@ def render_episode_html(traj: Trajectory, title: str | None = None, *, tokenizer
     more = [(k, json.dumps(v, ensure_ascii=False)) for k, v in sorted(meta.items())
             if k not in ("step", "policy_version", "reward_parts")]
     head = title or f"episode {traj.id}"
-    body = [f"<h1>{escape(head)}</h1>", '<table class="meta">']
-    body += [f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows]
-    body.append("</table>")
-    if more:
-        body.append("<details><summary>metadata</summary><table class=\"meta\">"
-                    + "".join(f"<tr><td>{escape(k)}</td><td>{escape(v)}</td></tr>" for k, v in more)
-                    + "</table></details>")
+    summary = [traj.env_id, f"task {traj.task_id or '-'}", f"seed {traj.seed}", f"step {meta.get('step', '-')}",
+               f"policy v{meta.get('policy_version', '-')}", f"{traj.num_turns} assistant turns",
+               f"{traj.num_generated} generated tokens"]
+    body = [f"<h1>{escape(head)}</h1>", f'<p class="info">{escape(" · ".join(summary))}</p>']
     body += _outcome(traj, view)
     body += _group(view, nav)
     body += _prompt(traj, tokenizer)
@@ -328,6 +328,9 @@ def render_episode_html(traj: Trajectory, title: str | None = None, *, tokenizer
                         f"{escape(note)}</h2>")
         advantage = next(advantages, None) if t.role == "assistant" and t.compaction is None else None
         body.append(_turn(traj, i, t, tokenizer, advantage))
+    body.append('<h2>Details</h2><details><summary>the episode\'s record</summary><table class="meta">'
+                + "".join(f"<tr><td>{escape(k)}</td><td>{escape(str(v))}</td></tr>" for k, v in rows + more)
+                + "</table></details>")
     sidebar = _nav(nav, traj.id) if nav is not None else ""
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
             f"<title>{escape(head)}</title><style>{STYLE}</style></head>\n<body>\n{sidebar}<main>\n"

@@ -22,7 +22,7 @@ from rich.text import Text
 from k3rl.config import JobConfig
 from k3rl.images import png_size
 from k3rl.reexecute import ReplayError, env_kwargs_for, print_re_execution, re_execute_episode, run_config
-from k3rl.render_html import Nav, NavEntry, render_episode_html, turn_token_info
+from k3rl.render_html import Nav, NavEntry, advantage_text, render_episode_html, turn_token_info
 from k3rl.runs import RunNotFoundError, newest_run, resolve_run
 from k3rl.step_view import StepView, kind_of, reward_note, reward_parts, step_views
 from k3rl.store import StoreError, TrajectoryStore
@@ -196,14 +196,14 @@ def print_context(view: StepView, console: Console) -> None:
         what = f"advantage ({view.method})" if view.method else "advantage (not trained)"
         table = Table(title=f"its group {traj.group_id or '-'}: {len(view.group)} samples of one prompt"
                             + (f", baseline {view.baseline:.3f}" if view.baseline is not None else ""))
-        for col, justify in (("episode", "left"), ("reward", "right"), (what, "right"), ("status", "left"),
+        for col, justify in (("member", "left"), ("reward", "right"), (what, "right"), ("status", "left"),
                              ("turns", "right"), ("error", "left")):
-            table.add_column(col, justify=justify)
+            table.add_column(col, justify=justify, no_wrap=col == "member")
         for m in view.group:
             style = "bold reverse" if m.id == traj.id else None
-            adv = "-" if m.advantages is None else " / ".join(f"{a:+.3f}" for a in dict.fromkeys(m.advantages)) \
-                if len(set(m.advantages)) == 1 else " / ".join(f"{a:+.3f}" for a in m.advantages)
-            table.add_row(m.id, f"{m.reward:g}", adv, m.status, str(m.turns), (m.error or "")[:40], style=style)
+            member = m.id.removeprefix(traj.group_id).lstrip("-") if traj.group_id else m.id
+            table.add_row(member or m.id, f"{m.reward:g}", advantage_text(m.advantages), m.status, str(m.turns),
+                          (m.error or "")[:40], style=style)
         console.print(table)
     parts = reward_parts(traj)
     if parts:
@@ -304,7 +304,7 @@ def replay_command(run: str | None = None, episode: str | None = None, step: int
     where = f"step {row['step']}" if row["step"] is not None else "the run"
     if episode is None:
         console.print(f"{where}: {_counts([{'error': t.error, 'status': t.metadata.get('status')} for t in step_eps])}; "
-                      f"showing the {'worst' if worst else 'best'} {kind} episode "
+                      f"showing {'a failed' if kind == 'failed' else ('the worst ' if worst else 'the best ') + kind} episode "
                       "(--worst, --failed, --eval, --step N or --episode ID show others)")
     print_context(view, console)
     print_episode(traj, console, store)

@@ -211,27 +211,28 @@ def _add_folder(row: RunRow, folder: Path) -> None:
         row.started = _started(folder)
 
 
-def print_runs(rows: list[RunRow], console: Console, where: str) -> None:
+def print_runs(rows: list[RunRow], console: Console, where: str, runs_dir: str | Path = "runs") -> None:
     if not rows:
         console.print(f"no runs in {where}")
         return
-    table = Table(title=f"runs ({where})")
+    table = Table(title=f"runs in {where}: final and best are reward/mean; eval is the held-out greedy success")
+    elsewhere = any(r.dir is not None and r.dir != Path(runs_dir) / r.name for r in rows)
     for col, justify in (("run", "left"), ("status", "left"), ("steps", "right"), ("started", "left"),
-                         ("time", "right"), ("final reward", "right"), ("best (step)", "right"),
-                         ("last eval: greedy success (step)", "left"), ("folder", "left")):
-        table.add_column(col, justify=justify, overflow="fold")
+                         ("time", "right"), ("final", "right"), ("best (step)", "right"), ("eval (step)", "left"),
+                         *((("folder", "left"),) if elsewhere else ())):
+        table.add_column(col, justify=justify, no_wrap=col in ("run", "status", "started"))
     now = time.time()
     for r in rows:
         steps = "-" if r.steps is None else f"{r.steps}" + (f"/{r.planned}" if r.planned else "")
         spent = _duration(r.seconds)
         if r.status == "RUNNING" and r.last_update:
-            spent += f" (last step {_duration(now - r.last_update)} ago)"
+            spent += f", last step {_duration(now - r.last_update)} ago"
         table.add_row(r.name, _status(r.status), steps,
-                      datetime.fromtimestamp(r.started).strftime("%Y-%m-%d %H:%M") if r.started else "-", spent,
+                      datetime.fromtimestamp(r.started).strftime("%m-%d %H:%M") if r.started else "-", spent,
                       "-" if r.final is None else f"{r.final:.3f}",
                       "-" if r.best is None else f"{r.best:.3f} ({r.best_step})",
                       ", ".join(f"{env} {v:.2f} ({s})" for env, (v, s) in sorted(r.evals.items())) or "-",
-                      str(r.dir) if r.dir is not None else "-")
+                      *((str(r.dir) if r.dir is not None else "-",) if elsewhere else ()))
     console.print(table)
 
 
