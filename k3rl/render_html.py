@@ -31,7 +31,7 @@ from k3rl.types import Trajectory, Turn
 STYLE = """
 body{font-family:system-ui,sans-serif;margin:0;color:#222;display:flex;align-items:flex-start}
 main{max-width:64rem;margin:1.5rem auto;padding:0 1rem;flex:1;min-width:0}
-nav{width:17rem;flex:none;position:sticky;top:0;max-height:100vh;overflow:auto;font-size:.82rem;
+nav{width:17rem;flex:none;position:sticky;top:0;height:100vh;box-sizing:border-box;overflow:auto;font-size:.82rem;
   background:#f6f6f6;border-right:1px solid #ddd;padding:.6rem}
 nav a{text-decoration:none;color:#124}nav li.current{font-weight:bold;background:#fff3b0}
 nav ul{list-style:none;padding-left:.4rem;margin:.2rem 0}nav h4{margin:.6rem 0 .2rem}
@@ -67,7 +67,7 @@ class NavEntry:
 class Nav:
     title: str
     entries: list[NavEntry] = field(default_factory=list)
-    note: str = ""  # e.g. what else the step holds, and how to see it
+    notes: list[str] = field(default_factory=list)  # e.g. what else the step holds, and how to see it
 
     def href(self, episode_id: str) -> str | None:
         return next((e.href for e in self.entries if e.id == episode_id), None)
@@ -269,8 +269,7 @@ def _prompt(traj: Trajectory, tokenizer: Any) -> list[str]:
 
 def _nav(nav: Nav, current: str) -> str:
     out = [f"<nav><h3>{escape(nav.title)}</h3>"]
-    if nav.note:
-        out.append(f'<p class="info">{escape(nav.note)}</p>')
+    out += [f'<p class="info">{escape(note)}</p>' for note in nav.notes]
     section = None
     for e in nav.entries:
         if e.section != section:

@@ -224,8 +224,8 @@ def write_pages(page: Path, chosen: Trajectory, shown: list[Trajectory], step_ep
     views = step_views(shown, step_episodes, learner_cfg)
     others = [t for t in shown if t.id != chosen.id]
     counts = next(iter(views.values())).counts if views else {}
-    note = "; ".join(f"{n} {k}: k3rl replay {run}{FLAGS[k]}" + (f" --step {step}" if step is not None else "")
-                     for k, n in sorted(counts.items()) if k != kind and k in FLAGS)
+    notes = [f"{n} {k}: k3rl replay {run}{FLAGS[k]}" + (f" --step {step}" if step is not None else "")
+             for k, n in sorted(counts.items()) if k != kind and k in FLAGS]
     title = f"step {step}: {len(shown)} {kind}" if step is not None else f"{len(shown)} {kind}"
 
     def nav(here_in_folder: bool) -> Nav:
@@ -236,7 +236,7 @@ def write_pages(page: Path, chosen: Trajectory, shown: list[Trajectory], step_ep
 
         order = sorted(shown, key=lambda t: (t.group_id, -t.reward, t.id))
         return Nav(title, [NavEntry(t.id, t.reward, f"group {t.group_id}" if t.group_id else kind, href(t))
-                           for t in order], note)
+                           for t in order], notes)
 
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(render_episode_html(chosen, _title(chosen), tokenizer=tokenizer, view=views.get(chosen.id),
