@@ -18,6 +18,12 @@
       terminates and the reward is `score(final_text)`;
     - a tool may also end the episode by returning `ToolResult(done=True, reward=r)`;
     - a truncated episode gets reward 0.
+* Reward parts: a step that pays a reward says what it is made of, `info["reward_parts"]`
+  ({name: value}, summing to the step's reward). `score` may return the parts themselves
+  ({"valid_key": 0.25, "exact_value": 0.0}; the reward is their sum); a float score is the
+  part "score", a tool that ends the episode the part named after the tool. A subclass that
+  adds a reward in its own `step` adds its part too. The episode loop keeps them per turn
+  (`metadata["reward_parts"]`) and `k3rl replay` shows them.
 * Errors made by the model never raise out of `step`: malformed output (ToolCallParseError),
   an unknown tool, bad arguments or a tool that fails all come back as an error message and
   count as a turn. Infrastructure failures (the sandbox died) do raise, after cleanup.
@@ -48,7 +54,7 @@ import contextlib
 import copy
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -159,8 +165,9 @@ class ToolEnv(gym.Env, abc.ABC):
         """The messages that open an episode on `task` (the user's request, images...)."""
 
     @abc.abstractmethod
-    def score(self, final_text: str) -> float:
-        """Terminal reward of the final answer (an assistant message without tool calls)."""
+    def score(self, final_text: str) -> float | Mapping[str, float]:
+        """Terminal reward of the final answer (an assistant message without tool calls), or its parts
+        ({name: value}: the reward is their sum, and `k3rl replay` shows each)."""
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """A scripted policy: the next assistant message (as action text) given the conversation."""
@@ -322,13 +329,17 @@ class ToolEnv(gym.Env, abc.ABC):
                                             tool_calls=calls))
                 if not calls:
                     t = time.perf_counter()
-                    reward, terminated = float(self.score(parsed.content)), True
+                    scored = self.score(parsed.content)  # the reward, or its parts
+                    info["reward_parts"] = ({k: float(v) for k, v in scored.items()} if isinstance(scored, Mapping)
+                                            else {"score": float(scored)})
+                    reward, terminated = sum(info["reward_parts"].values()), True
                     timings["score"] = time.perf_counter() - t
                 for call in calls:
                     msg, result = self._run_tool(call, timings, info)
                     new.append(msg)
                     if result.done:
                         reward, terminated = float(result.reward), True
+                        info["reward_parts"] = {call.name: reward}
                         break
             self.history.extend(new)
             if not terminated and self._turn >= self.max_turns:

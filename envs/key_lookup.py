@@ -104,7 +104,7 @@ class KeyLookupEnv(ToolEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         self._looked_up = []
         self._oracle_key = None  # the key this episode's oracle looks up (drawn at its first call)
-        self._key_credit = 0.0  # what the lookup turns have earned so far (turn_rewards)
+        self._key_credit = {"valid_key": 0.0, "requested_key": 0.0}  # what the lookup turns earned (turn_rewards)
         return super().reset(seed=seed, options=options)
 
     def step(self, action: Any):
@@ -113,32 +113,35 @@ class KeyLookupEnv(ToolEnv):
         benchmarks. The draw comes from the episode's seeded RNG, so it is reproducible."""
         if self.step_delay_s > 0:
             time.sleep(self.step_delay_s * float(self.np_random.lognormal(0.0, self.step_delay_sigma)))
+        looked_up = len(self._looked_up)
         obs, reward, terminated, truncated, info = super().step(action)
         if self.turn_rewards:  # the key credit is paid in the turn that earned it, once
-            earned = self._key_score() - self._key_credit
-            self._key_credit += earned
-            reward += earned
+            parts = {k: v - self._key_credit[k] for k, v in self._key_parts().items()}
+            self._key_credit = self._key_parts()
+            reward += sum(parts.values())
+            if len(self._looked_up) > looked_up:  # a lookup turn says what it earned (0 too)
+                info["reward_parts"] = {**parts, **info.get("reward_parts", {})}
         return obs, reward, terminated, truncated, info
 
-    def _key_score(self) -> float:
-        valid = 0.25 if any(k in self.task.keys for k in self._looked_up) else 0.0
-        right = 0.25 if self.task.key in self._looked_up else 0.0
-        return valid + right
+    def _key_parts(self) -> dict[str, float]:
+        return {"valid_key": 0.25 if any(k in self.task.keys for k in self._looked_up) else 0.0,
+                "requested_key": 0.25 if self.task.key in self._looked_up else 0.0}
 
-    def score(self, final_text: str) -> float:
+    def score(self, final_text: str) -> dict[str, float]:
         """1 for the exact value. With `partial_credit` (a shaped reward for tiny models):
         0.25 for having looked up a key that exists + 0.25 for the requested key + 0.5 for
         the exact value, so the reward also rises while copying is still being learned. With
         `turn_rewards` the same credit is paid per turn: the key's 0.5 in the turn that looked it up,
         the value's 0.5 in the answer's turn (the episode's total is unchanged), so per-turn
         advantages (learner.advantage: turn_grpo) credit each turn with what it earned: a right
-        key followed by a wrong value no longer reinforces the wrong value."""
+        key followed by a wrong value no longer reinforces the wrong value. Returned as its parts
+        (valid_key, requested_key, exact_value), which the reward sums."""
         correct = 1.0 if final_text.strip() == self.task.value else 0.0
         if not self.partial_credit:
-            return correct
+            return {"exact_value": correct}
         if self.turn_rewards:  # the key credit was paid in the lookup turns (step)
-            return 0.5 * correct
-        return self._key_score() + 0.5 * correct
+            return {"exact_value": 0.5 * correct}
+        return {**self._key_parts(), "exact_value": 0.5 * correct}
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """Call lookup on the requested key; once the value came back, answer with it.

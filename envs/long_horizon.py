@@ -189,6 +189,8 @@ class LongHorizonEnv(ToolEnv):
         """The base step, plus `progress_reward` for each trail file read for the first time."""
         self._new_finds = 0
         obs, reward, terminated, truncated, info = super().step(action)
+        if self._new_finds and self.progress_reward:
+            info["reward_parts"] = {**info.get("reward_parts", {}), "progress": self.progress_reward * self._new_finds}
         return obs, reward + self.progress_reward * self._new_finds, terminated, truncated, info
 
     def reward_parts(self, final_text: str) -> dict[str, float]:

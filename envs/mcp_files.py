@@ -28,7 +28,8 @@ from k3rl.envs.mcp_tools import McpServer, McpToolEnv
 from k3rl.images import to_png
 
 SERVER = McpServer(command=("python3", "-I", "/work/.mcp/files_server.py", "/work"),
-                   files={".mcp/files_server.py": Path(__file__).with_name("mcp_files_server.py").read_bytes()})
+                   files={".mcp/files_server.py": Path(__file__).with_name("mcp_files_server.py").read_bytes()},
+                   tools=("list_files", "read_file", "view_image"))
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "purple": (130, 50, 170), "orange": (245, 140, 20)}
 FOLDERS = ("app", "db", "cache", "net")

@@ -56,11 +56,14 @@ class McpServerError(SandboxError):
 
 @dataclass(frozen=True)
 class McpServer:
-    """How to start an MCP server in a sandbox: its command, and files written to the work dir first."""
+    """How to start an MCP server in a sandbox: its command, and files written to the work dir first.
+    `tools`: the names of the tools it lists, when known in advance: `k3rl envs list` shows them without
+    starting a sandbox, and each connection checks that the server lists exactly these."""
 
     command: Sequence[str] | str
     files: Mapping[str, bytes | str] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
+    tools: Sequence[str] = ()
 
 
 @asynccontextmanager
@@ -289,6 +292,10 @@ class McpToolEnv(ToolEnv):
         for path, data in server.files.items():
             sb.write_file(path, data)
         self._mcp = McpConnection(sb.spawn(server.command, env=dict(server.env)))
+        listed = sorted(spec.name for spec in self._mcp.tools)
+        if server.tools and listed != sorted(server.tools):
+            raise McpServerError(f"the MCP server of {type(self).__name__} lists the tools {listed}, but its McpServer "
+                                 f"declares {sorted(server.tools)}; make McpServer.tools match the server")
         tools = dict(self._own_tools)
         for spec in self._mcp.tools:
             if spec.name in tools:

@@ -75,10 +75,12 @@ STEP_KEYS = {"reward": "reward/mean", "success": "episodes/success_rate",
 
 
 def job_overrides(args) -> list[str]:
-    """The overrides both jobs share, in order: recipe, device, task, the user's --set."""
-    task = {**TASK, **dict(parse_pair(t, "--task") for t in args.task)}
+    """The overrides both jobs share, in order: recipe, device, task, the user's --set. With --config (a job
+    of its own, e.g. experiments/agent_gpu.yaml) neither the KeyLookup recipe nor its task applies."""
+    own = args.config is not None
+    task = {} if own else {**TASK, **dict(parse_pair(t, "--task") for t in args.task)}
     out = Path(args.out).resolve()
-    return [*RECIPE, *(CPU if args.cpu else GPU),
+    return [*([] if own else RECIPE), *(CPU if args.cpu else GPU),
             *(f"envs.{part}.0.kwargs.{k}={v}" for k, v in task.items() for part in ("train", "eval")),
             f"tracking.runs_dir={out}/runs", f"tracking.uri=sqlite:///{out}/mlflow.db",
             f"tracking.experiment={EXPERIMENT}", *args.set]
@@ -97,21 +99,21 @@ def run_name(args, key: str, value: str) -> str:
     return f"{'k3-tiny' if args.cpu else 'k3-small'}-{leaf}{value}"
 
 
-def train_command(overrides: list[str]) -> list[str]:
+def train_command(overrides: list[str], config: Path = DEMO) -> list[str]:
     """`k3rl train examples/demo_from_scratch.yaml --set ...` (run from --out: the path is absolute)."""
-    return [sys.executable, "-m", "k3rl.cli", "train", str(DEMO), *(a for o in overrides for a in ("--set", o))]
+    return [sys.executable, "-m", "k3rl.cli", "train", str(config), *(a for o in overrides for a in ("--set", o))]
 
 
-def shown(overrides: list[str]) -> str:
-    return shlex.join(["k3rl", "train", str(DEMO.relative_to(ROOT)), *train_command(overrides)[5:]])
+def shown(overrides: list[str], config: Path = DEMO) -> str:
+    return shlex.join(["k3rl", "train", str(config.relative_to(ROOT)), *train_command(overrides)[5:]])
 
 
 class Job:
     """One `k3rl train` process (a session of its own: its Ray processes go with it), its output
     relayed line by line with its name, and kept in <out>/<name>.log."""
 
-    def __init__(self, name: str, label: str, overrides: list[str], out: Path):
-        self.name, self.label, self.overrides, self.out = name, label, overrides, out
+    def __init__(self, name: str, label: str, overrides: list[str], out: Path, config: Path = DEMO):
+        self.name, self.label, self.overrides, self.out, self.config = name, label, overrides, out, config
         self.proc: subprocess.Popen | None = None
         self.relay: threading.Thread | None = None
         self.started = self.ended = None
@@ -122,7 +124,7 @@ class Job:
                "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
                # two local Rays on one host: each takes 10% of the memory for its object store, not 30%
                "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.1"}
-        self.proc = subprocess.Popen(train_command(self.overrides), cwd=self.out, env=env, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(train_command(self.overrides, self.config), cwd=self.out, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         self.started = time.monotonic()
         self.relay = threading.Thread(target=self._relay, daemon=True)
@@ -315,6 +317,9 @@ def main() -> None:
     ap.add_argument("--grace-s", type=float, default=40.0, help="then this long to save and stop before a kill")
     ap.add_argument("--sequential", action="store_true", help="one job after the other (default: all at once)")
     ap.add_argument("--cpu", action="store_true", help="smoke run: k3-tiny in float32 on CPUs, 2 steps, tiny eval")
+    ap.add_argument("--config", type=Path, default=None, metavar="YAML",
+                    help="a job config of its own instead of the KeyLookup demo's recipe (then --task does not apply)")
+    ap.add_argument("--name", default=None, help="the runs' name prefix (default k3-small / k3-tiny)")
     args = ap.parse_args()
     for item in args.set:
         parse_pair(item, "--set")
@@ -333,21 +338,22 @@ def main() -> None:
     from k3rl.tracking import mlflow_client
 
     shared = job_overrides(args)
+    config = (args.config or DEMO).resolve()
     jobs = []
     for value in values:
-        name = run_name(args, vary_key, value)
+        name = run_name(args, vary_key, value) if args.name is None else f"{args.name}-{value}"
         overrides = [*shared, f"{vary_key}={value}", f"name={name}", f"tracking.run_name={name}"]
         try:  # refused here, before any job starts, with the field and what to change (the job's own checks)
-            cfg = JobConfig.load(DEMO, overrides)
+            cfg = JobConfig.load(config, overrides)
             check_env_ids(cfg)
             preflight(cfg)
         except ConfigError as e:
             raise SystemExit(f"the recipe is refused: {e}") from None
-        jobs.append(Job(name, f"{vary_key.split('.')[-1]} {value}", overrides, out))
+        jobs.append(Job(name, f"{vary_key.split('.')[-1]} {value}", overrides, out, config))
     client = mlflow_client(f"sqlite:///{out}/mlflow.db")
     client.search_experiments()  # the store's schema, made once here rather than by two jobs at once
     say(f"learn_gpu: {len(jobs)} jobs ({'one after the other' if args.sequential else 'at once'}), budget "
-        f"{args.budget_s:.0f}s; each: {shown(shared)} "
+        f"{args.budget_s:.0f}s; each: {shown(shared, config)} "
         f"--set {vary_key}=VALUE")
     gpu = run_jobs(jobs, args)
 
@@ -355,7 +361,7 @@ def main() -> None:
     import torch
 
     result = {"command": shlex.join(["python", "experiments/learn_gpu.py", *sys.argv[1:]]),
-              "job_command": shown(shared) + f" --set {vary_key}=VALUE", "vary": {vary_key: values},
+              "job_command": shown(shared, config) + f" --set {vary_key}=VALUE", "vary": {vary_key: values},
               "device": "cpu" if args.cpu else "cuda", "torch": torch.__version__, "budget_s": args.budget_s,
               "wall_s": time.monotonic() - START, "runs": runs,
               "gpu": {"samples": gpu, "max_memory_used_mib": max((g["memory_used_mib"] for g in gpu), default=None),

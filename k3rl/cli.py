@@ -15,7 +15,23 @@ from rich.syntax import Syntax
 
 from k3rl import examples
 from k3rl.config import ConfigError, JobConfig
-from k3rl.replay import replay_command
+
+
+def _conventional_help() -> None:
+    """typer's help shows a flag's type (`--resume <bool>`) as if it took a value, and a required argument
+    as `{run}`: show flags without a type and arguments as the usual RUN, [CONFIG], RUN..."""
+    show_type = typer.core.TyperOption.display_type_rich
+    typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else show_type(self, ctx)
+
+    def usage_name(self) -> str:
+        name = self.metavar or self.name.upper()
+        return (name if self.required else f"[{name}]") + ("..." if self.nargs != 1 else "")
+
+    if hasattr(typer.core.TyperArgument, "_usage_display_name"):
+        typer.core.TyperArgument._usage_display_name = usage_name
+
+
+_conventional_help()
 
 app = typer.Typer(
     name="k3rl",
@@ -32,7 +48,12 @@ app.add_typer(envs_app, name="envs")
 console = Console()
 err = Console(stderr=True)
 
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override a config value: a.b.c=value (repeatable)")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE",
+                                                     help="override a config value: a.b.c=value (repeatable)")]
+RunsDirOpt = Annotated[Path, typer.Option(help="the runs folder (tracking.runs_dir)")]
+TrackingOpt = Annotated[Optional[str], typer.Option(
+    help="MLflow tracking URI (default: a run folder's own store, else sqlite:///runs/mlflow.db)")]
+RUN_REF = "a run folder (runs/<name>), a run name, or an MLflow run id"
 
 
 def _config_path(config: Optional[Path]) -> Optional[Path]:
@@ -67,9 +88,9 @@ def _refused(e: ConfigError) -> NoReturn:
 
 @config_app.command("show")
 def config_show(
-    config: Annotated[Optional[Path], typer.Argument(help="job YAML (omit for the defaults)")] = None,
+    config: Annotated[Optional[Path], typer.Argument(metavar="CONFIG", help="job YAML (omit for the defaults)")] = None,
     set_: SetOpt = None,
-    save: Annotated[Optional[Path], typer.Option(help="also write the resolved config here")] = None,
+    save: Annotated[Optional[Path], typer.Option(metavar="FILE", help="also write the resolved config here")] = None,
 ) -> None:
     """Print the resolved config (defaults + file + --set overrides)."""
     cfg = _load(config, set_)
@@ -81,9 +102,11 @@ def config_show(
 
 @app.command()
 def train(
-    config: Annotated[Optional[Path], typer.Argument(help="job YAML (omit for the embedded defaults)")] = None,
+    config: Annotated[Optional[Path], typer.Argument(metavar="CONFIG",
+                                                     help="job YAML (omit for the embedded defaults)")] = None,
     set_: SetOpt = None,
-    resume: Annotated[bool, typer.Option("--resume", help="continue the run from its last checkpoint")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="continue the run (tracking.run_name) from its last "
+                                                          "checkpoint; a flag, no value")] = False,
 ) -> None:
     """Run an agentic RL job (local Ray by default, or the cluster at ray.address)."""
     cfg = _load(config, set_)
@@ -98,32 +121,60 @@ def train(
 
 
 @app.command()
-def replay(
-    run: Annotated[str, typer.Argument(help="run directory (runs/<name>) or MLflow run id")],
-    episode: Annotated[Optional[str], typer.Option(help="episode id (prefix is enough)")] = None,
-    step: Annotated[Optional[int], typer.Option(help="pick episodes of this training step")] = None,
-    html: Annotated[Optional[Path], typer.Option(help="write the episode as HTML with its images")] = None,
-    re_execute: Annotated[bool, typer.Option("--re-execute", help="replay the tool calls in a fresh sandbox")] = False,
+def runs(
+    runs_dir: Annotated[Path, typer.Argument(metavar="RUNS_DIR", help="the runs folder (tracking.runs_dir)")] = Path("runs"),
+    tracking_uri: TrackingOpt = None,
 ) -> None:
-    """Show an episode turn by turn (and optionally re-run its tool calls)."""
-    raise typer.Exit(replay_command(run, episode=episode, step=step, html=html, re_execute=re_execute))
+    """The runs of a runs folder and its MLflow store: status, steps, time, final and best reward, last eval."""
+    # lazy: k3rl.runs reads MLflow (seconds to import); only `runs` needs it
+    from k3rl.runs import list_runs, print_runs
+
+    print_runs(list_runs(runs_dir, tracking_uri), console, tracking_uri or str(runs_dir), runs_dir)
+
+
+@app.command()
+def replay(
+    run: Annotated[Optional[str], typer.Argument(metavar="RUN", help=f"{RUN_REF}; omit for the newest run")] = None,
+    episode: Annotated[Optional[str], typer.Option(metavar="ID", help="an episode by id (a prefix is enough)")] = None,
+    step: Annotated[Optional[int], typer.Option(metavar="N", help="a training step (default: the last)")] = None,
+    worst: Annotated[bool, typer.Option("--worst", help="the worst episode instead of the best")] = False,
+    failed: Annotated[bool, typer.Option("--failed", help="the episodes that failed (an error: never trained)")] = False,
+    eval_: Annotated[bool, typer.Option("--eval", help="the held-out evaluation's episodes")] = False,
+    html: Annotated[Optional[Path], typer.Option(metavar="PAGE", help="write the episode as an HTML page, and the "
+                                                 "step's others beside it")] = None,
+    re_execute: Annotated[bool, typer.Option("--re-execute", help="replay the tool calls in a fresh sandbox")] = False,
+    runs_dir: RunsDirOpt = Path("runs"),
+    tracking_uri: TrackingOpt = None,
+) -> None:
+    """Show an episode turn by turn among its step: by default the best trained episode of the last step,
+    with its GRPO group (rewards, advantages) and its reward's parts."""
+    # lazy: replay reads MLflow and torch (seconds to import); only `replay` needs them
+    from k3rl.replay import replay_command
+
+    if failed and eval_:
+        err.print("[bold red]error:[/] --failed and --eval pick different episodes: give one")
+        raise typer.Exit(2)
+    raise typer.Exit(replay_command(run, episode=episode, step=step, html=html, re_execute=re_execute, worst=worst,
+                                    failed=failed, eval_=eval_, runs_dir=runs_dir, tracking_uri=tracking_uri))
 
 
 @app.command()
 def compare(
-    runs: Annotated[list[str], typer.Argument(help="run names or ids")],
-    out: Annotated[Path, typer.Option(help="PNG of the reward curves")] = Path("runs/compare.png"),
-    tracking_uri: Annotated[str, typer.Option(help="MLflow tracking URI")] = "sqlite:///runs/mlflow.db",
-    metric: Annotated[str, typer.Option(help="metric to plot")] = "reward/mean",
+    runs: Annotated[list[str], typer.Argument(metavar="RUN", help=RUN_REF)],
+    out: Annotated[Path, typer.Option(metavar="PNG", help="PNG of the reward curves")] = Path("runs/compare.png"),
+    metric: Annotated[str, typer.Option(metavar="NAME", help="metric to plot")] = "reward/mean",
+    runs_dir: RunsDirOpt = Path("runs"),
+    tracking_uri: TrackingOpt = None,
 ) -> None:
-    """Reward curves of several runs side by side, read from MLflow."""
+    """Reward curves of several runs side by side (with their spread and held-out eval), read from MLflow."""
     # lazy: MLflow takes seconds to import; only `compare` needs it
     from k3rl.compare import CompareError, compare_runs
 
     try:
-        compare_runs(runs, out=out, tracking_uri=tracking_uri, metric=metric)
+        compare_runs(runs, out=out, tracking_uri=tracking_uri, metric=metric, console=console, runs_dir=runs_dir)
     except CompareError as e:
-        err.print(f"[bold red]error:[/] {e}")
+        err.print("[bold red]error:[/] ", end="")
+        err.print(str(e), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -215,7 +266,7 @@ def envs_list(import_: ImportOpt = None) -> None:
 
 
 @envs_app.command("check")
-def envs_check(env_id: Annotated[str, typer.Argument(help="e.g. k3rl/KeyLookup-v0")], seed: int = 0,
+def envs_check(env_id: Annotated[str, typer.Argument(metavar="ENV_ID", help="e.g. k3rl/KeyLookup-v0")], seed: int = 0,
                import_: ImportOpt = None) -> None:
     """Run Gymnasium's env checker and one oracle episode, printing the transcript."""
     _import_env_modules(import_)

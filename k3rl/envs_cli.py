@@ -34,6 +34,16 @@ def tool_env_ids() -> list[str]:
     return sorted(ids, key=lambda i: (not i.startswith("k3rl/"), i))
 
 
+def tool_names(env: ToolEnv) -> list[str]:
+    """The env's tools before any reset: its own, and those its MCP server declares it lists (the server
+    itself starts in the episode's sandbox, at reset)."""
+    server = getattr(env, "mcp_server", None)
+    mcp = [f"{name} (MCP)" for name in getattr(server, "tools", ())]
+    if server is not None and not mcp:
+        mcp = ["(the MCP server's, listed at reset)"]
+    return [*env.tool_names, *mcp]
+
+
 def list_envs(console: Console | None = None) -> list[str]:
     console = console or Console()
     table = Table(title="k3rl tool environments")
@@ -45,7 +55,7 @@ def list_envs(console: Console | None = None) -> list[str]:
         try:
             cls = registered_entry_point(env_id)
             env = gym.make(env_id).unwrapped
-            tools = ", ".join(env.tool_names)
+            tools = ", ".join(tool_names(env))
             env.close()
             description = DESCRIPTIONS.get(env_id) or (cls.__doc__ or "").strip().split("\n")[0]
             table.add_row(env_id, "yes" if cls.uses_sandbox else "no", str(cls.default_max_turns), tools, description)

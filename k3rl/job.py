@@ -73,6 +73,8 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
         stop = _ctrl_c()  # from here on Ctrl-C ends the job cleanly (Ray's start-up is behind us)
         step, steps, history, evals, t_job = job.step, cfg.learner.steps, [], {}, time.monotonic()
         warmed = await _unless(stop, _then_true(job.warm_start()))  # None: Ctrl-C during the warm start
+        if warmed and not job.resumed and cfg.learner.sft_steps and cfg.learner.checkpoint_every:
+            await job.save(step)  # the SFT's policy as step 0's checkpoint: a warm start to keep or resume from
         if warmed:
             await job.push(step + 1)
         if warmed and not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step

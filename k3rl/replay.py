@@ -1,20 +1,16 @@
-"""`k3rl replay`: show a stored episode turn by turn, write it as HTML, or re-execute its tool
-calls in a fresh environment (and sandbox) and report where the new tool results diverge.
+"""`k3rl replay`: show a stored episode turn by turn among its step, write it as HTML pages, or
+re-execute its tool calls (k3rl.reexecute).
 
-Re-execution runs the episode loop of the rollout workers (k3rl.rollout.episode) again, with
-the recorded tokens in place of the model: the environment named by `traj.env_id` is made as
-the job made it (the run's config.yaml, kwargs from its `envs.train` entry and
-`metadata["env_kwargs"]`), reset with the recorded seed, and each turn `generate` returns the
-exact ids the model sampled then. What the env says back is compared with the recorded turns
-(role, text, images byte for byte, tool name and index), step by step, and so are the rewards
-and the episode's end.
+Which episode: by default the best trained episode of the run's last step (what RL has learned so
+far); `--worst` the worst, `--failed` the episodes that failed (an error: never trained), `--eval` the
+held-out evaluation's, `--step N` another step, `--episode ID` one by id (a prefix is enough). With
+`--html PAGE` the episode is written to PAGE, and every other episode of the same kind at that step
+beside it (`<PAGE stem>_step<N>/`), linked from the page's list, so a browser walks the step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,58 +19,79 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from k3rl.config import ConfigError, JobConfig
+from k3rl.config import JobConfig
 from k3rl.images import png_size
-from k3rl.render_html import render_episode_html, turn_token_info
+from k3rl.reexecute import ReplayError, env_kwargs_for, print_re_execution, re_execute_episode, run_config
+from k3rl.render_html import Nav, NavEntry, advantage_text, render_episode_html, turn_token_info
+from k3rl.runs import RunNotFoundError, newest_run, resolve_run
+from k3rl.step_view import StepView, kind_of, reward_note, reward_parts, step_views
 from k3rl.store import StoreError, TrajectoryStore
-from k3rl.types import SamplingParams, Trajectory, Turn
+from k3rl.tokenizer import load_tokenizer
+from k3rl.types import Trajectory, Turn
 
 ROLE_STYLE = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow"}
+FLAGS = {"trained": "", "eval": " --eval", "failed": " --failed"}
 
-
-class ReplayError(RuntimeError):
-    """A run or episode that cannot be found or replayed; the message says what exists."""
+__all__ = ["ReplayError", "choose_episode", "print_episode", "replay_command", "resolve_run_dir"]
 
 
 # -- finding the run and the episode ------------------------------------------------------------
-def resolve_run_dir(run: str, runs_dir: str | Path = "runs", tracking_uri: str = "sqlite:///runs/mlflow.db") -> Path:
-    """A run directory from `run`: a directory holding trajectories/, a run name under
-    `runs_dir`, or an MLflow run name/id (its `k3rl.run_dir` tag, else runs_dir/<run name>)."""
-    for candidate in (Path(run), Path(runs_dir) / run):
-        if (candidate / "trajectories").is_dir():
-            return candidate
-    # lazy: MLflow (seconds) only for a run named in MLflow
-    from k3rl.tracking import RUN_DIR_TAG, TrackingError, find_run, sqlite_path
-
-    db = sqlite_path(tracking_uri)
-    if db is None or db.exists():
-        # lazy: MLflow (seconds) only for a run named in MLflow
-        from k3rl.tracking import mlflow_client
-
-        try:
-            mlrun = find_run(mlflow_client(tracking_uri), run)
-        except TrackingError:
-            mlrun = None
-        if mlrun is not None:
-            for candidate in (mlrun.data.tags.get(RUN_DIR_TAG), Path(runs_dir) / mlrun.info.run_name):
-                if candidate and (Path(candidate) / "trajectories").is_dir():
-                    return Path(candidate)
-    raise ReplayError(f"{run!r} is not a run directory with trajectories/ (looked at {Path(run)}, "
-                      f"{Path(runs_dir) / run}, and MLflow runs in {tracking_uri})")
+def resolve_run_dir(run: str | None, runs_dir: str | Path = "runs", tracking_uri: str | None = None) -> Path:
+    """The run folder of a run reference (k3rl.runs): a folder, a run name or an MLflow run name or id;
+    None: the newest run under `runs_dir`."""
+    try:
+        if run is None:
+            return newest_run(runs_dir)
+        ref = resolve_run(run, runs_dir, tracking_uri)
+    except RunNotFoundError as e:
+        raise ReplayError(str(e)) from None
+    if ref.dir is None or not (ref.dir / "trajectories").is_dir():
+        raise ReplayError(f"{run!r} is MLflow run {ref.name} ({ref.run_id}), but its run folder with the episodes "
+                          f"is not here (looked at {ref.dir or Path(runs_dir) / ref.name}); pass the folder")
+    return ref.dir
 
 
-def select_episodes(store: TrajectoryStore, episode: str | None, step: int | None) -> list[Trajectory]:
-    found = store.read(step=step, episode=episode)
-    if found:
-        return found
-    summary = store.summary()
-    if not summary:
-        raise ReplayError(f"{store.root} holds no episodes yet")
-    steps = sorted({s["step"] for s in summary if s["step"] is not None})
-    what = " and ".join(x for x in (f"id starting with {episode!r}" if episode else "",
-                                   f"step {step}" if step is not None else "") if x)
-    raise ReplayError(f"no episode with {what} in {store.root} ({len(summary)} episodes; steps "
-                      f"{_ranges(steps) or 'none recorded'}; ids like {summary[0]['id']})")
+class AmbiguousEpisodeError(ReplayError):
+    def __init__(self, prefix: str, rows: list[dict]):
+        self.rows = rows
+        super().__init__(f"{len(rows)} episodes start with {prefix!r}: give more of the id")
+
+
+def choose_episode(rows: list[dict], root: Path, *, episode: str | None = None, step: int | None = None,
+                   kind: str = "trained", worst: bool = False) -> dict:
+    """The summary row (TrajectoryStore.summary) of the episode to show; see the module doc."""
+    if not rows:
+        raise ReplayError(f"{root} holds no episodes yet")
+    if episode is not None:
+        found = [r for r in rows if r["id"].startswith(episode) and (step is None or r["step"] == step)]
+        if not found:
+            steps = sorted({r["step"] for r in rows if r["step"] is not None})
+            what = " and ".join(x for x in (f"id starting with {episode!r}", f"step {step}" if step is not None else "")
+                                if x)
+            raise ReplayError(f"no episode with {what} in {root} ({len(rows)} episodes; steps "
+                              f"{_ranges(steps) or 'none recorded'}; ids like {rows[0]['id']})")
+        exact = [r for r in found if r["id"] == episode]
+        if len(found) > 1 and not exact:
+            raise AmbiguousEpisodeError(episode, found)
+        return (exact or found)[0]
+    of_kind = [r for r in rows if kind_of(r) == kind]
+    if not of_kind:
+        raise ReplayError(f"{root} holds no {kind} episodes ({_counts(rows)})")
+    if step is None:
+        step = max((r["step"] for r in of_kind if r["step"] is not None), default=None)
+    at = [r for r in of_kind if r["step"] == step]
+    if not at:
+        steps = sorted({r["step"] for r in of_kind if r["step"] is not None})
+        raise ReplayError(f"no {kind} episode at step {step} in {root} ({kind} episodes at steps {_ranges(steps)})")
+    pick = min if worst else max  # the first of equals, in the order they were stored
+    return pick(at, key=lambda r: r["reward"])
+
+
+def _counts(rows: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[kind_of(r)] = counts.get(kind_of(r), 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _ranges(values: list[int]) -> str:
@@ -88,13 +105,21 @@ def _ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
+def _step_episodes(store: TrajectoryStore, step: int | None) -> list[Trajectory]:
+    """The episodes stored at training step `step`."""
+    if step is None:  # episodes stored without a step: their group is all that belongs with them
+        return [t for t in store.read() if t.metadata.get("step") is None]
+    return store.read(step=step)
+
+
 # -- printing ---------------------------------------------------------------------------------
 def print_episode(traj: Trajectory, console: Console, store: TrajectoryStore | None = None) -> None:
     meta = traj.metadata
     head = Table.grid(padding=(0, 2))
     head.add_row("episode", traj.id)
     head.add_row("env", f"{traj.env_id}  seed {traj.seed}  task {traj.task_id or '-'}")
-    head.add_row("step", f"{meta.get('step', '-')}  policy version {meta.get('policy_version', '-')}")
+    head.add_row("step", f"{meta.get('step', '-')}  policy version {meta.get('policy_version', '-')}  "
+                         f"status {meta.get('status', '-')}")
     ended = "terminated" if traj.terminated else "truncated" if traj.truncated else "unfinished"
     head.add_row("reward", f"{traj.reward:g} ({ended})")
     head.add_row("tokens", f"{len(traj.prompt_ids)} prompt + {len(traj.completion_ids)} completion "
@@ -155,225 +180,143 @@ def _turn_renderable(traj: Trajectory, i: int, turn: Turn, store: TrajectoryStor
                  border_style=ROLE_STYLE.get(turn.role, "white"))
 
 
-def print_listing(episodes: list[Trajectory], console: Console, limit: int = 20) -> None:
-    table = Table(title=f"{len(episodes)} matching episodes" + (f" (first {limit})" if len(episodes) > limit else ""))
-    for col in ("id", "step", "env", "reward", "turns", "error"):
+def print_listing(rows: list[dict], console: Console, limit: int = 20) -> None:
+    table = Table(title=f"{len(rows)} matching episodes" + (f" (first {limit})" if len(rows) > limit else ""))
+    for col in ("id", "step", "status", "env", "reward", "turns", "error"):
         table.add_column(col)
-    for t in episodes[:limit]:
-        table.add_row(t.id, str(t.metadata.get("step", "-")), t.env_id, f"{t.reward:g}", str(t.num_turns),
-                      (t.error or "")[:40])
+    for r in rows[:limit]:
+        table.add_row(r["id"], str(r["step"] if r["step"] is not None else "-"), r.get("status") or "-", r["env_id"],
+                      f"{r['reward']:g}", str(r["num_turns"]), (r["error"] or "")[:40])
     console.print(table)
 
 
-# -- re-execution -------------------------------------------------------------------------------
-@dataclass
-class Divergence:
-    turn: int  # index into traj.turns of the recorded turn that differs (or where a message is missing/extra)
-    what: str
-    recorded: Any
-    replayed: Any
+def print_context(view: StepView, console: Console) -> None:
+    """The episode's group (rewards, advantages) and what its reward is made of."""
+    traj = view.episode
+    if len(view.group) > 1 or view.method:
+        what = f"advantage ({view.method})" if view.method else "advantage (not trained)"
+        table = Table(title=f"its group {traj.group_id or '-'}: {len(view.group)} samples of one prompt"
+                            + (f", baseline {view.baseline:.3f}" if view.baseline is not None else ""))
+        for col, justify in (("member", "left"), ("reward", "right"), (what, "right"), ("status", "left"),
+                             ("turns", "right"), ("error", "left")):
+            table.add_column(col, justify=justify, no_wrap=col == "member")
+        for m in view.group:
+            style = "bold reverse" if m.id == traj.id else None
+            member = m.id.removeprefix(traj.group_id).lstrip("-") if traj.group_id else m.id
+            table.add_row(member or m.id, f"{m.reward:g}", advantage_text(m.advantages), m.status, str(m.turns),
+                          (m.error or "")[:40], style=style)
+        console.print(table)
+    parts = reward_parts(traj)
+    if parts:
+        console.print("reward parts (the env's): " + ", ".join(f"#{i} {name} {v:g}" for i, name, v in parts)
+                      + f"  = {sum(v for _, _, v in parts):g}", highlight=False)
+    note = reward_note(traj)
+    if note:
+        console.print(f"[yellow]{note}[/]", highlight=False)
 
 
-@dataclass
-class ReExecution:
-    steps: int = 0
-    checked_messages: int = 0
-    divergences: list[Divergence] = field(default_factory=list)
+# -- HTML pages ---------------------------------------------------------------------------------
+def write_pages(page: Path, chosen: Trajectory, shown: list[Trajectory], step_episodes: list[Trajectory],
+                kind: str, learner_cfg: Any, tokenizer: Any, run: str) -> list[Path]:
+    """`chosen` at `page`, and each of `shown` (its step's episodes of its kind) in a folder beside it, every
+    page listing them all (linked). Returns the paths written."""
+    step = chosen.metadata.get("step")
+    folder = page.parent / f"{page.stem}_{'step' + str(step) if step is not None else 'episodes'}"
+    views = step_views(shown, step_episodes, learner_cfg)
+    others = [t for t in shown if t.id != chosen.id]
+    counts = next(iter(views.values())).counts if views else {}
+    notes = [f"{n} {k}: k3rl replay {run}{FLAGS[k]}" + (f" --step {step}" if step is not None else "")
+             for k, n in sorted(counts.items()) if k != kind and k in FLAGS]
+    title = f"step {step}: {len(shown)} {kind}" if step is not None else f"{len(shown)} {kind}"
 
-    @property
-    def identical(self) -> bool:
-        return not self.divergences
+    def nav(here_in_folder: bool) -> Nav:
+        def href(t: Trajectory) -> str:
+            if t.id == chosen.id:
+                return f"../{page.name}" if here_in_folder else page.name
+            return f"{t.id}.html" if here_in_folder else f"{folder.name}/{t.id}.html"
 
+        order = sorted(shown, key=lambda t: (t.group_id, -t.reward, t.id))
+        return Nav(title, [NavEntry(t.id, t.reward, f"group {t.group_id}" if t.group_id else kind, href(t))
+                           for t in order], notes)
 
-def _view(t: Turn) -> dict[str, Any]:
-    return {"role": t.role, "tool_name": t.tool_name, "tool_index": t.tool_index, "text": t.text,
-            "images": list(t.images)}
-
-
-def _describe(t: Turn | None) -> str:
-    if t is None:
-        return "(nothing)"
-    imgs = ", ".join("{}x{}".format(*png_size(b)) for b in t.images)
-    return f"{t.role}{'(' + t.tool_name + ')' if t.tool_name else ''}: {t.text!r}" + (
-        f" + images [{imgs}]" if imgs else "")
-
-
-def _png_label(png: bytes) -> str:
-    w, h = png_size(png)
-    return f"{w}x{h} PNG {len(png)}B"
-
-
-def _blocks(turns: list[Turn]) -> list[tuple[int, Turn | None, list[Turn]]]:
-    """(index of the block's first turn, its assistant turn, the env's messages after it): the
-    opening first (no assistant turn), then one block per assistant turn."""
-    out: list[tuple[int, Turn | None, list[Turn]]] = [(0, None, [])]
-    for i, t in enumerate(turns):
-        if t.role == "assistant":
-            out.append((i, t, []))
-        else:
-            out[-1][2].append(t)
-    return out
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(render_episode_html(chosen, _title(chosen), tokenizer=tokenizer, view=views.get(chosen.id),
+                                        nav=nav(False)), encoding="utf-8")
+    written = [page]
+    if others:
+        folder.mkdir(exist_ok=True)
+        inside = nav(True)
+        for t in others:
+            path = folder / f"{t.id}.html"
+            path.write_text(render_episode_html(t, _title(t), tokenizer=tokenizer, view=views.get(t.id), nav=inside),
+                            encoding="utf-8")
+            written.append(path)
+    return written
 
 
-def _compare_messages(first: int, recorded: list[Turn], replayed: list[Turn], out: ReExecution) -> None:
-    """The env's messages of one reset/step, recorded and re-executed; `first` indexes the recorded turns."""
-    for k in range(max(len(recorded), len(replayed))):
-        r = recorded[k] if k < len(recorded) else None
-        n = replayed[k] if k < len(replayed) else None
-        out.checked_messages += 1
-        if r is None or n is None:
-            out.divergences.append(Divergence(first + k, f"message {k}: {'extra' if r is None else 'missing'} message",
-                                              _describe(r), _describe(n)))
-            continue
-        a, b = _view(r), _view(n)
-        for key in ("role", "tool_name", "tool_index", "text"):
-            if a[key] != b[key]:
-                out.divergences.append(Divergence(first + k, f"message {k}: {key} differs", a[key], b[key]))
-        if a["images"] != b["images"]:
-            out.divergences.append(Divergence(first + k, f"message {k}: images differ",
-                                              [_png_label(x) for x in a["images"]], [_png_label(x) for x in b["images"]]))
+def _title(t: Trajectory) -> str:
+    step = t.metadata.get("step")
+    return (f"step {step} · " if step is not None else "") + f"episode {t.id} · reward {t.reward:g}"
 
 
-def recorded_actions(traj: Trajectory) -> list[list[int]]:
-    """The exact ids the model sampled, one list per recorded assistant turn (summaries included;
-    a message carried into a new context segment was not sampled again)."""
-    n = len(traj.prompt_ids)
-    return [[tok for tok, m in zip(traj.completion_ids[max(t.start - n, 0):t.end - n],
-                                   traj.loss_mask[max(t.start - n, 0):t.end - n], strict=True) if m]
-            for t in traj.turns if t.role == "assistant" and t.compaction != "carried"]
-
-
-def run_config(run_dir: Path | None) -> JobConfig | None:
-    """The config the run was made with (its config.yaml), if it has one."""
-    cfg_file = run_dir / "config.yaml" if run_dir is not None else None
-    if cfg_file is None or not cfg_file.exists():
+def _tokenizer(cfg: JobConfig, console: Console) -> Any:
+    try:
+        return load_tokenizer(cfg.model.tokenizer)
+    except (OSError, ValueError) as e:
+        console.print(f"[yellow]note:[/] the run's tokenizer cannot be loaded ({e}); the pages show no tokens")
         return None
-    try:
-        return JobConfig.load(cfg_file)
-    except ConfigError as e:
-        raise ReplayError(f"cannot read the run's config {cfg_file}: {e}") from None
-
-
-def env_kwargs_for(traj: Trajectory, cfg: JobConfig | None) -> dict[str, Any]:
-    """Kwargs the job made this env with: its `envs.train` entry in the run's config, overridden by
-    `metadata["env_kwargs"]` when the episode recorded them."""
-    kwargs: dict[str, Any] = {}
-    for spec in cfg.envs.train if cfg is not None else []:
-        if spec.id == traj.env_id:
-            kwargs.update(spec.kwargs)
-            break
-    kwargs.update(traj.metadata.get("env_kwargs") or {})
-    return kwargs
-
-
-def re_execute_episode(traj: Trajectory, env_kwargs: dict[str, Any] | None = None,
-                       cfg: JobConfig | None = None) -> ReExecution:
-    """Run the recorded assistant turns (their exact sampled ids) again through the episode loop,
-    in a fresh environment made as the job made it (`cfg`: the run's config, else the defaults);
-    collect every divergence of what the env says back, the rewards and the episode's end."""
-    # lazy: torch (seconds) and every env plugin load only for --re-execute
-    from k3rl.envs.registration import import_env_modules
-    from k3rl.rollout.episode import (
-        NO_LIMIT,
-        EpisodeSpec,
-        job_limits,
-        make_env,
-        make_template,
-        run_episode,
-        scripted_generate,
-    )
-
-    cfg = cfg or JobConfig()
-    try:
-        import_env_modules(cfg.envs.imports)  # the run's own envs register themselves
-    except ConfigError as e:
-        raise ReplayError(f"cannot re-execute episode {traj.id}: {e}") from None
-    template = make_template(cfg)
-    spec = EpisodeSpec(id=traj.id, env_id=traj.env_id, seed=traj.seed, group_id=traj.group_id,
-                       env_kwargs=dict(env_kwargs or {}))
-    actions = iter(recorded_actions(traj))
-
-    def next_action() -> list[int]:
-        action = next(actions, None)
-        if action is None:
-            raise ReplayError("the recording has no more assistant turns: the re-executed episode went on longer")
-        return action
-
-    # the recorded ids already end where the engine stopped them: no per-turn cut, no clock
-    limits = {**job_limits(cfg), "time_budget_s": float("inf")}
-    new = asyncio.run(run_episode(lambda: make_env(spec, cfg, template), spec, scripted_generate(template, next_action),
-                                  template, SamplingParams(max_tokens=NO_LIMIT), **limits))
-    if new.metadata.get("failed_at") == "make_env":
-        raise ReplayError(f"cannot make environment {traj.env_id!r} with kwargs {env_kwargs or {}} to re-execute "
-                          f"episode {traj.id}: {new.error}")
-    out = ReExecution(steps=new.num_turns)
-    recorded, replayed = _blocks(traj.turns), _blocks(new.turns)
-    for b in range(len(recorded)):
-        if b >= len(replayed):  # (it cannot go on longer: generate has no more recorded turns to play)
-            out.divergences.append(Divergence(recorded[b][0], "the re-executed episode had already ended",
-                                              "more turns", new.error or "ended"))
-            break
-        first, said, answer = recorded[b]
-        _compare_messages(first + (said is not None), answer, replayed[b][2], out)
-        if said is not None and said.reward != replayed[b][1].reward:
-            out.divergences.append(Divergence(first, "step reward differs", said.reward, replayed[b][1].reward))
-    if new.error and new.error != traj.error and not any("had already ended" in d.what for d in out.divergences):
-        out.divergences.append(Divergence(len(traj.turns) - 1, f"the re-executed episode failed at "
-                                          f"{new.metadata.get('failed_at')}", traj.error or "no error", new.error))
-    if not traj.error and not new.error and (new.terminated, new.truncated) != (traj.terminated, traj.truncated):
-        out.divergences.append(Divergence(len(traj.turns) - 1, "episode end differs (terminated, truncated)",
-                                          (traj.terminated, traj.truncated), (new.terminated, new.truncated)))
-    if new.reward != traj.reward:
-        out.divergences.append(Divergence(len(traj.turns) - 1, "episode reward differs", traj.reward, new.reward))
-    return out
-
-
-def print_re_execution(traj: Trajectory, result: ReExecution, console: Console) -> None:
-    if result.identical:
-        console.print(f"[bold green]identical[/]: {result.steps} steps re-executed in a fresh {traj.env_id}, "
-                      f"{result.checked_messages} messages match the recording")
-        return
-    table = Table(title=f"{len(result.divergences)} divergences in {result.steps} re-executed steps", show_lines=True)
-    for col in ("turn", "what", "recorded", "re-executed"):
-        table.add_column(col, overflow="fold")
-    for d in result.divergences:
-        role = traj.turns[d.turn].role if d.turn < len(traj.turns) else "-"
-        table.add_row(f"{d.turn} {role}", d.what, str(d.recorded)[:300], str(d.replayed)[:300])
-    console.print(table)
 
 
 # -- the command ----------------------------------------------------------------------------------
-def replay_command(run: str, episode: str | None = None, step: int | None = None, html: Path | None = None,
-                   re_execute: bool = False, console: Console | None = None, runs_dir: str | Path = "runs",
-                   tracking_uri: str = "sqlite:///runs/mlflow.db") -> int:
+def replay_command(run: str | None = None, episode: str | None = None, step: int | None = None,
+                   html: Path | None = None, re_execute: bool = False, *, worst: bool = False, failed: bool = False,
+                   eval_: bool = False, console: Console | None = None, runs_dir: str | Path = "runs",
+                   tracking_uri: str | None = None) -> int:
     """Exit code: 0 shown (and, with re_execute, identical), 1 re-execution diverged, 2 bad input."""
     console = console or Console()
+    kind = "failed" if failed else "eval" if eval_ else "trained"
     try:
         run_dir = resolve_run_dir(run, runs_dir, tracking_uri)
         store = TrajectoryStore(run_dir, readonly=True)
-        episodes = select_episodes(store, episode, step)
+        rows = store.summary()
+        if kind == "trained" and episode is None and not any(kind_of(r) == "trained" for r in rows) \
+                and any(kind_of(r) == "eval" for r in rows):
+            console.print(f"no trained episodes in {run_dir} yet: showing the evaluation's")
+            kind = "eval"
+        row = choose_episode(rows, run_dir, episode=episode, step=step, kind=kind, worst=worst)
+        own_cfg = run_config(run_dir)  # the run's config.yaml (None: none written)
+        cfg = own_cfg or JobConfig()
+    except AmbiguousEpisodeError as e:
+        print_listing(e.rows, console)
+        console.print(f"[bold red]error:[/] {e}")
+        return 2
     except (ReplayError, StoreError) as e:
         console.print(f"[bold red]error:[/] {e}")
         return 2
-    if episode is not None and len({t.id for t in episodes}) > 1:
-        print_listing(episodes, console)
-        console.print(f"[bold red]error:[/] {len(episodes)} episodes start with {episode!r}: give more of the id")
-        return 2
-    if len(episodes) > 1:
-        print_listing(episodes, console)
-        console.print("showing the first; pick another with --episode ID")
-    traj = episodes[0]
+    kind = kind_of(row)
+    step_eps = _step_episodes(store, row["step"])
+    traj = next(t for t in step_eps if t.id == row["id"])
+    shown = [t for t in step_eps if kind_of({"error": t.error, "status": t.metadata.get("status")}) == kind] or [traj]
+    view = step_views([traj], step_eps, cfg.learner)[traj.id]
+    if run is None:
+        console.print(f"run {run_dir} (the newest; `k3rl runs` lists them all)")
+    where = f"step {row['step']}" if row["step"] is not None else "the run"
+    if episode is None:
+        console.print(f"{where}: {_counts([{'error': t.error, 'status': t.metadata.get('status')} for t in step_eps])}; "
+                      f"showing {'a failed' if kind == 'failed' else ('the worst ' if worst else 'the best ') + kind} episode "
+                      "(--worst, --failed, --eval, --step N or --episode ID show others)")
+    print_context(view, console)
     print_episode(traj, console, store)
     if html is not None:
-        html = Path(html)
-        html.parent.mkdir(parents=True, exist_ok=True)
-        html.write_text(render_episode_html(traj), encoding="utf-8")
-        console.print(f"wrote {html}")
+        written = write_pages(Path(html), traj, shown, step_eps, kind, cfg.learner, _tokenizer(cfg, console),
+                              str(run if run is not None else run_dir))
+        more = f" and {len(written) - 1} more {kind} episodes of {where} beside it ({written[1].parent})" \
+            if len(written) > 1 else ""
+        console.print(f"wrote {html}{more}")
     if not re_execute:
         return 0
     try:
-        cfg = run_config(run_dir)
-        result = re_execute_episode(traj, env_kwargs_for(traj, cfg), cfg)
+        result = re_execute_episode(traj, env_kwargs_for(traj, own_cfg), own_cfg)
     except ReplayError as e:
         console.print(f"[bold red]error:[/] {e}")
         return 2

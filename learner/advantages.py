@@ -51,7 +51,8 @@ from .losses import group_advantages
 
 TURN_METHODS = ("turn_grpo", "turn_grpo_no_std")
 
-__all__ = ["TURN_METHODS", "env_turn_rewards", "step_advantages", "token_advantages", "turn_advantages", "turn_returns"]
+__all__ = ["TURN_METHODS", "batch_advantages", "env_turn_rewards", "is_overlong", "step_advantages", "token_advantages",
+           "turn_advantages", "turn_returns"]
 
 
 def turn_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -140,3 +141,23 @@ def step_advantages(trajectories: list[Trajectory], rewards: torch.Tensor | list
     for i, (t, a) in enumerate(zip(trajectories, per_turn, strict=True)):
         out[i, :len(t.completion_ids)] = token_advantages(t, a)
     return out
+
+
+def is_overlong(t: Trajectory) -> bool:
+    """Cut by the per-turn token limit or the context (not by max_turns or the env)."""
+    return t.truncated and t.metadata.get("truncated_by") in ("max_tokens", "context")
+
+
+def batch_advantages(trajectories: list[Trajectory], cfg) -> torch.Tensor:
+    """The advantages the trainer gives a batch before any distillation term, from the learner section `cfg`
+    (`learner.advantage`, `overlong`, `format_penalty`, `turn_gamma`): [N], or [N, C] per token. The
+    format guard: per episode, an episode with a malformed message earns `format_penalty` less; per turn,
+    the malformed turn does. `k3rl replay` shows a group's advantages with this same function."""
+    shaped = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+    if getattr(cfg, "overlong", "none") == "penalty":
+        shaped = shaped - cfg.overlong_penalty * torch.tensor([is_overlong(t) for t in trajectories], dtype=torch.bool)
+    penalty = getattr(cfg, "format_penalty", 0.0)
+    if cfg.advantage not in TURN_METHODS:
+        malformed = torch.tensor([t.metadata.get("parse_errors", 0) > 0 for t in trajectories], dtype=torch.bool)
+        shaped = shaped - penalty * malformed
+    return step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0), format_penalty=penalty)

@@ -46,7 +46,7 @@ from k3rl.types import Trajectory, WeightUpdate
 
 from . import checkpoint as ckpt
 from . import export
-from .advantages import TURN_METHODS, step_advantages
+from .advantages import batch_advantages, is_overlong
 from .data import MicroBatch, build_micro_batches, shard_micro_batches
 from .distill import (
     distill_advantages,
@@ -347,10 +347,6 @@ class Trainer:
             sums[k] = sums.get(k, 0) + v.detach().double()
         return ratio_max
 
-    def _overlong(self, t: Trajectory) -> bool:
-        """Cut by the per-turn token limit or the context (not by max_turns or the env)."""
-        return t.truncated and t.metadata.get("truncated_by") in ("max_tokens", "context")
-
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One RL step on a batch of trajectories (groups of samples per prompt): group-relative
         advantages over the whole batch, then `ppo_epochs` passes of `minibatches` optimizer
@@ -364,17 +360,11 @@ class Trainer:
                 "need the samples of one prompt to share a group_id"
             )
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
-        overlong = torch.tensor([self._overlong(t) for t in trajectories], dtype=torch.bool)
-        mode = getattr(cfg, "overlong", "none")
-        shaped = rewards - cfg.overlong_penalty * overlong if mode == "penalty" else rewards
-        # the format guard: an episode with a malformed message earns less than any well-formed one
-        # per episode: a malformed episode earns less; per turn: the malformed turn does (learner/advantages.py)
-        penalty = getattr(cfg, "format_penalty", 0.0)
+        overlong = torch.tensor([is_overlong(t) for t in trajectories], dtype=torch.bool)
         malformed = torch.tensor([t.metadata.get("parse_errors", 0) > 0 for t in trajectories], dtype=torch.bool)
-        if cfg.advantage not in TURN_METHODS:
-            shaped = shaped - penalty * malformed
-        adv = step_advantages(trajectories, shaped, cfg.advantage, getattr(cfg, "turn_gamma", 1.0),
-                              format_penalty=penalty)  # [N], or [N, C] per token
+        mode = getattr(cfg, "overlong", "none")
+        # the overlong and format penalties shape the rewards (learner/advantages.py)
+        adv = batch_advantages(trajectories, cfg)  # [N], or [N, C] per token
         if self.teachers:
             adv = distill_advantages(trajectories, adv, self.teachers, cfg.micro_batch_tokens, self.temperature,
                                      self.env_coef)

@@ -228,6 +228,9 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
             _add_env_timings(timings, info)
             said.reward = float(reward)
             traj.reward += float(reward)
+            if (info or {}).get("reward_parts"):  # what the step's reward is made of (envs/base.py), for replay
+                traj.metadata.setdefault("reward_parts", []).append(
+                    {"turn": len(traj.turns) - 1, "parts": {k: float(v) for k, v in info["reward_parts"].items()}})
             if (info or {}).get("parse_error"):  # a malformed message: the format guard's signal
                 traj.metadata["parse_errors"] = traj.metadata.get("parse_errors", 0) + 1
             errors = {c.get("index"): c.get("error") for c in (info or {}).get("tool_calls", [])}

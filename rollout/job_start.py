@@ -91,13 +91,24 @@ def _check_sandbox_backend(cfg: JobConfig) -> None:
                              f"no isolation, set sandbox.backend: none (plain host processes, no isolation)") from err
 
 
-def _check_checkpoint(cfg: JobConfig) -> None:
+def checkpoint_problem(path: str) -> str | None:
+    """What keeps `path` from being an HF-layout checkpoint directory, if anything."""
+    if not Path(path).exists():
+        return f"{path} does not exist"
+    if not Path(path).is_dir():
+        return f"{path} is a file, not a checkpoint directory"
+    if not (Path(path) / "config.json").is_file():
+        return f"{path} holds no config.json"
+    return None
 
+
+def _check_checkpoint(cfg: JobConfig) -> None:
     ckpt = cfg.model.checkpoint
     if ckpt is None:
         return
-    if not (Path(ckpt) / "config.json").is_file():
-        raise PreflightError(f"model.checkpoint: {ckpt} holds no config.json; point it at an HF-layout checkpoint "
+    problem = checkpoint_problem(ckpt)
+    if problem:
+        raise PreflightError(f"model.checkpoint: {problem}; point it at an HF-layout checkpoint "
                              "directory (the release's, or one save_hf / a job's checkpoints/step-N/model wrote)")
     differ = architecture_differences(cfg.model.k3_config(), ckpt)
     if differ:
@@ -113,8 +124,9 @@ def _check_teachers(cfg: JobConfig) -> None:
     for i, t in enumerate(cfg.learner.distill.teachers):
         field = f"learner.distill.teachers.{i}"
         path = Path(t.checkpoint) / "config.json"
-        if not path.is_file():
-            raise PreflightError(f"{field}.checkpoint: {t.checkpoint} holds no config.json; point it at an HF-layout "
+        problem = checkpoint_problem(t.checkpoint)
+        if problem:
+            raise PreflightError(f"{field}.checkpoint: {problem}; point it at an HF-layout "
                                  "checkpoint directory of the K3 architecture (e.g. one save_hf wrote)")
         try:
             ours = model_config(t.preset, t.overrides)

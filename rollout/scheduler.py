@@ -65,11 +65,13 @@ class EpisodesFailingError(RuntimeError):
     """Every episode of many groups in a row failed: the message lists their errors."""
 
 
-def episode_specs(cfg: JobConfig, run_name: str, index: int, version: int) -> list[dict[str, Any]]:
-    """The group_size specs of group `index`. Ids, env and seed depend only on the index."""
-    rng = random.Random(f"{cfg.learner.seed}:{index}")
+def episode_specs(cfg: JobConfig, run_name: str, index: int, version: int, *, apart: bool = False) -> list[dict[str, Any]]:
+    """The group_size specs of group `index`. Ids, env and seed depend only on the index. `apart`: a group
+    of the starting policy's measurement (learner.eval_before_training), drawn from a stream of its own
+    with a seed in the held-out range, so it shares no task seed (and so no sampling seed) with training."""
+    rng = random.Random(f"{cfg.learner.seed}:{'start:' if apart else ''}{index}")
     env = cfg.envs.env_of_group(index, rng)
-    seed = rng.randrange(2**31)
+    seed = rng.randrange(2**31) + (EVAL_SEED_BASE if apart else 0)
     gid = f"{run_name}-g{index:07d}"
     return [{"id": f"{gid}-s{k}", "env_id": env.id, "seed": seed, "group_id": gid, "env_kwargs": dict(env.kwargs),
              "issued_version": version} for k in range(cfg.rollout.group_size)]
@@ -325,8 +327,10 @@ class Scheduler:
 
     async def evaluate(self, num_groups: int, version: int, step: int = 0) -> list[dict[str, Any]]:
         """Run `num_groups` training-like groups apart from admission (ids `<run>-eval-g...`), stored as
-        `eval` at `step`; returns their stats (the untrained policy's reward, learner.eval_before_training)."""
-        groups = [Group(g, episode_specs(self.cfg, f"{self.run_name}-eval", g, version), version)
+        `eval` at `step`; returns their stats (the untrained policy's reward, learner.eval_before_training).
+        Their tasks are their own (`apart`): training's first groups would replay the same episodes, and
+        the curve's step 0 would repeat step 1's reward."""
+        groups = [Group(g, episode_specs(self.cfg, f"{self.run_name}-eval", g, version, apart=True), version)
                   for g in range(num_groups)]
         await self.run_apart(groups, step)
         return [s for g in groups for s in g.results.values()]

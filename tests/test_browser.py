@@ -67,6 +67,28 @@ def test_episode_page_renders_its_turns_and_images(tmp_path):
     assert "tool call 1: <code>add</code>" in document and "result of <code>add</code>" in document
 
 
+def test_replay_page_shows_the_group_the_reward_parts_and_the_tokens(tmp_path):
+    """`k3rl replay --worst --html`: the page of a KeyLookup episode among its step, drawn by Chromium."""
+    from rich.console import Console
+    from test_replay import keylookup_run
+
+    from k3rl.replay import replay_command
+
+    page = tmp_path / "replay" / "worst.html"
+    assert replay_command(str(keylookup_run(tmp_path)), worst=True, html=page,
+                          console=Console(record=True, width=200)) == 0
+    shot = screenshot(page.as_uri(), tmp_path / "replay.png", size="1400,1800")
+    assert share(shot, (246, 246, 246)) > 0.05  # the list of the step's episodes beside the page
+    assert share(shot, (255, 243, 176)) * shot.width * shot.height > 2000  # this episode marked, in the list and its group
+    assert share(shot, (255, 128, 128)) > 0 and share(shot, (255, 214, 153)) > 0  # tokens shaded by probability
+    document = dom(page.as_uri(), tmp_path / "replay.profile")
+    assert "Its group: 4 samples of the same prompt" in document and "-0.438 / -0.250" in document
+    assert "<td>valid_key</td>" in document and "parsed by the episode loop" in document
+    assert 'title="id ' in document and "log-prob -3.2000 (p 0.041), policy v1" in document  # a token's, on hover
+    walk = dom((page.parent / "worst_step1" / "kl-run-g0000000-s0.html").as_uri(), tmp_path / "walk.profile")
+    assert "reward 1" in walk and 'href="../worst.html"' in walk  # the step's other pages, linked both ways
+
+
 @pytest.mark.slow
 def test_k3rl_ui_shows_the_runs_episode_trace(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -126,3 +126,37 @@ def test_compare_draws_the_held_out_eval_in_a_second_panel(tmp_path):
     t.finish()
     assert compare_runs(["plain"], out=out, tracking_uri=uri, console=console)[0]["eval"] == {}
     assert Image.open(out).size == (800, 450)
+
+
+def test_the_picture_draws_a_spread_band_a_whole_rate_axis_and_one_step_axis(tmp_path):
+    """reward/mean with its reward/std band; a [0, 1] metric on the whole [0, 1] (a curve from 0.6 to 0.95 once
+    filled the panel from 0.6); both panels on one x axis, labelled the same way."""
+    from k3rl.compare import STEP_AXIS, RunCurve, figure, value_range
+
+    points = [(s, 0.6 + 0.35 * s / 10) for s in range(11)]
+    evals = {"eval/KeyLookup-v0/success": [(0, 0.6), (10, 0.9)]}
+    curve = RunCurve("demo", "0" * 32, "FINISHED", points, evals, {s: 0.2 for s, _ in points})
+    fig, (top, bottom) = figure([curve], {curve.run_id: "demo"}, "reward/mean")
+    assert top.get_ylim() == pytest.approx((-0.03, 1.03)) and bottom.get_ylim() == pytest.approx((-0.03, 1.03))
+    assert bottom.get_xlabel() == STEP_AXIS and top.get_xlabel() == "" and top.get_shared_x_axes().joined(top, bottom)
+    band = [c for c in top.collections if "± 1 std" in c.get_label()]
+    assert len(band) == 1
+    ys = band[0].get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(0.4) and ys.max() == pytest.approx(1.15)  # 0.6 - 0.2 .. 0.95 + 0.2
+    fig, (only,) = figure([RunCurve("x", "1" * 32, "FINISHED", points)], {"1" * 32: "x"}, "reward/mean")
+    assert only.get_xlabel() == STEP_AXIS and not only.collections  # no std logged: no band
+    # a metric outside [0, 1] is drawn from 0 (or from below it)
+    assert value_range([2.0, 3.0])[0] < 0 < 3.0 < value_range([2.0, 3.0])[1]
+    lo, hi = value_range([-1.0, 0.5])
+    assert lo < -1.0 and 0.5 < hi
+
+    # end to end: a run that logged reward/std gets its band in the PNG (matplotlib's first colour at alpha 0.15)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    t = Tracker(uri=uri, experiment="cmp", run_name="banded", run_dir=tmp_path / "banded")
+    for s, v in points:
+        t.log_metrics({"reward/mean": v, "reward/std": 0.2}, step=s)
+    t.finish()
+    out = tmp_path / "band.png"
+    compare_runs(["banded"], out=out, tracking_uri=uri, console=Console(record=True))
+    band_colour = tuple(round(255 * 0.85 + c * 0.15) for c in TAB_BLUE)
+    assert any(max(abs(a - b) for a, b in zip(px, band_colour, strict=True)) <= 2 for px in colours(out))

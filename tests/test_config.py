@@ -78,6 +78,11 @@ def test_bad_override_syntax_and_files(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         JobConfig.load(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: x\nmodel:\n  preset: [k3\n")
+    with pytest.raises(ConfigError) as e:  # YAML's own error, naming the file where it was (not "<unicode string>")
+        JobConfig.load(broken)
+    assert f"{broken} is not valid YAML" in str(e.value) and f'in "{broken}", line 3, column 11' in str(e.value)
 
 
 def test_flat_params_use_dotted_keys():

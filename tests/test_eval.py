@@ -61,6 +61,25 @@ def test_eval_seeds_are_apart_from_every_training_and_demonstration_seed():
     assert eval_seed("KeyLookup-v0", 0) == used[0]
 
 
+def test_the_starting_policys_groups_are_apart_from_trainings():
+    """learner.eval_before_training measures the starting policy on episodes of its own: the curve's step 0 once
+    replayed training's first groups (same task seeds, so the same sampling seeds) and repeated step 1's reward."""
+    from k3rl.rollout.episode import EpisodeSpec, request_seed
+
+    cfg = JobConfig.load(DEMO)
+    train = [episode_specs(cfg, "run", i, 1) for i in range(5000)]
+    start = [episode_specs(cfg, "run-eval", i, 0, apart=True) for i in range(cfg.rollout.prompts_per_step)]
+    train_seeds = {g[0]["seed"] for g in train}
+    assert all(EVAL_SEED_BASE <= g[0]["seed"] < 2 * EVAL_SEED_BASE for g in start)
+    assert not train_seeds & {g[0]["seed"] for g in start}
+    sampled = {request_seed(EpisodeSpec(**{k: s[k] for k in ("id", "env_id", "seed", "group_id")}), 0)
+               for g in train[:cfg.rollout.prompts_per_step] for s in g}
+    assert not sampled & {request_seed(EpisodeSpec(**{k: s[k] for k in ("id", "env_id", "seed", "group_id")}), 0)
+                          for g in start for s in g}
+    # the same job measures the same starting episodes every time (apart from the run's name)
+    assert [s["seed"] for s in episode_specs(cfg, "other-eval", 3, 0, apart=True)] == [s["seed"] for s in start[3]]
+
+
 def test_heldout_groups_run_each_task_greedily_once_and_n_times_sampled():
     cfg = JobConfig.load(None, ["envs.eval_pass_k=2", "envs.eval.0.id=k3rl/KeyLookup-v0", "envs.eval.0.num_tasks=3",
                                 "envs.eval.0.kwargs.num_keys=2", "envs.eval.1.id=k3rl/KeyLookup-v0",
@@ -156,6 +175,12 @@ def test_async_job_evaluates_at_a_known_version_and_dynamic_sampling_bounds_its_
         assert t.seed >= 2**31
     untrained = [t for t in evals if "-eval-g" in t.id]  # learner.eval_before_training, as before
     assert untrained and all(t.metadata["step"] == 0 and set(t.versions) <= {0, -1} for t in untrained)
+    # step 0's reward is the mean of those episodes of its own, none of which training replays
+    trained_seeds = {t.seed for t in store.read(status="trained")}
+    assert all(t.seed >= 2**31 and t.seed not in trained_seeds for t in untrained)
+    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    step0 = [m.value for m in client.get_metric_history(summary["mlflow_run_id"], "reward/mean") if m.step == 0]
+    assert step0 == [pytest.approx(sum(t.reward for t in untrained) / len(untrained))]
 
     rows = store.summary()
     assert len({r["id"] for r in rows}) == len(rows)
@@ -167,7 +192,6 @@ def test_async_job_evaluates_at_a_known_version_and_dynamic_sampling_bounds_its_
     assert sum(r["status"] == "zero_variance" for r in rows) == 2 * acc["groups/zero_variance"]
     assert all("dynamic_sampling/zero_variance_fraction" in m for m in summary["history"])
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
     steps = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "eval/KeyLookup-v0/success")]
     assert sorted(steps) == [0, 2, 3]
     assert [m.step for m in client.get_metric_history(summary["mlflow_run_id"], "reward/mean")][0] == 0

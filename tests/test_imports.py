@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 FOLDERS = ("envs", "rollout", "learner", "kernels", "sandboxes", "examples")
 # the modules of k3rl/ that drive the others (commands, the job); nothing below them may import them
-DRIVER = {"k3rl.cli", "k3rl.job", "k3rl.replay", "k3rl.envs_cli"}
+DRIVER = {"k3rl.cli", "k3rl.job", "k3rl.replay", "k3rl.envs_cli", "k3rl.reexecute", "k3rl.runs", "k3rl.step_view",
+          "k3rl.compare"}
 TRANSPORT = "k3rl.rollout.transport"  # the weight transport: its send half runs in the learner, by design
 # what each kind of node may import besides itself ("shared": k3rl's modules but the driver's), and why
 RULES: dict[str, tuple[set[str], str]] = {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import gymnasium
@@ -19,7 +20,8 @@ from typer.testing import CliRunner
 from k3rl.chat import OPEN, SEP, Message, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.images import to_png
-from k3rl.replay import re_execute_episode, replay_command
+from k3rl.reexecute import re_execute_episode
+from k3rl.replay import replay_command
 from k3rl.rollout.episode import EpisodeSpec, make_template, run_episode
 from k3rl.store import TrajectoryStore
 from k3rl.types import SamplingParams, ToolCall
@@ -153,9 +155,18 @@ def test_show_episode_and_html(run_dir, tmp_path):
 
 def test_selection_and_bad_input(run_dir, tmp_path):
     c = console()
-    assert replay_command(str(run_dir), step=0, console=c) == 0  # two episodes: listed, the first shown
+    assert replay_command(str(run_dir), step=0, console=c) == 0  # two episodes, both at 1: the first shown
     text = c.export_text()
-    assert "2 matching episodes" in text and "adder00" in text and "adder01" in text and "showing the first" in text
+    assert "step 0: 2 trained; showing the best trained episode" in text and "episode  adder00" in text
+    c = console()
+    assert replay_command(str(run_dir), console=c) == 0  # the last step's
+    assert "episode  adder02" in c.export_text()
+    c = console()
+    assert replay_command(str(run_dir), step=7, console=c) == 2
+    assert "no trained episode at step 7" in c.export_text()
+    c = console()
+    assert replay_command(None, runs_dir=run_dir.parent, console=c) == 0  # no run named: the newest
+    assert f"run {run_dir} (the newest" in c.export_text().replace("\n", "")
     c = console()
     assert replay_command(str(run_dir), episode="adder", console=c) == 2
     assert "3 episodes start with 'adder': give more of the id" in c.export_text()
@@ -165,7 +176,8 @@ def test_selection_and_bad_input(run_dir, tmp_path):
     assert "no episode with id starting with 'zzz'" in text and "steps 0-1" in text
     c = console()
     assert replay_command(str(tmp_path / "nope"), console=c) == 2
-    assert "is not a run directory with trajectories/" in c.export_text()
+    text = c.export_text()
+    assert "no run" in text and "not a run folder" in text and "`k3rl runs` lists the runs" in text
     # an episode of an environment that is not registered (any more) cannot be re-executed
     with TrajectoryStore(tmp_path / "gone", flush_every=1) as store:
         store.append(make_episode(1))
@@ -227,3 +239,154 @@ def test_re_execute_reproduces_a_truncated_episode(tmp_path):
     assert traj.truncated and traj.metadata["truncated_by"] == "max_tokens" and traj.num_generated == 30
     result = re_execute_episode(traj, {})
     assert result.identical and result.steps == 1, result.divergences
+
+
+# -- an episode among its step: a KeyLookup run recorded through the real episode loop -------------------
+DEMO_KL = {"num_keys": 2, "value_digits": 1, "key_letters": "abcd", "key_digit": False, "partial_credit": True,
+           "turn_rewards": True}
+
+
+def _keylookup_policy(env, plan: str):
+    """A scripted KeyLookup player: "right" (the oracle), "wrong_key" (looks up the other key, answers its
+    value), "wrong_value" (the right key, then a wrong answer)."""
+    def act():
+        task, said = env.task, [m for m in env.history if m.role == "assistant"]
+        if not said:
+            key = task.key if plan != "wrong_key" else next(k for k in task.keys if k != task.key)
+            return action_ids(env.say(tool_calls=[{"name": "lookup", "arguments": {"key": key}}]))
+        looked = [m for m in env.history if m.role == "tool"][-1].content
+        return action_ids(env.say(looked if plan != "wrong_value" else str((int(looked) + 1) % 10)))
+    return act
+
+
+def action_ids(text: str) -> list[int]:
+    from k3rl.envs import action_to_ids
+
+    return action_to_ids(TEMPLATE, text)
+
+
+def play_keylookup(episode_id: str, group_id: str, seed: int, plan: str, step: int, status: str,
+                   fail: bool = False, version: int = 1):
+    """One KeyLookup episode (the demo's kwargs) through the episode loop, tagged as the store tags it. Its
+    sampled tokens get log-probs that vary (0, -0.8, -1.6, ...) so a page shades them differently."""
+    env = gymnasium.make("k3rl/KeyLookup-v0", template=TEMPLATE, **DEMO_KL).unwrapped
+    policy = _keylookup_policy(env, plan)
+
+    async def generate(token_ids, sampling, images=None, key=None, **kw):
+        if fail:
+            raise RuntimeError("the engine died")
+        ids = policy()
+        return SimpleNamespace(token_ids=ids, logprobs=[-0.8 * (k % 5) for k in range(len(ids))],
+                               versions=[version] * len(ids), finish_reason="stop")
+
+    spec = EpisodeSpec(id=episode_id, env_id="k3rl/KeyLookup-v0", seed=seed, group_id=group_id, env_kwargs=DEMO_KL)
+    traj = asyncio.run(run_episode(lambda: env, spec, generate, TEMPLATE, SamplingParams(), max_turns=3,
+                                   max_context_tokens=1024))
+    assert bool(traj.error) == fail, traj.error
+    traj.metadata.update(step=step, policy_version=version, status=status)
+    return traj
+
+
+def keylookup_run(root: Path) -> Path:
+    """A run folder as a KeyLookup job leaves it (config.yaml, episodes at steps 0 and 1): step 1 trains two
+    groups (g0: four samples at 1, 0.25, 0.5, 1; g1: one at 1 and one that failed) and evaluates one task."""
+    run = root / "kl-run"
+    cfg = JobConfig.from_dict({"name": "kl-run", "learner": {"advantage": "turn_grpo_no_std", "format_penalty": 0.3},
+                               "envs": {"train": [{"id": "k3rl/KeyLookup-v0", "kwargs": DEMO_KL}], "max_turns": 3}})
+    cfg.save(run / "config.yaml")
+    with TrajectoryStore(run) as store:
+        store.append(play_keylookup("kl-run-eval-g0000000-s0", "kl-run-eval-g0000000", 2**31 + 7, "wrong_key", 0,
+                                    "eval", version=0))
+        for k, plan in enumerate(["right", "wrong_key", "wrong_value", "right"]):
+            store.append(play_keylookup(f"kl-run-g0000000-s{k}", "kl-run-g0000000", 11, plan, 1, "trained"))
+        store.append(play_keylookup("kl-run-g0000001-s0", "kl-run-g0000001", 12, "right", 1, "trained"))
+        store.append(play_keylookup("kl-run-g0000001-s1", "kl-run-g0000001", 12, "right", 1, "failed", fail=True))
+        gid = "kl-run-eval000001-KeyLookup-v0-t0000"
+        for member, plan in (("greedy", "right"), ("s0", "wrong_value")):
+            store.append(play_keylookup(f"{gid}-{member}", gid, 2**31 + 9, plan, 1, "eval", version=2))
+    return run
+
+
+@pytest.fixture(scope="module")
+def kl_run(tmp_path_factory):
+    return keylookup_run(tmp_path_factory.mktemp("kl"))
+
+
+def test_replay_shows_the_best_trained_episode_of_the_last_step_among_its_group(kl_run):
+    c = console()
+    assert replay_command(str(kl_run), console=c) == 0
+    text = c.export_text()
+    assert "step 1: 5 trained, 2 eval, 1 failed; showing the best trained episode" in text
+    assert "episode  kl-run-g0000000-s0" in text and re.search(r"reward +1 \(terminated\)", text)
+    # its group, with the trainer's per-turn advantages (turn_grpo_no_std): returns G_0 = 1, .25, .5, 1 (mean
+    # .6875), G_1 = .5, 0, 0, .5 (mean .25); A = G - mean
+    assert "its group kl-run-g0000000: 4 samples of one prompt, baseline 0.688" in text
+    row = next(line for line in text.splitlines() if "│ s1 " in line)
+    assert "0.25" in row and "-0.438 / -0.250" in row and "trained" in row
+    assert "+0.312 / +0.250" in next(line for line in text.splitlines() if "│ s0 " in line)
+    assert "reward parts (the env's): #1 requested_key 0.25, #1 valid_key 0.25, #3 exact_value 0.5  = 1" in text
+
+    c = console()
+    assert replay_command(str(kl_run), worst=True, console=c) == 0  # the worst trained: the wrong key
+    text = c.export_text()
+    assert "showing the worst trained episode" in text and "episode  kl-run-g0000000-s1" in text
+    assert "#1 requested_key 0, #1 valid_key 0.25, #3 exact_value 0  = 0.25" in text
+
+    c = console()
+    assert replay_command(str(kl_run), failed=True, console=c) == 0
+    text = c.export_text()
+    assert "showing a failed episode" in text and "episode  kl-run-g0000001-s1" in text
+    assert "RuntimeError: the engine died" in text
+    assert "the episode failed (generate): reward 0, never trained" in text
+
+    c = console()
+    assert replay_command(str(kl_run), eval_=True, console=c) == 0  # the step's eval, apart from training's
+    text = c.export_text()
+    assert "episode  kl-run-eval000001-KeyLookup-v0-t0000-greedy" in text and "advantage (not trained)" in text
+    c = console()
+    assert replay_command(str(kl_run), eval_=True, step=0, console=c) == 0  # the starting policy's, at step 0
+    assert "episode  kl-run-eval-g0000000-s0" in c.export_text()
+    c = console()
+    assert replay_command(str(kl_run), failed=True, step=0, console=c) == 2
+    text = c.export_text()
+    assert "no failed episode at step 0" in text and "failed episodes at steps 1" in text
+
+
+def test_replay_html_shows_the_group_the_tokens_and_the_steps_other_pages(kl_run, tmp_path):
+    from html.parser import HTMLParser
+
+    page = tmp_path / "pages" / "ep.html"
+    c = console()
+    assert replay_command(str(kl_run), worst=True, html=page, console=c) == 0
+    assert f"wrote {page} and 4 more trained episodes of step 1 beside it" in c.export_text().replace("\n", "")
+    html = page.read_text()
+    traj = TrajectoryStore(kl_run, readonly=True).read(episode="kl-run-g0000000-s1")[0]
+    # the group: every member, this one marked, its per-turn advantages
+    assert '<tr class="current"><td>kl-run-g0000000-s1</td><td class="num">0.25</td><td class="num">-0.438 / -0.250</td>' \
+        in html
+    assert "baseline (mean reward) 0.688" in html and "turn_grpo_no_std" in html
+    # the reward's parts as the env reported them, per turn
+    assert "<td>valid_key</td><td class=\"num\">0.25</td>" in html and "<td>requested_key</td><td class=\"num\">0</td>" in html
+    # the raw generated tokens beside the parsed call, each with its log-prob on hover
+    assert "generated: " in html and "parsed by the episode loop" in html
+    tokens = re.findall(r'<span class="tok ?(p\d)?( sp)?" title="([^"]*)">', html)
+    said = [t for t in traj.turns if t.role == "assistant"]
+    assert len(tokens) == sum(t.end - t.start - len(TEMPLATE.generation_prefix()) for t in said)  # one per token
+    assert "log-prob -0.8000 (p 0.449), policy v1" in html and {s for s, _, _ in tokens} >= {"", "p2", "p3", "p4"}
+    assert any(sp for _, sp, _ in tokens)  # the template's special tokens, greyed
+    # the prompt, decoded (collapsed)
+    assert "the rendered prompt: " in html and f"keys {' '.join(traj.task_id.split('|')[0].split())}" in html
+    # the step's other trained episodes: listed, linked, written
+    links = []
+
+    class Links(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag == "a" and dict(attrs).get("href", "").endswith(".html"):
+                links.append(dict(attrs)["href"])
+
+    Links().feed(html)
+    siblings = {f"ep_step1/kl-run-g0000000-s{k}.html" for k in (0, 2, 3)} | {"ep_step1/kl-run-g0000001-s0.html"}
+    assert siblings <= set(links) and all((page.parent / link).is_file() for link in links)
+    other = (page.parent / "ep_step1" / "kl-run-g0000000-s0.html").read_text()
+    assert '<a href="../ep.html">0.25 &middot; kl-run-g0000000-s1</a>' in other  # and back
+    assert "2 eval: k3rl replay" in html and "--eval --step 1" in html  # what else the step holds, and how to see it

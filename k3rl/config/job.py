@@ -193,7 +193,8 @@ class JobConfig(_Section):
             if not path.exists():
                 raise ConfigError(f"config file {path} does not exist")
             try:
-                data = yaml.safe_load(path.read_text()) or {}
+                with open(path, encoding="utf-8") as f:  # a file: YAML's errors name it (a string is "<unicode string>")
+                    data = yaml.safe_load(f) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path} is not valid YAML: {e}") from None
             if not isinstance(data, dict):

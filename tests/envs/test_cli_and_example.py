@@ -31,6 +31,8 @@ def test_list_shows_every_builtin():
     for env_id in BUILTIN_ENVS:
         assert env_id in out
     assert "bash, read_file, write_file, str_replace, run_tests" in out
+    # an MCP env's tools come from its server, started in the sandbox at reset: the list shows those it declares
+    assert "list_files (MCP), read_file (MCP), view_image (MCP)" in out
 
 
 def test_check_prints_the_oracle_transcript():
@@ -75,8 +77,8 @@ def test_custom_env_example():
 
 
 def test_the_readme_env_runs_as_written():
-    """The code block of README.md's "Defining an environment", executed as is, then `k3rl envs check` on it."""
-    section = ROOT.joinpath("README.md").read_text().split("## Defining an environment", 1)[1].split("\n## ", 1)[0]
+    """The code block of README.md's "Train your own environment", executed as is, then `k3rl envs check` on it."""
+    section = ROOT.joinpath("README.md").read_text().split("## Train your own environment", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     try:
         exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})

@@ -111,3 +111,46 @@ def test_per_turn_credit_stops_reinforcing_a_wrong_value():
     assert per_turn[right_key_wrong_value][1] < 0  # per turn: the wrong answer pushed down
     assert per_turn[right_key_wrong_value][0] > 0  # and the right lookup still pushed up
     assert per_turn[0][1] > 0  # the right answer pushed up
+
+
+@pytest.mark.parametrize("turn_rewards", [False, True])
+def test_reward_parts_say_what_each_step_paid(turn_rewards):
+    """info["reward_parts"] sums to the step's reward and names each component; the episode loop keeps them
+    per turn on the trajectory (metadata["reward_parts"]), which `k3rl replay` shows."""
+    import asyncio
+
+    from k3rl.rollout.episode import EpisodeSpec, run_episode, scripted_generate
+
+    env = gymnasium.make("k3rl/KeyLookup-v0", num_keys=2, partial_credit=True, turn_rewards=turn_rewards).unwrapped
+    env.reset(seed=5)
+    task = env.task
+    other = next(k for k in task.keys if k != task.key)
+    _, r1, _, _, info1 = env.step(env.say(tool_calls=[{"name": "lookup", "arguments": {"key": other}}]))
+    _, r2, _, _, info2 = env.step(env.say(task.values[task.keys.index(other)]))  # the wrong key's value
+    if turn_rewards:  # the key's credit in the lookup turn, the value's in the answer's
+        assert info1["reward_parts"] == {"valid_key": 0.25, "requested_key": 0.0} and r1 == 0.25
+        assert info2["reward_parts"] == {"exact_value": 0.0} and r2 == 0.0
+    else:
+        assert "reward_parts" not in info1 and r1 == 0.0
+        assert info2["reward_parts"] == {"valid_key": 0.25, "requested_key": 0.0, "exact_value": 0.0} and r2 == 0.25
+    plain = gymnasium.make("k3rl/KeyLookup-v0").unwrapped
+    plain.reset(seed=1)
+    assert plain.step(plain.say(plain.task.value))[4]["reward_parts"] == {"exact_value": 1.0}
+
+    # through the episode loop, played by the oracle: the parts per turn (index into traj.turns)
+    template = env.template
+    traj = asyncio.run(run_episode(lambda: env, EpisodeSpec(id="e", env_id="k3rl/KeyLookup-v0", seed=5),
+                                   scripted_generate(template, env.oracle), template, _sampling(),
+                                   max_turns=4, max_context_tokens=8192))
+    parts = traj.metadata["reward_parts"]
+    assert [traj.turns[p["turn"]].role for p in parts] == ["assistant"] * len(parts)
+    assert sum(v for p in parts for v in p["parts"].values()) == traj.reward == 1.0
+    for p in parts:  # each turn's parts sum to the reward it was paid
+        assert sum(p["parts"].values()) == traj.turns[p["turn"]].reward
+    assert len(parts) == (2 if turn_rewards else 1)
+
+
+def _sampling():
+    from k3rl.types import SamplingParams
+
+    return SamplingParams(max_tokens=1 << 20)

@@ -109,6 +109,19 @@ def test_a_server_that_dies_is_an_infrastructure_failure(require_sandbox):
     assert not env.has_sandbox
 
 
+def test_a_server_that_lists_other_tools_than_it_declares_is_refused(require_sandbox):
+    """McpServer.tools is what `k3rl envs list` shows without a sandbox: a connection checks it."""
+    import dataclasses
+
+    require_sandbox()
+    assert sorted(SERVER.tools) == ["list_files", "read_file", "view_image"]
+    env = make(mcp_server=dataclasses.replace(SERVER, tools=("list_files", "read_file")))
+    with pytest.raises(McpServerError, match=r"lists the tools \['list_files', 'read_file', 'view_image'\], but its "
+                                             r"McpServer declares \['list_files', 'read_file'\]"):
+        env.reset(seed=0)
+    assert not env.has_sandbox
+
+
 def test_a_connection_on_a_plain_sandbox_closes_cleanly(require_sandbox):
     require_sandbox()
     from k3rl.sandboxes import open_sandbox

@@ -124,7 +124,7 @@ def test_teachers_are_checked_before_the_job_starts(tmp_path):
     def job(path, **kw):
         return JobConfig.from_dict({"learner": {"distill": {"teachers": [{"checkpoint": str(path), **kw}]}}})
 
-    with pytest.raises(PreflightError, match=r"learner.distill.teachers.0.checkpoint: .* holds no config.json"):
+    with pytest.raises(PreflightError, match=r"learner.distill.teachers.0.checkpoint: .*missing does not exist"):
         preflight(job(tmp_path / "missing"))
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))

@@ -186,7 +186,8 @@ def test_replay_shows_the_segments_and_re_executes_a_compacted_episode(require_s
     played back) matches the recording."""
     from rich.console import Console
 
-    from k3rl.replay import re_execute_episode, recorded_actions, replay_command
+    from k3rl.reexecute import re_execute_episode, recorded_actions
+    from k3rl.replay import replay_command
     from k3rl.store import TrajectoryStore
 
     require_sandbox()

@@ -110,8 +110,11 @@ def test_demonstrations_are_oracle_episodes_token_exact():
 def test_preflight_refuses_a_checkpoint_that_is_missing_or_of_another_architecture(tmp_path):
     from k3rl.model import build_model, save_hf
 
-    with pytest.raises(PreflightError, match=r"^model.checkpoint: .*nowhere holds no config.json; point it at"):
+    with pytest.raises(PreflightError, match=r"^model.checkpoint: .*nowhere does not exist; point it at"):
         preflight(job(model={"checkpoint": str(tmp_path / "nowhere")}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match=r"^model.checkpoint: .*empty holds no config.json; point it at"):
+        preflight(job(model={"checkpoint": str(tmp_path / "empty")}))
     save_hf(build_model("k3-tiny", seed=0), tmp_path / "tiny")
     preflight(job(model={"checkpoint": str(tmp_path / "tiny")}))  # the architecture it was written for
     with pytest.raises(PreflightError, match=r"was written for another architecture than model.preset='k3-tiny' "

@@ -1,0 +1,42 @@
+"""Store a job's policy after its SFT as a warm start that ships with k3rl, like `agent_warm_start/`:
+the HF-layout checkpoint a job wrote (`RUN_DIR/checkpoints/step-000000/model` with `learner.steps=0`, or
+any step's), reloaded in bf16 (half the bytes of fp32; the fp32 allow-list stays fp32) and written again.
+A job loads it into its own `model.dtype`.
+
+    python -m k3rl.examples.make_warm_start runs/agent-from-scratch examples/agent_warm_start
+    python -m k3rl.examples.make_warm_start runs/agent-from-scratch/checkpoints/step-000010/model out/
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from k3rl.model import load_hf, save_hf
+
+
+def model_dir(source: Path) -> Path:
+    """The checkpoint directory of `source`: itself when it holds config.json, else a run folder's
+    newest `checkpoints/step-*/model`."""
+    if (source / "config.json").is_file():
+        return source
+    steps = sorted((source / "checkpoints").glob("step-*/model"))
+    if not steps:
+        raise SystemExit(f"{source} is neither a checkpoint directory (config.json) nor a run folder with "
+                         f"checkpoints/step-*/model")
+    return steps[-1]
+
+
+def make_warm_start(source: Path, out: Path) -> Path:
+    model = load_hf(model_dir(source), dtype=torch.bfloat16)
+    return save_hf(model, out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    out = make_warm_start(Path(sys.argv[1]), Path(sys.argv[2]))
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"warm start written to {out} ({size / 2**20:.1f} MiB)")
