@@ -336,7 +336,8 @@ def _timings(stats: list[dict], t0: float, t1: float, t2: float) -> dict[str, fl
             "learner/idle_fraction": (t1 - t0) / max(step_s, 1e-9),
             "throughput/rollout_tokens_per_s": sum(s["generated"] for s in stats) / max(step_s, 1e-9),
             "throughput/train_tokens_per_s": sum(s["tokens"] for s in stats) / train_s,
-            "throughput/episodes_per_s": len(stats) / max(step_s, 1e-9)}
+            "throughput/episodes_per_s": len(stats) / max(step_s, 1e-9),
+            "throughput/images_per_episode": sum(s.get("images", 0) for s in stats) / max(len(stats), 1)}
 
 
 async def _engine_metrics(pool) -> dict[str, float]:

@@ -35,7 +35,7 @@ def episode_stats(traj: Trajectory) -> dict[str, Any]:
         "turns": traj.num_turns, "tokens": len(traj.token_ids), "generated": len(gen),
         "min_version": min(gen) if gen else None, "max_version": max(gen) if gen else None,
         "version_sum": sum(gen), "seconds": float(traj.timings.get("episode_s", 0.0)),
-        "parse_errors": int(traj.metadata.get("parse_errors", 0)),
+        "parse_errors": int(traj.metadata.get("parse_errors", 0)), "images": len(traj.images),
         "timings": {k: float(v) for k, v in traj.timings.items()},
     }
 

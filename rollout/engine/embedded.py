@@ -249,7 +249,9 @@ class EmbeddedEngine(InferenceEngine):
         per scheduler phase, CUDA graphs captured (recaptures after the state pool grows included) and the
         seconds they took."""
         r, g = self.scheduler.decoder, self.scheduler.prefill.graphs
+        p = self.scheduler.prefill
         return {**{k: float(v) for k, v in self.stats.items()}, "graph_captures": float(r.captures),
+                "images_encoded": float(p.images_encoded), "vision_s": p.vision_s,
                 "capture_s": r.capture_s, "graphs": float(len(r.graphs)),
                 **({"prefill_graph_runs": float(g.runs), "prefill_graph_captures": float(g.captures),
                     "prefill_graph_cached_runs": float(g.cached_runs),

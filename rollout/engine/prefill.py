@@ -11,6 +11,7 @@ prompt's last < ALIGN tokens are fed by decode steps."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -54,6 +55,18 @@ class PrefillRunner:
                        if graphs else None)
         # the prompt tokens fed by decode steps at most: with prefill graphs, what no graph's bucket covers
         self.feed_max = ALIGN - 1 if graphs else decode_append
+        # MoonViT's share of prefill: images through the vision tower and its host seconds (on CUDA the
+        # launches, not the kernels: the hooks never synchronise). A prompt's images already in a cached
+        # prefix state are not encoded again, so images_encoded counts each image of a conversation once.
+        self.images_encoded, self.vision_s, self._vision_t0 = 0, 0.0, 0.0
+        model.vision_tower.register_forward_pre_hook(self._vision_started)
+        model.vision_tower.register_forward_hook(self._vision_done)
+
+    def _vision_started(self, module, args) -> None:
+        self._vision_t0 = time.perf_counter()
+
+    def _vision_done(self, module, args, out) -> None:
+        self.vision_s += time.perf_counter() - self._vision_t0
 
     def new_cache(self):
         """An empty batch-1 cache (under autocast, activations are in its dtype)."""

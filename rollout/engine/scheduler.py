@@ -90,7 +90,7 @@ class Scheduler:
         # host seconds per phase of `step` (a CUDA phase's time is its launches plus what it waits for)
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "prefix_hit_tokens": 0,
                       "launched_ahead": 0, "fed_prompt_tokens": 0, "prefill_forwards": 0, "prefill_s": 0.0,
-                      "decode_s": 0.0, "admit_s": 0.0}
+                      "decode_s": 0.0, "admit_s": 0.0, "prefix_hit_images": 0}
 
     @property
     def version(self) -> int:
@@ -200,6 +200,7 @@ class Scheduler:
                 seq.computed = seq.cached_prompt_tokens = len(entry.ids)
                 seq.image_cursor = len(entry.images)
                 self.stats["prefix_hit_tokens"] += len(entry.ids)
+                self.stats["prefix_hit_images"] += len(entry.images)
                 rest = len(seq.prompt) - seq.computed
                 if rest == 0:  # the pool copies the cache
                     seq.cache, seq.logits = entry.cache, entry.logits.clone()
@@ -210,6 +211,7 @@ class Scheduler:
                     continue
             if not release:
                 self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
+                self.stats["prefix_hit_images"] -= seq.image_cursor
                 seq.computed, seq.cached_prompt_tokens, seq.image_cursor = 0, 0, 0
                 held.append(seq)
                 active -= 1
@@ -221,6 +223,7 @@ class Scheduler:
                     and p.split_at - seq.computed >= prefix.share_prefix
                     and seq.prompt[:p.split_at] == p.prompt[:p.split_at] for p in self.prefilling):
                 self.stats["prefix_hit_tokens"] -= seq.computed  # counted when it is admitted
+                self.stats["prefix_hit_images"] -= seq.image_cursor
                 seq.cache, seq.computed, seq.cached_prompt_tokens, seq.image_cursor = None, 0, 0, 0
                 deferred.append(seq)
                 active -= 1
@@ -256,6 +259,7 @@ class Scheduler:
                     self._fail_group(seq, logits)
                     continue
                 seq.computed, seq.image_cursor = end, seq.image_cursor + n_img
+                self.prefill.images_encoded += n_img
                 self.stats["prefill_tokens"] += end - start
                 if end == len(seq.prompt):
                     ready += self._prefill_done(seq, logits)

@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from k3rl.images import from_png
-
 from k3rl.types import SamplingParams
 
 from .contract import FinishReason

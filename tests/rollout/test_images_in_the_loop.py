@@ -86,3 +86,34 @@ def test_engine_logprobs_after_a_screenshot_equal_the_learners(model):
                 turn.images = [png(torch.zeros(28, 56, 3, dtype=torch.uint8).numpy())]
     moved = trainer.logprobs(blank)
     assert max(abs(a - b) for x, y in zip(learner, moved, strict=True) for a, b in zip(x, y, strict=True)) > 1e-3
+
+
+def test_a_conversations_images_are_each_encoded_once(model):
+    """Three screenshots over four turns, the engine asked at every turn for the whole conversation so far
+    (as the episode loop asks it): each image goes through MoonViT once. The turn after an image finds the
+    state of the prompt before it in the prefix cache, images included, and encodes only the new one."""
+    template = ChatTemplate()
+    engine = EmbeddedEngine(model, background=False)
+    env = gym.make("k3rl/ScreenRead-v0", template=template, max_turns=4)
+    base, asked = env.unwrapped, []
+
+    def act():
+        if len(asked) <= 3:  # show a panel after each turn's request (the third repeats the first: a new image)
+            return base.say(tool_calls=[{"name": "show", "arguments": {"panel": base.task.panels[len(asked) % 2]}}])
+        return base.say("done")
+
+    scripted = scripted_generate(template, act)
+
+    async def generate(ids, sampling, images=None, **kw):
+        asked.append(len(images or []))
+        engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1), images=images)
+        return await scripted(ids, sampling, images=images, **kw)
+
+    spec = EpisodeSpec(id="img-once", env_id="k3rl/ScreenRead-v0", seed=3)
+    traj = asyncio.run(run_episode(lambda: env, spec, generate, template, SamplingParams(max_tokens=160),
+                                   max_turns=4, max_context_tokens=1024))
+    assert traj.error is None and asked == [0, 1, 2, 3] and len(traj.images) == 3
+    m = engine.metrics()
+    assert m["images_encoded"] == 3  # not 0 + 1 + 2 + 3 = 6
+    assert m["prefix_hit_images"] == 0 + 1 + 2  # the earlier turns' images came with their cached states
+    assert m["vision_s"] > 0

@@ -1,0 +1,91 @@
+"""Each agentic env of examples/agent.yaml needs what it claims to need, shown with a real policy: the stored
+warm start (examples/agent_warm_start, k3-tiny) plays held-out tasks greedily through the episode loop and
+the embedded engine; it solves them with the modality and falls to chance without it.
+
+* ScreenRead (vision in the loop): the value is only in the screenshot. With the pixels blanked the policy
+  still calls `show` and answers, but right only by chance (1 in 10 for the digit it must read).
+* PythonTool, family mul (code in the sandbox): a 2-digit product. Without the tool (`tool_available=False`:
+  the call returns nothing) no answer is exact.
+* LongHorizon, goal codes (long horizon): the trail is longer than the context. Without compaction
+  (`rollout.context.strategy: none`) every episode overflows the context and earns nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+from k3rl.config import JobConfig
+from k3rl.examples import path as example_path
+from k3rl.model import load_hf
+from k3rl.rollout.engine import EmbeddedEngine
+from k3rl.rollout.episode import EpisodeSpec, job_limits, job_sampling, make_env, make_template, run_episode
+from k3rl.rollout.scheduler import EVAL_SEED_BASE
+
+pytestmark = pytest.mark.slow
+TASKS = 16  # held-out tasks per env and setting
+
+
+@functools.cache
+def engine() -> EmbeddedEngine:
+    torch.manual_seed(0)
+    return EmbeddedEngine(load_hf(example_path("agent_warm_start"), dtype=torch.float32), max_num_seqs=TASKS)
+
+
+def play(env_index: int, overrides: list[str] = (), **env_kwargs) -> list:
+    """`TASKS` greedy episodes of examples/agent.yaml's eval env `env_index` (held-out tasks), all at once."""
+    cfg = JobConfig.load(example_path("agent.yaml"), ["sandbox.backend=auto", *overrides])
+    env_cfg = cfg.envs.eval[env_index]
+    template = make_template(cfg)
+    eng = engine()
+
+    async def generate(ids, sampling, images=None, key=None, group_key=None):
+        return await eng.agenerate(ids, sampling, images=images)
+
+    async def one(i: int):
+        spec = EpisodeSpec(id=f"ablation-{env_index}-{i}", env_id=env_cfg.id, seed=EVAL_SEED_BASE + 7919 * i,
+                           group_id=f"ablation-{i}", env_kwargs={**env_cfg.kwargs, **env_kwargs},
+                           sampling={"temperature": 0.0})
+        sampling = job_sampling(cfg).model_copy(update={"temperature": 0.0})
+        return await run_episode(lambda: make_env(spec, cfg, template), spec, generate, template, sampling,
+                                 **job_limits(cfg))
+
+    async def all_():
+        return await asyncio.gather(*(one(i) for i in range(TASKS)))
+
+    return asyncio.run(all_())
+
+
+def success(episodes) -> float:
+    return sum(t.reward >= 0.999 and not t.error for t in episodes) / len(episodes)
+
+
+def test_screen_read_needs_the_screenshot(require_sandbox):
+    require_sandbox()
+    seen, blank = play(0), play(0, blank_images=True)
+    assert all(not t.error for t in seen + blank), [t.error for t in seen + blank if t.error]
+    assert success(seen) >= 0.5, [t.reward for t in seen]
+    # blanked: the same calls, but the digit is a guess (chance 1/10; 16 tasks: at most 4 right by luck)
+    assert sum(t.num_turns >= 2 for t in blank) >= TASKS // 2  # it still looks (calls show) before answering
+    assert success(blank) <= 0.25, [t.reward for t in blank]
+
+
+def test_python_mul_needs_the_sandboxed_tool(require_sandbox):
+    require_sandbox()
+    ran, without = play(1), play(1, tool_available=False)
+    assert success(ran) >= 0.5, [t.reward for t in ran]
+    assert success(without) == 0.0, [t.reward for t in without]
+
+
+def test_long_horizon_needs_compaction(require_sandbox):
+    require_sandbox()
+    summarized = play(2)
+    overflowed = play(2, ["rollout.context.strategy=none"])
+    assert success(summarized) >= 0.5, [t.reward for t in summarized]
+    assert any(t.metadata.get("compactions") or any(turn.compaction for turn in t.turns) for t in summarized)
+    assert all(t.truncated and t.metadata.get("truncated_by") == "context" for t in overflowed), \
+        [(t.truncated, t.metadata.get("truncated_by")) for t in overflowed]
+    assert success(overflowed) == 0.0
