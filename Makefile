@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND := Agg
 
-.PHONY: setup venv host demo test test-fast wheel-check bench lint clean
+.PHONY: setup venv host demo test test-fast test-learning wheel-check bench lint clean
 
 setup: venv host
 
@@ -45,10 +45,14 @@ demo: setup
 	@echo "an episode:    $(VENV)/bin/k3rl replay runs/$(DEMO_RUN) --html runs/$(DEMO_RUN)/episode.html"
 
 test: setup
-	$(PY) -m pytest tests --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# the 20-minute learning jobs that make test leaves out (examples/agent.yaml's gain on each env)
+test-learning: setup
+	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py $(PYTEST_ARGS)
 
 # the package as a user installs it: the wheel (not editable) in a fresh venv, run from outside the repository
 wheel-check: venv
