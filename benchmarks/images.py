@@ -93,11 +93,11 @@ def main() -> None:
         media = preprocess_media([img], vc)
         media.pixel_values = media.pixel_values.to(args.device)
 
-        def forward():
+        def forward(media=media):
             with torch.no_grad():
                 model.encode_media(media)
 
-        def forward_backward():
+        def forward_backward(media=media):
             model.zero_grad(set_to_none=True)
             model.encode_media(media).float().square().mean().backward()
 
