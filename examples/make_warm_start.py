@@ -9,7 +9,7 @@ A job loads it into its own `model.dtype`.
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import torch
@@ -35,8 +35,10 @@ def make_warm_start(source: Path, out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit(__doc__)
-    out = make_warm_start(Path(sys.argv[1]), Path(sys.argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", type=Path, help="a run folder, or a checkpoint directory (config.json)")
+    ap.add_argument("out", type=Path, help="the warm start's directory")
+    args = ap.parse_args()
+    out = make_warm_start(args.source, args.out)
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"warm start written to {out} ({size / 2**20:.1f} MiB)")

@@ -89,6 +89,11 @@ def test_the_command_works(page, words, tmp_path):
     elif program == "make":
         done = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{page}: make {' '.join(args)}: {done.stderr}"
+    elif program == "python":  # a script or a module of the repository: it must answer --help
+        target = args[:2] if args[0] == "-m" else args[:1]
+        done = subprocess.run([sys.executable, *target, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, f"{page}: {' '.join(words)}: {done.stderr[-500:]}"
     else:
         sub = [a for a in args[:2] if re.fullmatch(r"[a-z]+", a)]  # `pip install .` -> pip install --help
         exe = Path(sys.executable).with_name(program)
