@@ -51,7 +51,7 @@ def commands(page: Path) -> list[list[str]]:
             continue
         env: dict[str, str] = {}
         for line in text.splitlines():
-            line = re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), m.group(0)), line)
+            line = re.sub(r"\$(\w+)", lambda m, env=env: env.get(m.group(1), m.group(0)), line)
             words = shlex.split(line, comments=True)
             if len(words) == 1 and re.fullmatch(r"[A-Z_]+=\S+", words[0]):
                 env.update([words[0].split("=", 1)])

@@ -1,9 +1,10 @@
 """Each agentic env of examples/agent.yaml needs what it claims to need, shown with a real policy: the stored
 warm start (examples/agent_warm_start, k3-tiny) plays held-out tasks greedily through the episode loop and
-the embedded engine; it solves them with the modality and falls to chance without it.
+the embedded engine; it solves them with the modality and falls to chance without it. (The warm start
+imitated careless demonstrations too, to leave RL a choice: it solves a share of the tasks, not all.)
 
 * ScreenRead (vision in the loop): the value is only in the screenshot. With the pixels blanked the policy
-  still calls `show` and answers, but right only by chance (1 in 10 for the digit it must read).
+  still calls `show` and answers, but right only by chance (1 in 90 for the 2-digit value it must read).
 * PythonTool, family mul (code in the sandbox): a 2-digit product. Without the tool (`tool_available=False`:
   the call returns nothing) no answer is exact.
 * LongHorizon, goal codes (long horizon): the trail is longer than the context. Without compaction
@@ -63,20 +64,28 @@ def success(episodes) -> float:
     return sum(t.reward >= 0.999 and not t.error for t in episodes) / len(episodes)
 
 
+def read_rate(episodes) -> float:
+    """Of the ScreenRead episodes that showed the requested panel (reward parts 0.25 valid + 0.25 requested),
+    the share that answered its value (+ 0.5): how often the policy reads the digits it was shown."""
+    looked = [t for t in episodes if t.reward >= 0.5 - 1e-6 and not t.error]
+    return sum(t.reward >= 1 - 1e-6 for t in looked) / max(len(looked), 1)
+
+
 def test_screen_read_needs_the_screenshot(require_sandbox):
     require_sandbox()
     seen, blank = play(0), play(0, blank_images=True)
     assert all(not t.error for t in seen + blank), [t.error for t in seen + blank if t.error]
-    assert success(seen) >= 0.5, [t.reward for t in seen]
-    # blanked: the same calls, but the digit is a guess (chance 1/10; 16 tasks: at most 4 right by luck)
-    assert sum(t.num_turns >= 2 for t in blank) >= TASKS // 2  # it still looks (calls show) before answering
-    assert success(blank) <= 0.25, [t.reward for t in blank]
+    # the warm start imitated careless demonstrations (another panel half the time): what it reads, it reads
+    assert sum(t.reward >= 0.5 - 1e-6 for t in seen) >= 4 and read_rate(seen) >= 0.6, [t.reward for t in seen]
+    # blanked: it still opens the requested panel, but the 2-digit value is a guess (chance 1 in 90)
+    assert sum(t.reward >= 0.5 - 1e-6 for t in blank) >= 4, [t.reward for t in blank]
+    assert success(blank) <= 2 / TASKS, [t.reward for t in blank]
 
 
 def test_python_mul_needs_the_sandboxed_tool(require_sandbox):
     require_sandbox()
     ran, without = play(1), play(1, tool_available=False)
-    assert success(ran) >= 0.5, [t.reward for t in ran]
+    assert success(ran) >= 0.25, [t.reward for t in ran]
     assert success(without) == 0.0, [t.reward for t in without]
 
 
@@ -84,7 +93,7 @@ def test_long_horizon_needs_compaction(require_sandbox):
     require_sandbox()
     summarized = play(2)
     overflowed = play(2, ["rollout.context.strategy=none"])
-    assert success(summarized) >= 0.5, [t.reward for t in summarized]
+    assert success(summarized) >= 0.25, [t.reward for t in summarized]
     assert any(t.metadata.get("compactions") or any(turn.compaction for turn in t.turns) for t in summarized)
     assert all(t.truncated and t.metadata.get("truncated_by") == "context" for t in overflowed), \
         [(t.truncated, t.metadata.get("truncated_by")) for t in overflowed]
