@@ -80,7 +80,8 @@ def test_worker_records_every_episode_and_closes_its_sandboxes(ray_cluster):
     done, again, opened, backend, left = asyncio.run(main())
     ok, unknown, bad_kwargs, sandboxed = done
     keys = {"id", "group_id", "env_id", "reward", "error", "failed_at", "truncated", "turns", "tokens", "generated",
-            "min_version", "max_version", "version_sum", "seconds", "parse_errors", "accepted"}  # k3rl.metrics.episode_stats + accepted
+            "min_version", "max_version", "version_sum", "seconds", "parse_errors", "images", "timings",
+            "accepted"}  # k3rl.metrics.episode_stats + accepted
     assert all(set(s) == keys and s["accepted"] is True for s in done)
     assert ok["error"] is None and ok["generated"] > 0 and ok["turns"] >= 1 and ok["group_id"] == "wt-g0000000"
     assert unknown["failed_at"] == "make_env" and "KeyLokup" in unknown["error"] and "Did you mean" in unknown["error"]
