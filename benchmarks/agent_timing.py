@@ -69,25 +69,25 @@ def timing(run_ref: str, tracking_uri: str, skip: int) -> dict:
     return out
 
 
+def share_table(title: str, unit: str, rows: list[tuple[str, str]], values: dict[str, float], total: float) -> Table:
+    """Each row's value and its share of `total`."""
+    table = Table(title=title)
+    table.add_column("phase")
+    table.add_column(unit, justify="right")
+    table.add_column("share", justify="right")
+    for key, label in rows:
+        table.add_row(label, f"{values[key]:.2f}", f"{values[key] / max(total, 1e-9):.0%}")
+    return table
+
+
 def show(t: dict, console: Console) -> None:
     console.print(f"[bold]{t['run']}[/]: {t['steps']} steps after step {t['skipped']}; a step {t['step_s']:.1f} s, "
                   f"{t['episodes_per_s']:.2f} episodes/s, {t['generated_tokens_per_s']:.0f} generated tok/s, "
                   f"{t['images_per_episode']:.2f} images an episode")
-    table = Table(title="a step's wall clock (the driver)")
-    table.add_column("phase")
-    table.add_column("s / step", justify="right")
-    table.add_column("share", justify="right")
-    for key, label in DRIVER:
-        table.add_row(label, f"{t['driver'][key]:.2f}", f"{t['driver'][key] / t['step_s']:.0%}")
-    console.print(table)
-    table = Table(title="the episodes' seconds (concurrent: they add up to more than a step)")
-    table.add_column("phase")
-    table.add_column("episode-s / step", justify="right")
-    table.add_column("share", justify="right")
     total = t["episodes"]["episode_time/generate_s"] + t["episodes"]["episode_time/env_s"]
-    for key, label in EPISODE:
-        table.add_row(label, f"{t['episodes'][key]:.2f}", f"{t['episodes'][key] / max(total, 1e-9):.0%}")
-    console.print(table)
+    console.print(share_table("a step's wall clock (the driver)", "s / step", DRIVER, t["driver"], t["step_s"]))
+    console.print(share_table("the episodes' seconds (concurrent: they add up to more than a step)",
+                              "episode-s / step", EPISODE, t["episodes"], total))
     table = Table(title="the engine (host seconds per step; counts per step)")
     table.add_column("counter")
     table.add_column("per step", justify="right")

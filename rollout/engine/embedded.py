@@ -263,6 +263,7 @@ class EmbeddedEngine(InferenceEngine):
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.scheduler.prefill.close()
         err = RuntimeError(f"engine {self.name} was closed before the request finished")
         for seq in list(self._live.values()):
             if not seq.future.done():

@@ -59,8 +59,13 @@ class PrefillRunner:
         # launches, not the kernels: the hooks never synchronise). A prompt's images already in a cached
         # prefix state are not encoded again, so images_encoded counts each image of a conversation once.
         self.images_encoded, self.vision_s, self._vision_t0 = 0, 0.0, 0.0
-        model.vision_tower.register_forward_pre_hook(self._vision_started)
-        model.vision_tower.register_forward_hook(self._vision_done)
+        self._hooks = [model.vision_tower.register_forward_pre_hook(self._vision_started),
+                       model.vision_tower.register_forward_hook(self._vision_done)]
+
+    def close(self) -> None:
+        """Take the timing hooks off the model (another engine may be built on it)."""
+        for hook in self._hooks:
+            hook.remove()
 
     def _vision_started(self, module, args) -> None:
         self._vision_t0 = time.perf_counter()
