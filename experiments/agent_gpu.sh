@@ -24,7 +24,10 @@ python3 experiments/learn_gpu.py --config experiments/agent_gpu.yaml --out /tmp/
 small=$!
 python3 experiments/learn_gpu.py --config examples/agent_from_scratch.yaml --out /tmp/agent_tiny --name agent-tiny \
   --vary learner.seed=0 --budget-s "$BUDGET" --grace-s 40 --set model.preset=k3-tiny --set model.dtype=float32 \
-  --set learner.bf16=false --set sandbox.backend=none --set learner.micro_batch_tokens=32768 > /tmp/tiny.log 2>&1 &
+  --set learner.bf16=false --set sandbox.backend=none --set learner.micro_batch_tokens=32768 --set sandbox.pool_size=16 \
+  ${TINY_SFT:---set learner.sft_steps=500 --set learner.sft_batch=64 --set learner.sft_episodes=2048 \
+  --set 'learner.sft_phases=[{from_step: 430, env_kwargs: {oracle_mistakes: 0.5}}]' --set learner.eval_before_training=true} \
+  > /tmp/tiny.log 2>&1 &
 tiny=$!
 tail -f /tmp/small.log /tmp/tiny.log &
 tailer=$!
