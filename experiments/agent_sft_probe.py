@@ -4,7 +4,7 @@ each env's answer (the value read off a screenshot, the numbers of a product, th
 policy that has not learned to copy guesses digits at about 0.1 while every other token is right.
 
     python experiments/agent_sft_probe.py NAME --envs S,P,L --steps 300 --lr 3e-3 --batch 32 [--device cuda]
-        [--set key.path=value ...] [--save DIR]     # DIR: the policy after the last step (HF, fp32)
+        [--set key.path=value ...] [--save DIR]     # DIR: the policy at the latest evaluation (HF, fp32)
 
 The demonstrations are examples/agent_from_scratch.yaml's oracle episodes (split train; the held-out ones of
 split test), collected once into --cache with sandbox.backend=none (the tools run unsandboxed), so they are
@@ -48,9 +48,9 @@ def demonstrations(base: JobConfig, cache: Path, split: str, n: int) -> list:
 def accuracy(trainer: Trainer, test: list, digits: set[int]) -> dict[str, dict[str, float]]:
     """Per env: the share of loss tokens (and of digit tokens) whose teacher-forced probability is over 1/2."""
     counts = collections.defaultdict(lambda: [0, 0, 0, 0])
-    for d, lp in zip(test, trainer.logprobs(test)):
+    for d, lp in zip(test, trainer.logprobs(test), strict=True):
         c = counts[d.env_id]
-        for t, m, logp in zip(d.completion_ids, d.loss_mask, lp):
+        for t, m, logp in zip(d.completion_ids, d.loss_mask, lp, strict=True):
             if m:
                 right = logp > math.log(0.5)
                 c[0] += right
@@ -98,13 +98,14 @@ def main() -> None:
             log.append({"step": step, "loss": m["loss"], "s": time.time() - t0, "accuracy": acc})
             print(f"[{a.name}] step {step} loss {m['loss']:.3f} {time.time() - t0:.0f}s  " + " | ".join(
                 f"{e.split('/')[1][:6]} tok {v['tokens']:.3f} dig {v['digits']:.2f}" for e, v in acc.items()), flush=True)
+        if log and log[-1]["step"] == step:  # the latest policy and log survive a kill
+            if a.save:
+                save_hf(trainer.model, a.save)
+            (a.cache / f"{a.name}.json").write_text(json.dumps(
+                {"args": vars(a) | {"cache": str(a.cache), "save": str(a.save)}, "log": log}, indent=1))
         if out_of_time:
             print(f"[{a.name}] out of time (--budget-s {a.budget_s:g}) after step {step} of {a.steps}", flush=True)
             break
-    (a.cache / f"{a.name}.json").write_text(json.dumps({"args": vars(a) | {"cache": str(a.cache), "save": str(a.save)},
-                                                        "log": log}, indent=1))
-    if a.save:
-        save_hf(trainer.model, a.save)
 
 
 if __name__ == "__main__":
