@@ -20,8 +20,9 @@ from k3rl.config import ConfigError, JobConfig
 def _conventional_help() -> None:
     """typer's help shows a flag's type (`--resume <bool>`) as if it took a value, and a required argument
     as `{run}`: show flags without a type and arguments as the usual RUN, [CONFIG], RUN..."""
-    show_type = typer.core.TyperOption.display_type_rich
-    typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else show_type(self, ctx)
+    show_type = getattr(typer.core.TyperOption, "display_type_rich", None)  # older typers show no types: nothing to do
+    if show_type is not None:
+        typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else show_type(self, ctx)
 
     def usage_name(self) -> str:
         name = self.metavar or self.name.upper()
