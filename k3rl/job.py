@@ -159,10 +159,10 @@ class Job:
 
         run_name = cfg.tracking.run_name or cfg.name
         run_dir = Path(cfg.tracking.runs_dir) / run_name
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None and not resume:
+        if not resume and any((run_dir / "checkpoints").glob("step-*")):
             raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
                              f"or set tracking.run_name to start a new one")
+        ckpt = latest_checkpoint(run_dir) if resume else None  # the newest complete one (torn ones: a warning)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
         meta_file = run_dir / "run.json"
@@ -194,7 +194,6 @@ class Job:
         stack.callback(teachers.shutdown)
         await within(asyncio.gather(pool.wait_ready.remote(), learner.start(), teachers.wait_ready()), LEARNER_START_S,
                      "the inference engines, the learner ranks and the teachers' engines to build their models")
-        ckpt = ckpt if resume else None
         state = await within(learner.call("load", str(ckpt)), LEARNER_START_S, f"loading {ckpt}") if ckpt else {}
         step = int(state.get("step", 0))
         # episodes decided after the checkpoint are re-issued under the same ids (exactly once)

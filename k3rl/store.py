@@ -64,7 +64,8 @@ class StoreError(RuntimeError):
     """A trajectory store that cannot be read or written as asked."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (files created, renamed, removed in it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -88,7 +89,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Make a file's contents durable (before it is published under its final name)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -106,7 +108,7 @@ def _publish(tmp: Path, final: Path, *, overwrite: bool) -> bool:
                 os.link(tmp, final)  # atomic create-if-absent: never clobbers another writer's part
             except FileExistsError:
                 return False
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         return True
     finally:
         tmp.unlink(missing_ok=True)
@@ -302,14 +304,14 @@ class TrajectoryStore:
                 written.append((tmp, final))
                 tmp.write_bytes(png)
             for tmp, _ in written:
-                _fsync_file(tmp)
+                fsync_file(tmp)
             for tmp, final in written:
                 os.replace(tmp, final)
         finally:
             for tmp, _ in written:
                 tmp.unlink(missing_ok=True)
         for directory in {final.parent for _, final in written} | ({self.images_dir} if written else set()):
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
     def _write_part(self, table: pa.Table) -> Path:
         """Publish `table` as the next part and index its ids; another writer's parts, found when
@@ -358,7 +360,7 @@ class TrajectoryStore:
                 if table.num_rows:
                     self._write_part(table.cast(PART_SCHEMA))
                 p.unlink()
-                _fsync_dir(self.parts_dir)
+                fsync_dir(self.parts_dir)
             self._rescan()
         return removed
 
