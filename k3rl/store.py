@@ -125,9 +125,12 @@ def _id_hash(episode_id: str) -> int:
 
 class IdIndex:
     """Which part may hold an episode id, in 12 bytes an id: sorted arrays of the ids' 64-bit hashes
-    and their parts' numbers, plus a small dict of recent entries merged in once it reaches 1/8 of
-    them (so each entry is copied O(log n) times in all). Two ids share a hash with probability
-    n / 2^64 per lookup, so `parts_of` names candidates and the caller confirms with the part's ids."""
+    and their parts' numbers, plus a dict of at most RECENT new entries, merged into the arrays
+    when full (np.insert at their sorted positions: one O(n) copy per RECENT ids). Two ids share a
+    hash with probability n / 2^64 per lookup, so `parts_of` names candidates and the caller
+    confirms with the part's ids."""
+
+    RECENT = 8192
 
     def __init__(self) -> None:
         self._hashes = np.empty(0, np.uint64)
@@ -142,15 +145,15 @@ class IdIndex:
         for i in episode_ids:
             self._recent.setdefault(_id_hash(i), []).append(part)
             self._num_recent += 1
-        if self._num_recent >= max(1024, len(self._hashes) // 8):
-            self._merge()
+            if self._num_recent >= self.RECENT:
+                self._merge()
 
     def _merge(self) -> None:
         h = np.fromiter((k for k, ps in self._recent.items() for _ in ps), np.uint64, self._num_recent)
         p = np.fromiter((q for ps in self._recent.values() for q in ps), np.int32, self._num_recent)
-        h, p = np.concatenate([self._hashes, h]), np.concatenate([self._parts, p])
         order = np.argsort(h, kind="stable")
-        self._hashes, self._parts = h[order], p[order]
+        at = np.searchsorted(self._hashes, h[order])
+        self._hashes, self._parts = np.insert(self._hashes, at, h[order]), np.insert(self._parts, at, p[order])
         self._recent, self._num_recent = {}, 0
 
     def parts_of(self, episode_id: str) -> list[int]:

@@ -306,13 +306,15 @@ def test_id_index_is_exact_when_hashes_collide(tmp_path, monkeypatch):
     assert TrajectoryStore(tmp_path, readonly=True).count() == 5
 
 
-def test_id_index_merges_and_stays_compact():
-    """Many ids: each found in its part after the recent entries are merged into the sorted arrays,
-    unknown ids in none, at 12 bytes an id."""
+def test_id_index_merges_and_stays_compact(monkeypatch):
+    """Many ids: each found in its part after the recent entries are merged into the sorted arrays
+    (several merges, small ones here), unknown ids in none, at 12 bytes an id plus the few recent."""
+    monkeypatch.setattr(IdIndex, "RECENT", 500)
     index = IdIndex()
     for part in range(50):
         index.add((f"run-g{part:07d}-s{k}" for k in range(64)), part)
-    assert len(index) == 3200 and index._num_recent < 3200  # merged at least once
-    assert all(index.parts_of(f"run-g{part:07d}-s{k}") == [part] for part in range(50) for k in (0, 63))
+    assert len(index) == 3200 and index._num_recent == 3200 % 500  # 6 merges
+    assert all(index.parts_of(f"run-g{part:07d}-s{k}") == [part] for part in range(50) for k in range(64))
     assert index.parts_of("run-g0000050-s0") == []
-    assert index._hashes.nbytes + index._parts.nbytes == 12 * (3200 - index._num_recent)
+    assert list(index._hashes) == sorted(index._hashes)
+    assert index._hashes.nbytes + index._parts.nbytes == 12 * 3000
