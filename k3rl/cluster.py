@@ -1,5 +1,6 @@
-"""Starting or joining Ray for a job: `init_ray(cfg)`; where a process group of the job listens:
-`rendezvous_host(on_cluster)` and `free_port(host)` (the learner's ranks, the weight transports).
+"""Starting or joining Ray for a job: `init_ray(cfg)`; refusing a job the cluster can never hold:
+`check_resources(cfg)`; where a process group of the job listens: `rendezvous_host(on_cluster)`
+and `free_port(host)` (the learner's ranks, the weight transports).
 
 `ray.address` unset starts a fresh local Ray; set (`auto`, `host:port`, `ray://host:10001`) joins
 that cluster. Either way the job's Ray `runtime_env` is `ray.runtime_env` from the config (how a
@@ -49,6 +50,47 @@ def init_ray(cfg: JobConfig) -> None:
     else:  # address="local": always a fresh local Ray, never a cluster that happens to run here
         ray.init(address="local", num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=cfg.ray.include_dashboard, **common)
+
+
+class ClusterResourcesError(RuntimeError):
+    """The job asks for more than the Ray cluster has: its actors would wait for ever."""
+
+
+def job_requests(cfg: JobConfig) -> list[tuple[str, int, float, float]]:
+    """The job's actors that hold resources, all running at once: (the config fields that size them,
+    how many, CPUs each, GPUs each). Rollout workers, the buffer and the pool's router take none."""
+    r, learner = cfg.rollout, cfg.learner
+    ranks = learner.world_size if learner.data_parallel == "fsdp" else 1
+    return [("rollout.num_inference_workers x rollout.gpus_per_inference_worker", r.num_inference_workers, 1.0,
+             r.gpus_per_inference_worker),
+            ("learner.world_size x learner.gpus / world_size", ranks, 1.0, learner.gpus / ranks),
+            *((f"learner.distill.teachers.{i}.engines x gpus_per_engine", t.engines, 1.0, t.gpus_per_engine)
+              for i, t in enumerate(learner.distill.teachers) if t.engines)]
+
+
+def check_resources(cfg: JobConfig) -> None:
+    """Refuse, before anything waits, a job this Ray cluster can never place: an actor larger than
+    every node (an actor runs on one), or all of them together more than the cluster's total
+    (sum over actors of count x per-actor request <= ray.cluster_resources())."""
+    total = ray.cluster_resources()
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    have = f"the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all on {len(nodes)} " \
+           f"node(s), at most {max((n.get('CPU', 0) for n in nodes), default=0):g} CPUs and " \
+           f"{max((n.get('GPU', 0) for n in nodes), default=0):g} GPUs on one"
+    requests = [r for r in job_requests(cfg) if r[1] > 0]
+    problems = [f"{fields}: each of its {count} actor(s) asks for {cpus:g} CPU and {gpus:g} GPU, more than any node has"
+                for fields, count, cpus, gpus in requests
+                if not any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes)]
+    for k, kind in ((2, "CPU"), (3, "GPU")):
+        need = sum(r[1] * r[k] for r in requests)
+        if need > total.get(kind, 0) + 1e-9:
+            parts = " + ".join(f"{r[1]} x {r[k]:g} ({r[0]})" for r in requests if r[k])
+            problems.append(f"all together the job asks for {need:g} {kind}s, more than the {total.get(kind, 0):g} "
+                            f"the cluster has: {parts}")
+    if problems:
+        raise ClusterResourcesError(f"this job can never start on this Ray cluster ({have}):\n  " + "\n  ".join(problems)
+                                    + "\nAsk for less in those config fields, or run on a larger cluster "
+                                      "(ray.address; ray.num_cpus for a local Ray).")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

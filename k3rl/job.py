@@ -26,7 +26,7 @@ import ray
 from rich.console import Console
 from rich.live import Live
 
-from k3rl.cluster import init_ray
+from k3rl.cluster import check_resources, init_ray
 from k3rl.config import JobConfig
 from k3rl.envs.registration import check_env_ids
 from k3rl.guard import FormatGuard
@@ -42,7 +42,7 @@ from k3rl.store import TrajectoryStore
 from k3rl.tracking import Tracker
 
 console = Console()
-LEARNER_START_S, TRAIN_STEP_S, BUFFER_S = 1800.0, 3600.0, 300.0
+TRAIN_STEP_S, BUFFER_S = 3600.0, 300.0
 ENGINE_METRICS_S = 10.0
 SFT_PIECE = 10  # SFT steps per call to the learner: the warm start reports its loss every SFT_PIECE steps
 
@@ -159,15 +159,16 @@ class Job:
 
         run_name = cfg.tracking.run_name or cfg.name
         run_dir = Path(cfg.tracking.runs_dir) / run_name
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None and not resume:
+        if not resume and any((run_dir / "checkpoints").glob("step-*")):
             raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
                              f"or set tracking.run_name to start a new one")
+        ckpt = latest_checkpoint(run_dir) if resume else None  # the newest complete one (torn ones: a warning)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
         meta_file = run_dir / "run.json"
         meta = json.loads(meta_file.read_text()) if (resume and meta_file.exists()) else {}
         init_ray(cfg)
+        check_resources(cfg)  # an impossible request fails now, not after ray.start_timeout_s
         tracker = stack.enter_context(Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
                                               run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir))
         meta_file.write_text(json.dumps({**meta, "mlflow_run_id": tracker.run_id}))
@@ -192,10 +193,11 @@ class Job:
         stack.callback(learner.shutdown)
         teachers = TeacherGroup(cfg)
         stack.callback(teachers.shutdown)
-        await within(asyncio.gather(pool.wait_ready.remote(), learner.start(), teachers.wait_ready()), LEARNER_START_S,
-                     "the inference engines, the learner ranks and the teachers' engines to build their models")
-        ckpt = ckpt if resume else None
-        state = await within(learner.call("load", str(ckpt)), LEARNER_START_S, f"loading {ckpt}") if ckpt else {}
+        start_s = cfg.ray.start_timeout_s
+        await within(asyncio.gather(pool.wait_ready.remote(), learner.start(), teachers.wait_ready()), start_s,
+                     "the inference engines, the learner ranks and the teachers' engines to build their models "
+                     "(ray.start_timeout_s)")
+        state = await within(learner.call("load", str(ckpt)), start_s, f"loading {ckpt} (ray.start_timeout_s)") if ckpt else {}
         step = int(state.get("step", 0))
         # episodes decided after the checkpoint are re-issued under the same ids (exactly once)
         TrajectoryStore(run_dir).rollback(step if ckpt else -1)

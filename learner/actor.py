@@ -15,20 +15,27 @@ every rank, which is why every call goes to all of them.
 
 Checkpoints: `checkpoints/step-000012/` holds what `Trainer.save_checkpoint` writes, and
 `checkpoints/latest` names the newest complete one. A save writes into
-`checkpoints/.step-000012.tmp`, renames it once every rank is done, and only then replaces
-`latest` (written aside, then `os.replace`): a crash at any point leaves `latest` at the
-previous complete step, and the next save removes the leftovers. A `step-*` directory is
-always complete. Under FSDP the ranks must share the run directory's filesystem.
+`checkpoints/.step-000012.tmp`; once every rank is done, rank 0 fsyncs every file, writes the
+manifest `complete.json` (each file's size) last and fsyncs it and the directories, renames the
+directory to `step-000012`, fsyncs `checkpoints/`, and only then replaces `latest` (written aside,
+fsync'd, then `os.replace`): a crash at any point, of the process or the machine, leaves the
+previous complete step, and the next save removes the leftovers. `latest_checkpoint` (what
+`--resume` loads) still checks the newest `step-*` against its manifest and falls back, with a
+warning, to the newest one that is complete (a disk that lost writes despite the fsyncs, a copy
+cut short); a save over a torn `step-*` replaces it. Under FSDP the ranks must share the run
+directory's filesystem.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +47,77 @@ from k3rl.cluster import free_port, rendezvous_host
 from k3rl.config import JobConfig
 from k3rl.learner.trainer import Trainer
 from k3rl.rollout.transport import make_transport
+from k3rl.store import fsync_dir, fsync_file
 from k3rl.types import Trajectory
+
+MANIFEST = "complete.json"  # written last into a checkpoint: {file: size}; a complete checkpoint has it
+
+
+class CheckpointError(RuntimeError):
+    """A run whose checkpoints cannot be resumed."""
+
+
+def seal_checkpoint(directory: str | Path) -> None:
+    """Make a written checkpoint durable and mark it complete: fsync every file, write the manifest
+    (every file's size) and fsync it, then fsync the directories, deepest first. Call it before the
+    rename that publishes the checkpoint."""
+    d = Path(directory)
+    files = sorted(p for p in d.rglob("*") if p.is_file() and p.name != MANIFEST)
+    for p in files:
+        fsync_file(p)
+    manifest = d / MANIFEST
+    manifest.write_text(json.dumps({str(p.relative_to(d)): p.stat().st_size for p in files}, indent=1) + "\n")
+    fsync_file(manifest)
+    for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        fsync_dir(sub)
+    fsync_dir(d)
+
+
+def checkpoint_problem(directory: str | Path) -> str | None:
+    """What is wrong with a checkpoint (None when it is complete): no or an unreadable manifest, a
+    file it lists missing or of another size than was written, or a trainer.json that does not parse."""
+    d = Path(directory)
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (written last by a save: the save did not finish)"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(manifest, dict) or "trainer.json" not in manifest:
+        return f"its {MANIFEST} does not list the checkpoint's files"
+    for name, size in manifest.items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes where {size} were written"
+    try:
+        json.loads((d / "trainer.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"trainer.json does not parse ({type(e).__name__}: {e})"
+    return None
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (None when it has none): the highest `step-*`
-    directory. Only complete checkpoints have that name, so tmp dirs never count. `latest` names
-    the same one, except after a save interrupted between its rename and `latest`'s move."""
-    complete = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir())
-    return complete[-1] if complete else None
+    """The newest complete checkpoint of a run (None when it has no `step-*`): the highest `step-*`
+    directory that `checkpoint_problem` passes; newer, torn ones are skipped with a warning that
+    says what is wrong with them. `latest` names the same one, except after a save interrupted
+    between its rename and `latest`'s move. Raises CheckpointError when every `step-*` is torn."""
+    torn = []
+    for p in sorted((p for p in (Path(run_dir) / "checkpoints").glob("step-*") if p.is_dir()), reverse=True):
+        problem = checkpoint_problem(p)
+        if problem is None:
+            if torn:
+                warnings.warn(f"resuming from {p}, not from the newer checkpoints that are torn: " + "; ".join(torn),
+                              stacklevel=2)
+            return p
+        torn.append(f"{p.name}: {problem}")
+    if torn:
+        raise CheckpointError(f"no checkpoint of {run_dir} is complete ({'; '.join(torn)}). Start a new run (another "
+                              "tracking.run_name), or, for a checkpoint written before k3rl sealed them that you "
+                              f"know is whole, seal it: python -c \"from k3rl.learner.actor import seal_checkpoint; "
+                              f"seal_checkpoint('{run_dir}/checkpoints/step-NNNNNN')\"")
+    return None
 
 
 class LearnerActor:
@@ -149,19 +218,23 @@ class LearnerActor:
         a complete checkpoint is not written again. Returns its directory."""
         ckpts = self.run_dir / "checkpoints"
         final = ckpts / f"step-{step:06d}"
-        if not final.is_dir():
+        if not final.is_dir() or checkpoint_problem(final) is not None:
             tmp = ckpts / f".{final.name}.tmp"
             if self.rank == 0:  # the leftovers of an interrupted save (before any rank writes: save's barrier)
-                for stale in ckpts.glob(".step-*.tmp"):
+                for stale in [*ckpts.glob(".step-*.tmp"), *([final] if final.is_dir() else [])]:  # and a torn step
                     shutil.rmtree(stale, ignore_errors=True)
             self.trainer.data_state = dict(data_state)
             self.trainer.save_checkpoint(tmp)  # collective: returns once every rank has written its part
             if self.rank == 0:
+                seal_checkpoint(tmp)  # durable and marked complete before it gets its final name
                 tmp.rename(final)
+                fsync_dir(ckpts)
         if self.rank == 0:
             marker = ckpts / "latest.tmp"
             marker.write_text(final.name + "\n")
+            fsync_file(marker)
             os.replace(marker, ckpts / "latest")
+            fsync_dir(ckpts)
         return str(final)
 
     def load(self, path: str) -> dict[str, Any]:

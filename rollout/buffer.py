@@ -2,7 +2,9 @@
 
 * Exactly once: episodes are keyed by id; a second copy of an id (a retried episode whose
   first attempt did arrive, or a late one already recorded as lost) is dropped (`put` returns
-  False).
+  False). An id is held while its group waits here, then by the store it was written to (whose
+  index is compact and survives a resume), so the buffer's memory does not grow with the job's
+  length; without a store (tests) the settled ids are kept in a set.
 * The scheduler sees only the small stats the rollout workers return; it names the groups a
   step trains (`take`), drops (`drop`: stale, every member failed, zero reward variance under
   dynamic sampling, or evaluation) or leaves unused at the end (`flush_unused`). Each episode is
@@ -34,7 +36,8 @@ class TrajectoryBuffer:
             raise ValueError("group_size must be >= 1")
         self.group_size = group_size
         self._groups: dict[str, dict[str, Trajectory]] = {}
-        self._seen: set[str] = set()
+        self._waiting: set[str] = set()  # ids in self._groups
+        self._settled: set[str] = set()  # ids settled here, only when there is no store to ask
         self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "zero_variance": 0,
                       "unused": 0, "eval": 0}
         self._store = None
@@ -47,13 +50,18 @@ class TrajectoryBuffer:
             traj = Trajectory.from_json(traj)
         elif isinstance(traj, dict):
             traj = Trajectory.model_validate(traj)
-        if traj.id in self._seen:
+        if self._held(traj.id):
             self.stats["duplicates"] += 1
             return False
-        self._seen.add(traj.id)
+        self._waiting.add(traj.id)
         self.stats["received"] += 1
         self._groups.setdefault(traj.group_id or traj.id, {})[traj.id] = traj
         return True
+
+    def _held(self, episode_id: str) -> bool:
+        if episode_id in self._waiting:
+            return True
+        return self._store.contains(episode_id) if self._store is not None else episode_id in self._settled
 
     async def put_lost(self, spec: dict[str, Any], error: str) -> dict[str, Any]:
         """Record an episode whose worker never delivered it (deadline, dead workers) as failed;
@@ -72,8 +80,11 @@ class TrajectoryBuffer:
             fate = status if (status in ("unused", "eval") or trainable(s)) else "failed"
             t.metadata.update(step=step, status=fate, policy_version=s["min_version"])
             self.stats[fate] += 1
+            self._waiting.discard(t.id)
             if self._store is not None:
                 self._store.append(t)
+            else:
+                self._settled.add(t.id)
             if fate == status:
                 kept.append(t)
         return kept

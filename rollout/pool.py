@@ -185,9 +185,13 @@ class InferencePool:
     def workers(self) -> list:
         return list(self._workers)
 
-    async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Wait until every worker has built its engine."""
-        await asyncio.wait_for(asyncio.gather(*(w.ping.remote() for w in self._workers)), timeout_s)
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every worker has built its engine (None: as long as the caller waits; the job's
+        deadline is ray.start_timeout_s)."""
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.ping.remote() for w in self._workers)), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the pool's {self.num_workers} engines were not all built within {timeout_s:g}s") from None
 
     def _restart(self, slot: int, dead) -> asyncio.Task:
         task = self._restarting.get(slot)

@@ -169,3 +169,40 @@ def test_a_cluster_job_ships_the_users_module_by_py_modules(tmp_path):
         got = make_env_in_a_ray_actor(cfg.envs.imports, "cluster/Reverse-v0")
         assert got["class"] == "Reverse" and got["reward"] == 1.0
         assert got["env"]["OMP_NUM_THREADS"] == "1"  # the job's env vars reach a cluster's workers too
+
+
+def test_a_job_the_cluster_can_never_hold_is_refused_at_start(tmp_path):
+    """More engines than the local Ray's CPUs (one each, beside the learner's), or a GPU engine on a
+    cluster without GPUs: run_job refuses as soon as Ray is up, naming the config fields and the
+    cluster's totals, instead of waiting out ray.start_timeout_s (1800 s by default)."""
+    import ray
+
+    from k3rl.cluster import ClusterResourcesError, check_resources
+    from k3rl.job import run_job
+
+    base = ["name=big", "model.preset=k3-tiny", "learner.sft_steps=0", f"tracking.runs_dir={tmp_path}/runs",
+            f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", "ray.num_cpus=2"]
+    try:
+        with pytest.raises(ClusterResourcesError) as e:
+            run_job(JobConfig.load(None, [*base, "rollout.num_inference_workers=3"]), quiet=True)
+        assert ("this job can never start on this Ray cluster (the cluster has 2 CPUs and 0 GPUs in all on 1 node(s), "
+                "at most 2 CPUs and 0 GPUs on one)") in str(e.value)
+        assert ("all together the job asks for 4 CPUs, more than the 2 the cluster has: 3 x 1 "
+                "(rollout.num_inference_workers x rollout.gpus_per_inference_worker) + 1 x 1 (learner.world_size x "
+                "learner.gpus / world_size)") in str(e.value)
+        assert "ray.num_cpus for a local Ray" in str(e.value)
+        assert ray.is_initialized()  # refused after Ray came up: against the cluster's real resources
+
+        with pytest.raises(ClusterResourcesError, match=r"rollout.num_inference_workers x rollout.gpus_per_inference_"
+                                                        r"worker: each of its 1 actor\(s\) asks for 1 CPU and 1 GPU, "
+                                                        r"more than any node has"):
+            check_resources(JobConfig.load(None, [*base, "rollout.gpus_per_inference_worker=1"]))
+        check_resources(JobConfig.load(None, base))  # one engine + one learner rank: fits
+
+        # what fits waits for ray.start_timeout_s, the one deadline of the start, and the error names it
+        with pytest.raises(TimeoutError, match=r"waited 1s for the inference engines, the learner ranks and the "
+                                               r"teachers' engines to build their models \(ray.start_timeout_s\)"):
+            run_job(JobConfig.load(None, [*base, "name=slow", "ray.start_timeout_s=1"]), quiet=True)
+    finally:
+        ray.shutdown()
+

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from k3rl.images import png_size, to_png
-from k3rl.store import StoreError, TrajectoryStore
+from k3rl.store import IdIndex, StoreError, TrajectoryStore
 from k3rl.types import ToolCall, Trajectory, Turn
 
 
@@ -259,3 +259,62 @@ def test_rollback_removes_what_was_decided_after_the_checkpoint_step(tmp_path):
     assert [t.metadata["status"] for t in store.read(step=3)] == ["failed"]
     assert len(store.read(status="trained")) == 8
     assert TrajectoryStore(tmp_path, readonly=True).count() == 9
+
+
+def test_appends_neither_list_the_directory_nor_read_parts_once_open(tmp_path, monkeypatch):
+    """Appends cost O(1) in the number of parts: the store lists trajectories/ and reads the parts'
+    ids when it opens, then keeps its next part number and id index itself. Only a duplicate's
+    confirmation reads one part (the one its hash names)."""
+    with TrajectoryStore(tmp_path, flush_every=1, write_images=False) as first:
+        first.extend(make_episode(i, image=False) for i in range(20))
+    store = TrajectoryStore(tmp_path, flush_every=4, write_images=False)  # opening lists and reads, once
+    calls: dict[str, int] = {}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for module, name in [(os, "listdir"), (os, "scandir"), (pq, "read_table"), (pq, "ParquetFile")]:
+        counting(module, name)
+    assert store.extend(make_episode(i, image=False) for i in range(20, 60)) == 40  # 10 new parts
+    assert calls == {}, f"appends listed the directory or read parts: {calls}"
+    assert store.append(make_episode(3, image=False)) is False  # held in an old part: that part is read
+    assert store.append(make_episode(41, image=False)) is False  # held in a part this writer wrote
+    assert calls.get("listdir", 0) + calls.get("scandir", 0) == 0
+    assert calls.get("read_table", 0) + calls.get("ParquetFile", 0) == 2
+    monkeypatch.undo()
+    assert [p.name for p in store.parts()] == [f"part-{i:06d}.parquet" for i in range(30)]
+    assert TrajectoryStore(tmp_path, readonly=True).ids() == [f"ep{i:05d}" for i in range(60)]
+
+
+def test_id_index_is_exact_when_hashes_collide(tmp_path, monkeypatch):
+    """The index keeps 64-bit hashes, not ids: a hash match is confirmed against the part's ids, so
+    two ids with one hash are still told apart (forced here: every id hashes alike)."""
+    monkeypatch.setattr("k3rl.store._id_hash", lambda episode_id: 7)
+    store = TrajectoryStore(tmp_path, flush_every=2, write_images=False)
+    assert store.extend(make_episode(i, image=False) for i in range(6)) == 6
+    assert not store.contains("ep00099") and store.contains("ep00004")
+    assert store.append(make_episode(2, image=False)) is False
+    assert store.rollback(0) == 2  # ep00004, ep00005 (step 1) go; the index is rebuilt
+    assert not store.contains("ep00004") and store.contains("ep00003")
+    assert store.append(make_episode(4, image=False)) is True
+    store.flush()
+    assert TrajectoryStore(tmp_path, readonly=True).count() == 5
+
+
+def test_id_index_merges_and_stays_compact(monkeypatch):
+    """Many ids: each found in its part after the recent entries are merged into the sorted arrays
+    (several merges, small ones here), unknown ids in none, at 12 bytes an id plus the few recent."""
+    monkeypatch.setattr(IdIndex, "RECENT", 500)
+    index = IdIndex()
+    for part in range(50):
+        index.add((f"run-g{part:07d}-s{k}" for k in range(64)), part)
+    assert len(index) == 3200 and index._num_recent == 3200 % 500  # 6 merges
+    assert all(index.parts_of(f"run-g{part:07d}-s{k}") == [part] for part in range(50) for k in range(64))
+    assert index.parts_of("run-g0000050-s0") == []
+    assert list(index._hashes) == sorted(index._hashes)
+    assert index._hashes.nbytes + index._parts.nbytes == 12 * 3000

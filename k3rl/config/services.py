@@ -43,6 +43,10 @@ class RaySection(_Section):
     num_cpus: int | None = Field(None, ge=1)
     namespace: str = "k3rl"
     include_dashboard: bool = False
+    start_timeout_s: float = Field(
+        1800.0, gt=0, description="the inference engines, the learner ranks and the teachers' engines must have "
+                                  "built their models within this (and a resume loaded its checkpoint within it again); "
+                                  "requests the cluster can never meet are refused at once instead")
     runtime_env: dict[str, Any] = Field(
         default_factory=dict,
         description="Ray runtime_env of the job (working_dir, py_modules, pip, env_vars...): how a cluster's "

@@ -5,6 +5,7 @@ weights pushed to a real engine pool, save / load, shutdown)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -13,7 +14,13 @@ import torch
 from learner_helpers import make_trajectories
 
 from k3rl.config import JobConfig
-from k3rl.learner.actor import LearnerActor, LearnerGroup, latest_checkpoint
+from k3rl.learner.actor import (
+    CheckpointError,
+    LearnerActor,
+    LearnerGroup,
+    checkpoint_problem,
+    latest_checkpoint,
+)
 
 torch.set_num_threads(1)
 
@@ -150,3 +157,46 @@ def test_group_of_two_fsdp_ranks_trains_pushes_and_checkpoints(ray_cluster, tmp_
     for a in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(a.rendezvous_address.remote(), timeout=60)
+
+
+def test_resume_skips_a_torn_checkpoint_with_a_warning_and_a_save_replaces_it(tmp_path):
+    """A machine crash can leave the newest `step-*` torn (a file cut short, the manifest never written):
+    `latest_checkpoint` (what --resume loads) says what is wrong with it and falls back to the
+    previous complete step, which loads; the next save of that step replaces the torn one."""
+    actor = LearnerActor(_cfg().to_dict(), str(tmp_path))
+    actor.setup(None)
+    ckpts = tmp_path / "checkpoints"
+    actor.save(1, {"groups_issued": 2})
+    actor.train_step(make_trajectories(0, n=4))
+    actor.save(2, {"groups_issued": 4})
+    actor.train_step(make_trajectories(1, n=4))
+    actor.save(3, {"groups_issued": 6})
+    assert latest_checkpoint(tmp_path) == ckpts / "step-000003"
+
+    # step 3: the optimizer file cut short; step 2: the manifest (written last) never made it
+    optimizer = ckpts / "step-000003" / "optimizer-rank0.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    (ckpts / "step-000002" / "complete.json").unlink(missing_ok=True)
+    with pytest.warns(UserWarning, match=r"step-000003: optimizer-rank0.pt has 100 bytes where \d+ were written; "
+                                         r"step-000002: it has no complete.json"):
+        resume_from = latest_checkpoint(tmp_path)
+    assert resume_from == ckpts / "step-000001"
+    fresh = LearnerActor(_cfg().to_dict(), str(tmp_path))
+    fresh.setup(None)
+    assert fresh.load(str(resume_from)) == {"step": 0, "groups_issued": 2}
+
+    # the resumed run saves step 2 again: the torn directory is replaced by a complete one
+    fresh.train_step(make_trajectories(0, n=4))
+    fresh.save(2, {"groups_issued": 4})
+    manifest = json.loads((ckpts / "step-000002" / "complete.json").read_text())
+    assert {"trainer.json", "optimizer-rank0.pt", "rng-rank0.pt"} <= set(manifest)
+    assert checkpoint_problem(ckpts / "step-000002") is None
+    with pytest.warns(UserWarning, match="step-000003"):
+        assert latest_checkpoint(tmp_path) == ckpts / "step-000002"
+
+    # every step torn: a clear refusal, not a silent fresh start
+    for step in (1, 2):
+        (ckpts / f"step-{step:06d}" / "trainer.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"no checkpoint of .* is complete \(step-000003: .*step-000001: "
+                                              r"trainer.json has 1 bytes.*Start a new run"):
+        latest_checkpoint(tmp_path)

@@ -65,3 +65,23 @@ def test_dropped_groups_are_stored_with_their_status_and_failed_members_as_faile
     fate = {r["id"]: r["status"] for r in TrajectoryStore(tmp_path, readonly=True).summary()}
     assert fate == {"e0": "zero_variance", "e1": "failed", "e2": "eval", "e3": "eval"}
     assert (stats["zero_variance"], stats["failed"], stats["eval"]) == (1, 1, 2)
+
+
+def test_settled_ids_are_held_by_the_store_not_the_buffer_and_survive_a_restart(tmp_path):
+    """Once a group is settled its ids live in the store (compact, on disk), not in the buffer: a
+    late copy is still a duplicate, also for a buffer restarted over the same store (a resume), and
+    the buffer keeps no id of a settled group."""
+    async def go():
+        b = TrajectoryBuffer(group_size=2, store_dir=str(tmp_path))
+        for i in range(200):
+            await b.put(_t(i, f"g{i // 2}"))
+        b.take([f"g{g}" for g in range(100)], step=1)
+        assert not await b.put(_t(7, "g3"))  # a late copy of a stored episode
+        assert not vars(b).get("_seen") and not b._waiting and not b._settled
+        again = TrajectoryBuffer(group_size=2, store_dir=str(tmp_path))
+        assert not await again.put(_t(9, "g4"))
+        assert await again.put(_t(200, "g100"))
+        assert again.get_stats()["duplicates"] == 1
+
+    asyncio.run(go())
+    assert TrajectoryStore(tmp_path, readonly=True).count() == 200
