@@ -20,7 +20,7 @@ fi
 $P collect --steps 1 --every 1 2>&1 | tail -3          # the demonstrations, once
 T=$((BUDGET - 100))
 $P a3 --lr 3e-3 --batch 64 --steps 800 --budget-s $T --save "$OUT/a3" & pids+=($!)
-$P a1 --lr 1e-3 --batch 64 --steps 800 --budget-s $T --save "$OUT/a1" & pids+=($!)
+$P a3b128 --lr 3e-3 --batch 128 --steps 800 --budget-s $T --save "$OUT/a3b128" & pids+=($!)
 $P sp3 --envs S,P --lr 3e-3 --batch 64 --steps 800 --budget-s $T --save "$OUT/sp3" & pids+=($!)
 tail -f /tmp/small.log & tailer=$!
 wait "${pids[@]}"
