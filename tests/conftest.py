@@ -9,6 +9,6 @@ def module_ray():
     (about 6 s + 2 s on 2 cores) instead of once a job. A job ends its own actors; stopped with the module."""
     import ray
 
-    ray.shutdown()  # not one another module left running: the first job starts it with its own config
+    ray.shutdown()  # none that another module left running: the first job starts one with its own config
     yield
     ray.shutdown()
