@@ -20,6 +20,7 @@ def k3rl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subpro
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_stopping_k3rl_ui_stops_the_mlflow_server_it_started(tmp_path, sig):
     ui, port, started = start_ui(f"sqlite:///{tmp_path}/mlflow.db", tmp_path)
     try:

@@ -21,17 +21,14 @@ def _cfg(tmp_path, *extra):
 
 
 @pytest.fixture(scope="module")
-def sync_run(tmp_path_factory):
+def sync_run(tmp_path_factory, module_ray):
     """A synchronous job whose rollout worker is killed after step 1, then resumed to step 5."""
-    import ray
-
     from k3rl.job import run_job
 
     tmp = tmp_path_factory.mktemp("job")
     cfg = _cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=3")
     first = run_job(cfg, kill_worker_at_step=1, quiet=True)
     resumed = run_job(_cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=5"), resume=True, quiet=True)
-    ray.shutdown()
     return tmp, cfg, first, resumed
 
 
@@ -122,46 +119,18 @@ def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path, step):
     assert "<html" in html.read_text().lower()
 
 
-def test_job_against_a_local_ray_start_head_cluster(tmp_path):
-    """`ray.address` joins an existing cluster (`ray start --head` on loopback) and trains on a user's
-    env from a module outside the package (`envs.imports`), which the cluster's workers get through
-    `ray.runtime_env`; the sandboxes it used are gone when the job ends."""
-    from pathlib import Path
-
-    from ray_head import ray_head
-
-    from k3rl.cluster import free_port
-    from k3rl.job import run_job
-
-    tests = str(Path(__file__).resolve().parent)
-    with ray_head(free_port(), num_cpus=4) as address:
-        cfg = _cfg(tmp_path, f"ray.address={address}", "learner.steps=1", "name=cluster", "envs.imports=[faulty_envs]",
-                   "envs.train.0.id=faulty/SandboxedLookup-v0", f"ray.runtime_env.env_vars.PYTHONPATH={tests}")
-        summary = run_job(cfg, quiet=True)
-    assert summary["completed"] and summary["steps"] == 1
-    assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
-    assert summary["buffer"]["trained"] == 4
-    ps = subprocess.run(["docker", "ps", "-aq", "--filter", "label=k3rl.job=cluster"], capture_output=True, text=True)
-    assert ps.stdout.split() == []
-
-
-def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
+def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path, module_ray):
     """learner.world_size=2: two learner ranks (Ray actors, one gloo process group on loopback)
     train one FSDP2 + expert-parallel model; the weights the engines get and the checkpoint are
     the whole model, which loads into one process."""
-    import ray
     import torch
 
     from k3rl.job import run_job
     from k3rl.model import K3Config, load_hf
 
-    ray.shutdown()
     cfg = _cfg(tmp_path, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",
                "learner.expert_parallel=2", "rollout.max_policy_lag=0", "name=ranks")
-    try:
-        summary = run_job(cfg, quiet=True)
-    finally:
-        ray.shutdown()
+    summary = run_job(cfg, quiet=True)
     assert summary["completed"] and summary["steps"] == 2
     model = load_hf(tmp_path / "runs" / "ranks" / "checkpoints" / "step-000002" / "model")
     tiny = K3Config.preset("k3-tiny")
@@ -170,21 +139,15 @@ def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
+def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path, module_ray):
     """rollout.weight_transport=nccl: the learner's rank 0 and two engines form a broadcast group
     (gloo between these CPU processes, NCCL between GPUs: the same code); in synchronous mode
     every token is then sampled from exactly the weights the learner trains (ratios 1)."""
-    import ray
-
     from k3rl.job import run_job
 
-    ray.shutdown()
     cfg = _cfg(tmp_path, "learner.steps=2", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
                "rollout.max_policy_lag=0", "name=bcast")
-    try:
-        summary = run_job(cfg, quiet=True)
-    finally:
-        ray.shutdown()
+    summary = run_job(cfg, quiet=True)
     assert summary["completed"] and summary["steps"] == 2
     from k3rl.model import K3Config, K3ForCausalLM
 
@@ -199,21 +162,15 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path):
     assert "weight_sync/bytes" not in summary["history"][-1]
 
 
-def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path):
+def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path, module_ray):
     """rollout.weight_transport=nccl with engine 0 killed after step 1's training: that step's
     broadcast fails, the same weights go through the object store (the dead engine is restarted
     and replayed them), the group is formed again for step 2, and every step stays on-policy."""
-    import ray
-
     from k3rl.job import run_job
 
-    ray.shutdown()
     cfg = _cfg(tmp_path, "learner.steps=3", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
                "rollout.max_policy_lag=0", "rollout.weight_sync_timeout_s=30", "name=engine-dies")
-    try:
-        summary = run_job(cfg, kill_engine_at_step=1, quiet=True)
-    finally:
-        ray.shutdown()
+    summary = run_job(cfg, kill_engine_at_step=1, quiet=True)
     assert summary["completed"] and summary["steps"] == 3
     h = summary["history"]
     assert h[0]["weight_sync/fallbacks"] == 1.0 and "weight_sync/broadcast_s" not in h[0]  # the object store's
@@ -222,3 +179,31 @@ def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path):
     for m in h:
         assert m["staleness/max"] == 0.0
         assert abs(m["is_ratio_mean"] - 1.0) < 2e-3 and m["is_ratio_max"] < 1.01
+
+
+def test_job_against_a_local_ray_start_head_cluster(tmp_path):
+    """`ray.address` joins an existing cluster (`ray start --head` on loopback) and trains on a user's
+    env from a module outside the package (`envs.imports`), which the cluster's workers get through
+    `ray.runtime_env`; the sandboxes it used are gone when the job ends."""
+    from pathlib import Path
+
+    import ray
+    from ray_head import ray_head
+
+    from k3rl.cluster import free_port
+    from k3rl.job import run_job
+
+    tests = str(Path(__file__).resolve().parent)
+    ray.shutdown()  # the module's local Ray: this job joins the head's cluster instead
+    with ray_head(free_port(), num_cpus=4) as address:
+        cfg = _cfg(tmp_path, f"ray.address={address}", "learner.steps=1", "name=cluster", "envs.imports=[faulty_envs]",
+                   "envs.train.0.id=faulty/SandboxedLookup-v0", f"ray.runtime_env.env_vars.PYTHONPATH={tests}")
+        try:
+            summary = run_job(cfg, quiet=True)
+        finally:
+            ray.shutdown()
+    assert summary["completed"] and summary["steps"] == 1
+    assert json.loads((tmp_path / "runs" / "cluster" / "summary.json").read_text())["completed"]
+    assert summary["buffer"]["trained"] == 4
+    ps = subprocess.run(["docker", "ps", "-aq", "--filter", "label=k3rl.job=cluster"], capture_output=True, text=True)
+    assert ps.stdout.split() == []

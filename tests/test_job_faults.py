@@ -50,6 +50,14 @@ def _bwrap_before():
     BWRAP_BEFORE.update(subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True).stdout.split())
 
 
+@pytest.fixture
+def no_local_ray():
+    """The CLI's jobs run a Ray of their own; none runs in this process (the module's jobs share one)."""
+    import ray
+
+    ray.shutdown()
+
+
 def leftovers(job: str) -> dict[str, list]:
     """What a job may have left: containers with its label, live Ray actors (when Ray is up in this
     process), sandbox processes, and Ray processes whose session has no raylet any more."""
@@ -79,24 +87,18 @@ def nothing_left(job: str, deadline_s: float = 60.0) -> dict[str, list]:
         time.sleep(1.0)
 
 
-def test_fault_injection_of_the_whole_job(tmp_path):
+def test_fault_injection_of_the_whole_job(tmp_path, module_ray):
     """Envs whose reset and tools fail at random beside a sandboxed env; rollout worker 0 killed after
     step 1 and engine 0 after step 2. The job completes, failures are stored and never trained,
     issued = trained + failed + stale + unused + cancelled, each stored once, nothing left behind."""
-    import ray
-
     from k3rl.job import run_job
     from k3rl.store import TrajectoryStore
 
-    ray.shutdown()
     cfg = JobConfig.from_dict(_job(tmp_path, "faults", [FLAKY, SANDBOXED], "learner.steps=4", "rollout.max_policy_lag=1",
                                    "rollout.num_rollout_workers=2", "rollout.num_inference_workers=2"))
-    try:
-        summary = run_job(cfg, kill_worker_at_step=1, kill_engine_at_step=2, quiet=True)
-        assert summary["completed"] and summary["steps"] == 4 and summary["restarts"] >= 1
-        assert nothing_left("faults") == {"containers": [], "bwrap": [], "ray_orphans": [], "actors": []}
-    finally:
-        ray.shutdown()
+    summary = run_job(cfg, kill_worker_at_step=1, kill_engine_at_step=2, quiet=True)
+    assert summary["completed"] and summary["steps"] == 4 and summary["restarts"] >= 1
+    assert nothing_left("faults") == {"containers": [], "bwrap": [], "ray_orphans": [], "actors": []}
     rows = TrajectoryStore(tmp_path / "runs" / "faults", readonly=True).summary()
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids))  # each stored exactly once
@@ -115,7 +117,7 @@ def test_fault_injection_of_the_whole_job(tmp_path):
         assert m["staleness/max"] <= 1.0
 
 
-def test_an_actor_dying_fails_the_run_and_leaves_nothing(tmp_path):
+def test_an_actor_dying_fails_the_run_and_leaves_nothing(tmp_path, module_ray):
     """Learner rank 0 killed after step 1: the job raises the actor's death, its MLflow run is FAILED,
     and the engines, workers, buffer and sandboxes are gone."""
     import ray
@@ -123,33 +125,23 @@ def test_an_actor_dying_fails_the_run_and_leaves_nothing(tmp_path):
 
     from k3rl.job import run_job
 
-    ray.shutdown()
     cfg = JobConfig.from_dict(_job(tmp_path, "dies", [SANDBOXED], "learner.steps=3"))
-    try:
-        with pytest.raises(ray.exceptions.RayActorError):
-            run_job(cfg, kill_learner_at_step=1, quiet=True)
-        assert nothing_left("dies") == {"containers": [], "bwrap": [], "ray_orphans": [], "actors": []}
-    finally:
-        ray.shutdown()
+    with pytest.raises(ray.exceptions.RayActorError):
+        run_job(cfg, kill_learner_at_step=1, quiet=True)
+    assert nothing_left("dies") == {"containers": [], "bwrap": [], "ray_orphans": [], "actors": []}
     run = MlflowClient(cfg.tracking.uri).search_runs([MlflowClient(cfg.tracking.uri).get_experiment_by_name("k3rl").experiment_id])[0]
     assert run.info.status == "FAILED"
 
 
-def test_a_job_whose_episodes_all_fail_stops_with_their_errors(tmp_path):
-    import ray
-
+def test_a_job_whose_episodes_all_fail_stops_with_their_errors(tmp_path, module_ray):
     from k3rl.job import run_job
     from k3rl.rollout.scheduler import EpisodesFailingError
 
-    ray.shutdown()
     every_reset_fails = {"id": "faulty/FlakyLookup-v0", "kwargs": {"num_keys": 2, "reset_fails": 1.0}}
     cfg = JobConfig.from_dict(_job(tmp_path, "allfail", [every_reset_fails], "learner.steps=2"))
-    try:
-        with pytest.raises(EpisodesFailingError, match="RuntimeError: injected: reset failed") as e:
-            run_job(cfg, quiet=True)
-        assert "empty prompt" not in str(e.value) and "k3rl envs check" in str(e.value)
-    finally:
-        ray.shutdown()
+    with pytest.raises(EpisodesFailingError, match="RuntimeError: injected: reset failed") as e:
+        run_job(cfg, quiet=True)
+    assert "empty prompt" not in str(e.value) and "k3rl envs check" in str(e.value)
 
 
 def _train(config: dict, tmp_path, *args) -> subprocess.Popen:
@@ -167,7 +159,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 300.0) -> N
         time.sleep(0.2)
 
 
-def test_sigkill_of_the_driver_then_gc_then_resume_is_lossless(tmp_path):
+def test_sigkill_of_the_driver_then_gc_then_resume_is_lossless(tmp_path, no_local_ray):
     """SIGKILL the driver mid-run; `k3rl sandbox gc` leaves no container, sandbox or Ray process of it;
     `--resume` finishes, and the store holds every trained episode exactly once, tagged with the step
     that trained it (each step P groups), and every failed one once."""
@@ -200,7 +192,7 @@ def test_sigkill_of_the_driver_then_gc_then_resume_is_lossless(tmp_path):
     assert nothing_left("killed") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
-def test_ctrl_c_ends_with_a_checkpoint_and_leaves_nothing(tmp_path):
+def test_ctrl_c_ends_with_a_checkpoint_and_leaves_nothing(tmp_path, no_local_ray):
     from mlflow.tracking import MlflowClient
 
     config = _job(tmp_path, "interrupted", [SANDBOXED], "learner.steps=50", "rollout.max_policy_lag=1")
@@ -218,7 +210,7 @@ def test_ctrl_c_ends_with_a_checkpoint_and_leaves_nothing(tmp_path):
     assert nothing_left("interrupted") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
-def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path):
+def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path, no_local_ray):
     """Ctrl-C while the SFT warm start runs (a long one): the job ends at once with 130, KILLED, no
     RL step, no checkpoint, nothing left behind."""
     from mlflow.tracking import MlflowClient
@@ -247,21 +239,15 @@ def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path):
     assert nothing_left("early") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
-def test_same_seeds_lag_0_one_worker_give_identical_trajectories(tmp_path):
-    import ray
-
+def test_same_seeds_lag_0_one_worker_give_identical_trajectories(tmp_path, module_ray):
     from k3rl.job import run_job
     from k3rl.store import TrajectoryStore
 
     runs = []
-    for name in ("same-a", "same-b"):
-        ray.shutdown()
+    for name in ("same-a", "same-b"):  # one after the other on one Ray
         cfg = JobConfig.from_dict(_job(tmp_path, name, [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
                                        "learner.steps=2", "rollout.max_policy_lag=0", "learner.checkpoint_every=0"))
-        try:
-            run_job(cfg, quiet=True)
-        finally:
-            ray.shutdown()
+        run_job(cfg, quiet=True)
         store = TrajectoryStore(tmp_path / "runs" / name, readonly=True)
         runs.append({t.id.split("-", 2)[-1]: t for t in store.read(status="trained")})
     a, b = runs

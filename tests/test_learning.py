@@ -26,9 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("seed", [0])
-def test_short_job_learns_keylookup(tmp_path, seed):
-    import ray
-
+def test_short_job_learns_keylookup(tmp_path, seed, module_ray):
     from k3rl.job import run_job
 
     cfg = JobConfig.load(EXAMPLES / "demo_from_scratch.yaml", [
@@ -44,7 +42,6 @@ def test_short_job_learns_keylookup(tmp_path, seed):
         f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=learn{seed}", "tracking.run_name=null",
     ])
     summary = run_job(cfg, quiet=True)
-    ray.shutdown()
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=cfg.tracking.uri)
@@ -69,9 +66,7 @@ def test_short_job_learns_keylookup(tmp_path, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rl_raises_held_out_success_from_a_stored_warm_start(tmp_path, seed):
-    import ray
-
+def test_rl_raises_held_out_success_from_a_stored_warm_start(tmp_path, seed, module_ray):
     from k3rl.job import run_job
 
     cfg = JobConfig.load(EXAMPLES / "demo.yaml", [
@@ -83,7 +78,6 @@ def test_rl_raises_held_out_success_from_a_stored_warm_start(tmp_path, seed):
         f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=gain{seed}", "tracking.run_name=null",
     ])
     summary = run_job(cfg, quiet=True)
-    ray.shutdown()
     assert summary["completed"] and sorted(summary["eval"]) == [0, 8], summary["eval"]
     before, after = summary["eval"][0], summary["eval"][8]
     greedy = [e["eval/KeyLookup-v0/success"] for e in (before, after)]

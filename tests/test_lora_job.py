@@ -27,6 +27,7 @@ def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_pat
     sets = ["name=lora", "tracking.run_name=lora", "rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_policy_lag=0",
             "learner.steps=2", "learner.checkpoint_every=1", "learner.sft_steps=2", "learner.sft_phases=[]", "learner.sft_episodes=4",
             "learner.sft_lr=0.05", "learner.lr=0.05", "learner.eval_before_training=false", "tracking.eval_every=0",
+            "envs.eval=[]",  # no held-out eval (the demo's 64 tasks x 5 before step 1 took most of the test's time)
             "learner.lora.rank=4", "learner.lora.alpha=8", "learner.lora.sync=adapters",
             "learner.lora.targets=[attention,shared_experts,routed_experts,latent]",
             f"tracking.runs_dir={runs}", f"tracking.uri={uri}", "ray.num_cpus=4"]

@@ -208,17 +208,18 @@ def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path
     failed in that migration. Each must get its own run in the one experiment."""
     import subprocess
     import sys
-    import time
 
     uri = f"sqlite:///{tmp_path}/new/mlflow.db"
     go = tmp_path / "go"
     code = ("import sys, time, pathlib\n"
             "from k3rl.tracking import Tracker\n"
+            "print('ready', flush=True)\n"
             f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
             f"t = Tracker({uri!r}, experiment='together', run_name='r' + sys.argv[1]); t.finish()\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stderr=subprocess.PIPE, text=True)
-             for i in range(3)]
-    time.sleep(8)  # every process imported mlflow and waits on the file
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(3)]
+    for p in procs:  # every process imported mlflow and waits on the file
+        assert p.stdout.readline() == "ready\n", p.communicate(timeout=120)[1][-1500:]
     go.touch()
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(e[-1500:] for e in errors)

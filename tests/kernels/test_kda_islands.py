@@ -18,6 +18,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.slow
 def test_island_kernels_under_the_interpreter():
     run_interpreted("islands_interpret_cases.py")
 

@@ -15,11 +15,13 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 @has_triton
+@pytest.mark.slow
 def test_route_kernels_under_the_interpreter():
     run_interpreted("routes_interpret_cases.py")
 
 
 @has_triton
+@pytest.mark.slow
 def test_the_route_kernels_compile_for_sm90():
     script = pathlib.Path(__file__).with_name("routes_sm90_check.py")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)

@@ -8,5 +8,6 @@ from interpreter_run import run_interpreted
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.slow
 def test_triton_kernels_under_the_interpreter():
     run_interpreted("interpret_cases.py")

@@ -165,7 +165,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(res, os.path.join(out_dir, f"cp{rank}.pt"))
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[pytest.param(w, id=f"world{w}", marks=pytest.mark.slow) for w in (2, 4)])
 def ranks(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"cp{world}")

@@ -86,6 +86,7 @@ def _close(a: float, b: float, key: str) -> None:
     assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (key, a, b)
 
 
+@pytest.mark.slow
 def test_context_parallel_trainer_equals_one_process(tmp_path):
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     two = torch.load(tmp_path / "cp.pt", weights_only=False)

@@ -317,6 +317,7 @@ def _live_teacher_engines(deadline_s: float = 30.0) -> int:
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.slow
 def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(tmp_path):
     """Teacher a on 2 engines of its own (e/A), teacher b in the learner (the rest): the engines attach
     the learner's own log-probs of a (a segmented episode too), and the advantages equal the
@@ -364,6 +365,7 @@ def test_a_teacher_on_engines_of_its_own_scores_as_the_learner_does(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.slow
 def test_a_teacher_engine_dying_or_not_starting_is_named_by_its_checkpoint(tmp_path):
     import asyncio
 

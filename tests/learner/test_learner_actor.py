@@ -116,6 +116,7 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_group_of_two_fsdp_ranks_trains_pushes_and_checkpoints(ray_cluster, tmp_path):
     from k3rl.model import load_hf
     from k3rl.rollout.engine import EmbeddedEngine

@@ -178,6 +178,7 @@ def _is_expert(name: str) -> bool:
     return ".experts.w" in name
 
 
+@pytest.mark.slow
 def test_ep_forward_and_input_gradients_equal_one_process(ranks):
     two, _ = ranks
     logits, _, layer, _ = _one_process()
@@ -194,6 +195,7 @@ def test_ep_forward_and_input_gradients_equal_one_process(ranks):
         assert max(diffs) < 1e-2, (r, diffs)
 
 
+@pytest.mark.slow
 def test_ep_gradients_equal_one_process(ranks):
     two, _ = ranks
     _, full, _, _ = _one_process()
@@ -209,6 +211,7 @@ def test_ep_gradients_equal_one_process(ranks):
     assert worst_expert < 5e-5 and worst_other < 5e-5, (worst_expert, worst_other)
 
 
+@pytest.mark.slow
 def test_ep_routing_to_one_rank_only(ranks):
     """Every route lands on rank 0's experts: rank 1 receives no rows but joins the exchanges."""
     two, _ = ranks
@@ -226,6 +229,7 @@ def test_ep_routing_to_one_rank_only(ranks):
     assert _max_diff(two[0]["expert_grad_rank0"], _expert_slice(moe, full[moe], 0)) < 1e-5
 
 
+@pytest.mark.slow
 def test_each_rank_holds_half_of_the_experts(ranks):
     two, _ = ranks
     one = {n: tuple(p.shape) for n, p in _model(0).named_parameters()}
@@ -251,6 +255,7 @@ def test_each_rank_holds_half_of_the_experts(ranks):
         assert local * EP == sum(torch.Size(one[n]).numel() for n in experts)
 
 
+@pytest.mark.slow
 def test_ep_trainer_state_and_export_are_full_and_exact(ranks):
     two, _ = ranks
     one = Trainer(_model(0), _cfg(1))
@@ -262,6 +267,7 @@ def test_ep_trainer_state_and_export_are_full_and_exact(ranks):
         assert all(torch.equal(export[k], two[r]["export0"][k]) for k in export)
 
 
+@pytest.mark.slow
 def test_ep_trainer_steps_equal_one_process(ranks):
     two, _ = ranks
     one = Trainer(_model(0), _cfg(1))
@@ -295,6 +301,7 @@ def test_ep_trainer_steps_equal_one_process(ranks):
         )
 
 
+@pytest.mark.slow
 def test_ep_that_does_not_divide_the_experts_is_refused(ranks):
     two, _ = ranks
     for r in range(EP):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from learner_helpers import gloo_group, make_trajectories
@@ -56,6 +57,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             torch.save(results, os.path.join(out_dir, "fsdp.pt"))
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_equal_one_process(tmp_path):
     mp.spawn(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     two = torch.load(tmp_path / "fsdp.pt", weights_only=False)

@@ -1,5 +1,6 @@
 """The KL reference policy follows an SFT warm start when asked to."""
 
+import pytest
 import torch
 from learner_helpers import gloo_group, make_trajectories
 
@@ -43,6 +44,7 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
                        os.path.join(out, "ref.pt"))
 
 
+@pytest.mark.slow
 def test_reset_reference_under_fsdp(tmp_path):
     """FSDP + kl_coef > 0 + an SFT warm start: the reference becomes the warm-started policy on
     every rank (it raised before)."""

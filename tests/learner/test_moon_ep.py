@@ -236,7 +236,7 @@ def _spawn(world: int, tmp_path_factory):
     return [torch.load(out / f"moon{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+@pytest.fixture(scope="module", params=[pytest.param(w, id=f"ep{w}", marks=pytest.mark.slow) for w in (2, 4)])
 def ranks(request, tmp_path_factory):
     return _spawn(request.param, tmp_path_factory)
 

@@ -29,6 +29,7 @@ def _local(prompt, params):
     return EmbeddedEngine(K3ForCausalLM(K3Config.preset("k3-tiny")), background=False).generate(prompt, params)
 
 
+@pytest.mark.slow
 def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
     async def main():
         pool = InferencePool(2, SPEC, max_retries=3, actor_options=NO_CPU_SLOT)

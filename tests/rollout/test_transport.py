@@ -51,6 +51,7 @@ def _model_bytes() -> int:
     return sum(t.numel() * t.element_size() for t in _update(0, 0).state_dict().values())
 
 
+@pytest.mark.slow
 def test_object_store_send_and_receive(ray_cluster):
     pool = _pool()
     try:
@@ -68,6 +69,7 @@ def test_object_store_send_and_receive(ray_cluster):
         _stop(pool)
 
 
+@pytest.mark.slow
 def test_collective_broadcast_reuses_its_group_and_falls_back_when_an_engine_dies(ray_cluster):
     """gloo between CPU processes (NCCL between GPUs: the same code)."""
     pool = _pool()
