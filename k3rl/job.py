@@ -85,7 +85,8 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
             with _progress(quiet, step, steps) as show:
                 while warmed and step < steps:
                     t0 = time.monotonic()
-                    batch = await _unless(stop, job.sched.next_batch(step + 1))  # fresh groups, under the lag bound
+                    # fresh groups, under the lag bound
+                    batch = await _unless(stop, job.sched.next_batch(step + 1), undo=job.sched.put_back)
                     if batch is None:  # a stop signal: end with a checkpoint of the last complete step
                         break
                     step += 1
@@ -284,9 +285,11 @@ class Job:
 
 
 # ----- small pieces of the loop -------------------------------------------------------------------
-async def _unless(stop: Stop | asyncio.Event, coro):
+async def _unless(stop: Stop | asyncio.Event, coro, undo=None):
     """`coro`'s result, or None when `stop` is set first (its task is then cancelled). Stop wins a tie:
-    an asynchronous job whose next batch is always ready when a step ends must still stop on Ctrl-C."""
+    an asynchronous job whose next batch is always ready when a step ends must still stop on Ctrl-C;
+    the result that came anyway goes to `undo` (a batch back to the scheduler, whose checkpoint then
+    re-issues its groups)."""
     if stop.is_set():
         coro.close()
         return None
@@ -297,7 +300,11 @@ async def _unless(stop: Stop | asyncio.Event, coro):
         waiter.cancel()
         if not task.done():
             task.cancel()
-    return task.result() if task.done() and not stop.is_set() else None
+    if not stop.is_set():
+        return task.result()
+    if undo and task.done() and not task.cancelled() and task.exception() is None:
+        undo(task.result())
+    return None
 
 
 async def _then_true(coro) -> bool:

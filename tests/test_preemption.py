@@ -102,3 +102,29 @@ def test_sighup_and_sigterm_stop_the_job_and_the_grace_bounds_the_wait_for_the_s
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def test_a_stop_that_comes_with_a_ready_batch_leaves_its_groups_to_the_checkpoint():
+    """A stop signal in the same turn as the step's batch: the stop wins (no step more), and the batch's
+    groups go back to the scheduler's open groups, which the checkpoint records (`Job.save`) and a resume
+    re-issues under their ids; before, they were stored unused, rolled back and never re-issued."""
+    from k3rl.config import JobConfig
+    from k3rl.job import _unless
+    from k3rl.rollout.scheduler import Group, Scheduler, episode_specs
+
+    cfg = JobConfig.load(None, ["rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_policy_lag=0"])
+
+    async def main():
+        sched = Scheduler(cfg, "tie", lambda i: None, buffer=None)  # no worker: nothing is issued here
+        for index in range(2):  # two finished groups sampled by version 0: step 1's batch, ready
+            g = Group(index, episode_specs(cfg, "tie", index, 0), 0)
+            g.results = {s["id"]: {"min_version": 0, "max_version": 0, "generated": 5, "reward": float(k),
+                                   "error": None} for k, s in enumerate(g.specs)}
+            sched.open[g.id] = g
+        sched.next_index = 2
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_soon(stop.set)  # the signal lands in the turn the batch is handed out
+        assert await _unless(stop, sched.next_batch(1), undo=sched.put_back) is None
+        return sched.open_indices()
+
+    assert asyncio.run(main()) == [0, 1]
