@@ -126,8 +126,9 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                     if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
                         await job.save(step)
                     done = step
-        if warmed and not stop.abandoned:  # (stopped in the warm start: nothing trained by RL yet, nothing to save;
-            await job.save(step)            # past the grace: the last checkpoint stands)  # a no-op when that step already has its checkpoint
+        # stopped in the warm start: nothing trained by RL yet; past the grace: the last checkpoint stands
+        if warmed and not stop.abandoned:
+            await job.save(step)  # a no-op when that step already has its checkpoint
         await job.sched.stop()
         # what finished but was not trained is stored as unused; a resume rolls it back and re-issues it
         await within(job.buffer.flush_unused.remote(step + 1), BUFFER_S, "the buffer to store the unused episodes")
