@@ -118,7 +118,8 @@ def train(
         result = run_job(cfg, resume=resume)
     except ConfigError as e:  # refused by the job's own checks before it started
         _refused(e)
-    raise typer.Exit(0 if result["completed"] else 130)  # 130: stopped by Ctrl-C, with a checkpoint
+    # stopped by a signal, after a checkpoint: 128 + it (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP; k3rl/job.py Stop)
+    raise typer.Exit(0 if result["completed"] else 128 + (result["signal"] or 2))
 
 
 @app.command()

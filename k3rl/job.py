@@ -70,64 +70,70 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
 async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None]) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:  # every actor, episode and the MLflow run end on every exit
         job = await Job.start(cfg, resume, stack)
-        stop = _ctrl_c()  # from here on Ctrl-C ends the job cleanly (Ray's start-up is behind us)
+        stop = Stop(cfg.learner.preempt_grace_s)  # from here on Ctrl-C, SIGTERM and SIGHUP end the job cleanly
         step, steps, history, evals, t_job = job.step, cfg.learner.steps, [], {}, time.monotonic()
-        warmed = await _unless(stop, _then_true(job.warm_start()))  # None: Ctrl-C during the warm start
-        if warmed and not job.resumed and cfg.learner.sft_steps and cfg.learner.checkpoint_every:
-            await job.save(step)  # the SFT's policy as step 0's checkpoint: a warm start to keep or resume from
-        if warmed:
-            await job.push(step + 1)
-        if warmed and not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step
-            evals[0] = await job.evaluate(0)
-            job.tracker.log_metrics(evals[0], step=0)
-        with _progress(quiet, step, steps) as show:
-            while warmed and step < steps:
-                t0 = time.monotonic()
-                batch = await _unless(stop, job.sched.next_batch(step + 1))  # fresh groups, under the lag bound
-                if batch is None:  # Ctrl-C: end with a checkpoint of the last complete step
-                    break
-                step += 1
-                ref = (await within(job.buffer.take_ref.remote([g.id for g in batch], step), BUFFER_S,
-                                    f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
-                stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
-                t1 = time.monotonic()
-                # teachers on engines of their own attach log T to the episodes (learner/teacher_engines.py)
-                ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
-                m = {**step_metrics(stats, step), "policy_version": float(step), **scored}
-                verdict = job.guard.observe(m.get("episodes/format_error_rate", 0.0)) if job.guard else "ok"
-                if verdict == "ok" and job.guard:  # the policy that sampled this batch is the last good one
-                    await within(job.learner.call("snapshot"), TRAIN_STEP_S, f"the guard's snapshot at step {step}")
-                if verdict == "rollback":  # back to the last good policy, at a lower rate; this batch is not trained
-                    console.log(f"[yellow]step {step}: format error rate {m['episodes/format_error_rate']:.2f} over "
-                                f"the guard's bound; rolling back to the last good policy at "
-                                f"{job.guard.lr_scale:g}x the learning rate")
-                    m.update(await within(job.learner.call("restore", job.guard.lr_scale), TRAIN_STEP_S,
-                                          f"the guard's rollback at step {step}"))
-                else:
-                    m.update(await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}"))
-                if job.guard:
-                    m.update(job.guard.metrics())
-                t2 = time.monotonic()
-                _inject_faults(faults, step, job)
-                if step < steps or job.eval_due(step):  # nothing samples from the last step's weights but its eval
-                    m.update(await job.push(step + 1, admit=step < steps))
-                m.update(_timings(stats, t0, t1, t2), **job.sched.metrics(), **await _engine_metrics(job.pool))
-                if job.eval_due(step):  # between the push of version step + 1 and the next batch
-                    evals[step] = await job.evaluate(step)
-                    m.update(evals[step])
-                history.append(m)
-                job.tracker.log_metrics(m, step=step)
-                show(step, m)
-                if cfg.tracking.sample_episodes and (step % cfg.tracking.sample_every == 0 or step == steps):
-                    _log_samples(job, stats, step)
-                if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
-                    await job.save(step)
-        if warmed:  # (stopped in the warm start: nothing trained by RL yet, nothing to save)
+        done, warmed = step, None  # done: the last step trained to its end
+        async with stop.grace():  # a step in progress is abandoned learner.preempt_grace_s after a stop signal
+            warmed = await _unless(stop, _then_true(job.warm_start()))  # None: stopped during the warm start
+            if warmed and not job.resumed and cfg.learner.sft_steps and cfg.learner.checkpoint_every:
+                await job.save(step)  # the SFT's policy as step 0's checkpoint: a warm start to keep or resume from
+            if warmed:
+                await job.push(step + 1)
+            if warmed and not job.resumed and cfg.envs.eval:  # step 0: the warm-started policy, before the first RL step
+                evals[0] = await job.evaluate(0)
+                job.tracker.log_metrics(evals[0], step=0)
+            with _progress(quiet, step, steps) as show:
+                while warmed and step < steps:
+                    t0 = time.monotonic()
+                    # fresh groups, under the lag bound
+                    batch = await _unless(stop, job.sched.next_batch(step + 1), undo=job.sched.put_back)
+                    if batch is None:  # a stop signal: end with a checkpoint of the last complete step
+                        break
+                    step += 1
+                    ref = (await within(job.buffer.take_ref.remote([g.id for g in batch], step), BUFFER_S,
+                                        f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
+                    stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
+                    t1 = time.monotonic()
+                    # teachers on engines of their own attach log T to the episodes (learner/teacher_engines.py)
+                    ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
+                    m = {**step_metrics(stats, step), "policy_version": float(step), **scored}
+                    verdict = job.guard.observe(m.get("episodes/format_error_rate", 0.0)) if job.guard else "ok"
+                    if verdict == "ok" and job.guard:  # the policy that sampled this batch is the last good one
+                        await within(job.learner.call("snapshot"), TRAIN_STEP_S, f"the guard's snapshot at step {step}")
+                    if verdict == "rollback":  # back to the last good policy, at a lower rate; this batch is not trained
+                        console.log(f"[yellow]step {step}: format error rate {m['episodes/format_error_rate']:.2f} over "
+                                    f"the guard's bound; rolling back to the last good policy at "
+                                    f"{job.guard.lr_scale:g}x the learning rate")
+                        m.update(await within(job.learner.call("restore", job.guard.lr_scale), TRAIN_STEP_S,
+                                              f"the guard's rollback at step {step}"))
+                    else:
+                        m.update(await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}"))
+                    if job.guard:
+                        m.update(job.guard.metrics())
+                    t2 = time.monotonic()
+                    _inject_faults(faults, step, job)
+                    if step < steps or job.eval_due(step):  # nothing samples from the last step's weights but its eval
+                        m.update(await job.push(step + 1, admit=step < steps))
+                    m.update(_timings(stats, t0, t1, t2), **job.sched.metrics(), **await _engine_metrics(job.pool))
+                    if job.eval_due(step):  # between the push of version step + 1 and the next batch
+                        evals[step] = await job.evaluate(step)
+                        m.update(evals[step])
+                    history.append(m)
+                    job.tracker.log_metrics(m, step=step)
+                    show(step, m)
+                    if cfg.tracking.sample_episodes and (step % cfg.tracking.sample_every == 0 or step == steps):
+                        _log_samples(job, stats, step)
+                    if cfg.learner.checkpoint_every and step % cfg.learner.checkpoint_every == 0:
+                        await job.save(step)
+                    done = step
+        # stopped in the warm start: nothing trained by RL yet; past the grace: the last checkpoint stands
+        if warmed and not stop.abandoned:
             await job.save(step)  # a no-op when that step already has its checkpoint
         await job.sched.stop()
         # what finished but was not trained is stored as unused; a resume rolls it back and re-issues it
         await within(job.buffer.flush_unused.remote(step + 1), BUFFER_S, "the buffer to store the unused episodes")
-        summary = {"completed": bool(warmed) and step >= steps, "steps": step, "run_dir": str(job.run_dir),
+        summary = {"completed": bool(warmed) and done >= steps, "steps": done, "run_dir": str(job.run_dir),
+                   "signal": stop.signal, "abandoned_step": stop.abandoned,
                    "mlflow_run_id": job.tracker.run_id, "history": history, "eval": evals,
                    "buffer": await within(job.buffer.get_stats.remote(), BUFFER_S, "the buffer's counts"),
                    "accounting": job.sched.metrics(),
@@ -280,18 +286,25 @@ class Job:
 
 
 # ----- small pieces of the loop -------------------------------------------------------------------
-async def _unless(stop: asyncio.Event, coro):
+async def _unless(stop: Stop | asyncio.Event, coro, undo=None):
     """`coro`'s result, or None when `stop` is set first (its task is then cancelled). Stop wins a tie:
-    an asynchronous job whose next batch is always ready when a step ends must still stop on Ctrl-C."""
+    an asynchronous job whose next batch is always ready when a step ends must still stop on Ctrl-C;
+    the result that came anyway goes to `undo` (a batch back to the scheduler, whose checkpoint then
+    re-issues its groups)."""
     if stop.is_set():
         coro.close()
         return None
     task, waiter = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task.done() and not stop.is_set():
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this wait is cancelled (Stop.grace)
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+    if not stop.is_set():
         return task.result()
-    task.cancel()
+    if undo and task.done() and not task.cancelled() and task.exception() is None:
+        undo(task.result())
     return None
 
 
@@ -351,11 +364,49 @@ async def _engine_metrics(pool) -> dict[str, float]:
         return {}
 
 
-def _ctrl_c() -> asyncio.Event:
-    stop = asyncio.Event()
-    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
-    return stop
+class Stop:
+    """Ctrl-C, or a scheduler's SIGTERM or SIGHUP (a preemption): the loop ends at the next step boundary,
+    which the driver waits for at most `grace_s` after the signal (`grace()`); past that, the step in
+    progress is abandoned (`abandoned`), the last checkpoint stands and a resume re-issues its episodes.
+    Either way the MLflow run ends KILLED, every actor and container is released, and `k3rl train` exits
+    128 + the signal (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self.signal, self.abandoned = grace_s, None, False
+        self.event, self._deadline = asyncio.Event(), None
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:  # replaces Ray's SIGTERM handler in the driver, which exits at once
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, self.set, sig)
+
+    def set(self, sig: int = signal.SIGINT) -> None:
+        self.signal = self.signal or int(sig)
+        self.event.set()
+        if self._deadline is not None and self._deadline.when() is None:
+            self._deadline.reschedule(asyncio.get_running_loop().time() + self.grace_s)
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+    @contextlib.asynccontextmanager
+    async def grace(self):
+        """The block runs to its end, or is cancelled `grace_s` after a stop signal (then `abandoned`)."""
+        try:
+            async with asyncio.timeout(None) as self._deadline:
+                if self.is_set():
+                    self._deadline.reschedule(asyncio.get_running_loop().time() + self.grace_s)
+                yield
+        except TimeoutError:
+            if not self._deadline.expired():  # a wait of the block's own ran out: not ours
+                raise
+            self.abandoned = True
+        finally:
+            self._deadline = None
 
 
 @contextlib.contextmanager

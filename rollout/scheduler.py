@@ -186,6 +186,11 @@ class Scheduler:
         self.next_index += 1
         return self.next_index - 1
 
+    def put_back(self, batch: list[Group]) -> None:
+        """A batch handed out but not trained (a stop came with it): open again, so that the checkpoint
+        records its groups and a resume re-issues them (its episodes are stored as unused, then rolled back)."""
+        self.open.update((g.id, g) for g in batch)
+
     def open_indices(self) -> list[int]:
         """What a checkpoint records: re-issued, under the same ids, by a resumed job."""
         return sorted(g.index for g in self.open.values())

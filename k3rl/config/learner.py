@@ -210,6 +210,11 @@ class LearnerSection(_Section):
     qb_frozen: bool = True
     steps: int = Field(20, ge=0)
     checkpoint_every: int = Field(10, ge=0)
+    preempt_grace_s: float = Field(
+        60.0, gt=0, description="after SIGTERM, SIGHUP or Ctrl-C the job ends at the next step boundary with a "
+                               "checkpoint, or this many seconds after the signal with the last checkpoint (the step "
+                               "in progress abandoned; --resume re-issues its episodes); exit code 128 + the signal "
+                               "(143 SIGTERM, 129 SIGHUP, 130 Ctrl-C)")
     sft_steps: int = Field(0, ge=0, description="SFT warm start on oracle demonstrations")
     sft_warmup_ratio: float = Field(0.01, ge=0, lt=1, description="linear warmup of the SFT rate (sft_lr), as a share "
                                     "of sft_steps; apart from warmup_ratio, which is the RL steps'")
