@@ -85,7 +85,7 @@ def test_the_command_works(page, words, tmp_path):
     mention = words[0] == "mention"
     program, args = words[mention], words[mention + 1:]
     if program == "k3rl":
-        check_k3rl(args, mention)
+        check_k3rl(args, mention, tmp_path)
     elif program == "make":
         done = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, f"{page}: make {' '.join(args)}: {done.stderr}"
@@ -106,7 +106,7 @@ def test_the_command_works(page, words, tmp_path):
                 assert (ROOT / path).exists(), f"{page}: {' '.join(words)} names {path}, which does not exist"
 
 
-def check_k3rl(args: list[str], mention: bool = False) -> None:
+def check_k3rl(args: list[str], mention: bool = False, out: Path | None = None) -> None:
     """Parse `args` with the real CLI; run the quick commands (on local stores only: a test sends nothing
     beyond loopback); check a train command's config as the job would. A mention need only name a command."""
     cmd, names, rest = typer.main.get_command(app), [], list(args)
@@ -116,6 +116,8 @@ def check_k3rl(args: list[str], mention: bool = False) -> None:
     if mention and not rest:
         return
     if "--help" in rest or tuple(names) in RUN_FOR_REAL and not any("://" in a for a in rest):
+        if out is not None:  # what a command saves goes to the test's folder, not into the checkout
+            args = [str(out / a) if i and args[i - 1] == "--save" else a for i, a in enumerate(args)]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, f"k3rl {' '.join(args)}: {result.output}"
         return
