@@ -106,6 +106,10 @@ def mlflow_client(uri: str):
     path = sqlite_path(uri)
     if path is None:
         return MlflowClient(tracking_uri=uri)
+    # the file's absolute path: MLflow caches a store per URI string, so a relative URI opened again after a
+    # chdir would reach the first directory's database
+    path = path.absolute()
+    uri = f"sqlite:///{path}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

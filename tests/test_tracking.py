@@ -193,13 +193,19 @@ def test_key_and_value_limits():
 
 
 def test_sqlite_directory_is_created(tmp_path, monkeypatch):
-    """The default relative URI works from a fresh working directory (runs/ is created)."""
-    monkeypatch.chdir(tmp_path)
-    t = Tracker(experiment="k3rl", run_name="default")
-    t.finish()
-    assert Path("runs/mlflow.db").is_file()
-    assert Path(MlflowClient("sqlite:///runs/mlflow.db").get_experiment_by_name("k3rl").artifact_location) == (
-        tmp_path / "runs" / "artifacts" / "k3rl")
+    """The default relative URI works from a fresh working directory (runs/ is created), and from another
+    one later in the same process (MLflow caches a store per URI string: the relative URI reached the first
+    directory's database)."""
+    for where in (tmp_path / "a", tmp_path / "b"):
+        where.mkdir()
+        monkeypatch.chdir(where)
+        t = Tracker(experiment="k3rl", run_name="default")
+        t.finish()
+        assert Path("runs/mlflow.db").is_file(), f"no runs/mlflow.db in {where}"
+        client = MlflowClient(f"sqlite:///{where}/runs/mlflow.db")
+        assert Path(client.get_experiment_by_name("k3rl").artifact_location) == where / "runs" / "artifacts" / "k3rl"
+        assert [r.info.run_name for r in client.search_runs([client.get_experiment_by_name("k3rl").experiment_id])] == [
+            "default"]
 
 
 def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path):
