@@ -68,6 +68,7 @@ def k3rl(*args: str, cwd: Path, pythonpath: Path | None = None) -> subprocess.Co
     return subprocess.run([K3RL_BIN, *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_envs_check_finds_a_users_module_by_import(tmp_path):
     write_module(tmp_path, "my_envs", "user")
     r = k3rl("envs", "check", "user/Reverse-v0", "--import", "my_envs", cwd=tmp_path)  # the module is in the cwd
@@ -81,7 +82,7 @@ def test_envs_check_finds_a_users_module_by_import(tmp_path):
     assert "--import: cannot import 'my_env': ModuleNotFoundError: No module named 'my_env'" in r.stderr
 
 
-@pytest.mark.parametrize("entry_point", ["plugin_envs", "plugin_envs:register"])
+@pytest.mark.parametrize("entry_point", ["plugin_envs", pytest.param("plugin_envs:register", marks=pytest.mark.slow)])
 def test_the_entry_point_group_takes_a_module_or_a_function(tmp_path, entry_point):
     site = tmp_path / "site"
     site.mkdir()
@@ -171,6 +172,7 @@ def test_a_cluster_job_ships_the_users_module_by_py_modules(tmp_path):
         assert got["env"]["OMP_NUM_THREADS"] == "1"  # the job's env vars reach a cluster's workers too
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_a_job_the_cluster_can_never_hold_is_refused_at_start(tmp_path):
     """More engines than the local Ray's CPUs (one each, beside the learner's), or a GPU engine on a
     cluster without GPUs: run_job refuses as soon as Ray is up, naming the config fields and the

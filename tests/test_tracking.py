@@ -208,6 +208,7 @@ def test_sqlite_directory_is_created(tmp_path, monkeypatch):
             "default"]
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path):
     """Three processes open one new SQLite store at the same moment (three demo seeds started together):
     MLflow creates and migrates the schema on first use, and without the store's file lock two of them

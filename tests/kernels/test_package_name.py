@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
@@ -25,6 +27,7 @@ def _installed_kernels() -> bool:
         return False
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_bare_kernels_from_the_repository_root_is_the_installed_package():
     run = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -14,6 +14,7 @@ from k3rl.model.common import RMSNorm
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 @has_triton
 def test_rms_norm_kernel_under_the_interpreter():
     run_interpreted("rmsnorm_interpret_cases.py")

@@ -24,6 +24,7 @@ def test_route_topk_kernel_under_the_interpreter():
     run_interpreted("router_interpret_cases.py")
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 @has_triton
 def test_the_decode_kernels_compile_for_sm90():
     """The router and the decode experts' kernels build for Hopper at k3-small's and K3's sizes."""

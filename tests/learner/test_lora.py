@@ -143,6 +143,7 @@ print(json.dumps({"keys": sorted(weights), "r": config.r, "alpha": config.lora_a
 """
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_peft_reads_the_adapter(tmp_path):
     if importlib.util.find_spec("peft") is None:
         pytest.skip("peft is not installed (pip install peft)")

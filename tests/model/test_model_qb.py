@@ -72,6 +72,7 @@ def test_repeated_steps_balance_896_experts_top16():
     assert abs(float(bias.mean())) < 1e-6  # mean-centred
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_repeated_steps_residual_shrinks_as_the_target_load_grows():
     """On a fixed batch the iteration's residual is a few sqrt(q) tokens, so it shrinks relative to q
     as the batch grows (benchmarks/qb.py: 10 steps give 10.9% at q = 64, 3.9% at 256, 2.4% at 1024,

@@ -36,6 +36,7 @@ RELEASE_QUANTIZATION = {  # the release's text_config.quantization_config (compr
 # ----- the full preset: 497,220 names ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_the_full_preset_lists_the_releases_497220_names():
     state = build_model("k3", device="meta").state_dict()
     layout = hf_layout(state, experts="mxfp4")

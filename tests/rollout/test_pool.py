@@ -123,6 +123,7 @@ def test_pool_routing_failover_and_weight_broadcast(ray_cluster):
     asyncio.run(main())
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_pool_actor_is_one_shared_handle(ray_cluster):
     from k3rl.rollout.pool import PoolActor
 

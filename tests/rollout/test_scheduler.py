@@ -102,7 +102,7 @@ async def _drive(cfg, store_dir, steps, seed, **worker_kw):
     return sched, trained, stats
 
 
-@pytest.mark.parametrize("lag", [0, 1, 2])
+@pytest.mark.parametrize("lag", [0, pytest.param(1, marks=pytest.mark.slow), 2])  # the edit loop: lags 0 and 2
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])  # the edit loop runs seed 0
 def test_no_trained_token_is_older_than_the_lag_and_each_episode_has_one_fate(tmp_path, lag, seed):
     cfg = _cfg(lag)
@@ -131,6 +131,7 @@ def test_no_trained_token_is_older_than_the_lag_and_each_episode_has_one_fate(tm
             assert 1 <= r["step"] <= 8 and r["step"] - lag <= r["policy_version"] <= r["step"]
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_stragglers_are_dropped_as_stale_and_replaced(tmp_path):
     """partial_rollouts=false: a group whose tokens span two versions is stale too; with lag 1 and
     slow episodes some are, and each is replaced by a fresh group (the step still gets P groups)."""
@@ -143,6 +144,7 @@ def test_stragglers_are_dropped_as_stale_and_replaced(tmp_path):
     assert c.get("groups/stale", 0) >= 1 and c["groups/reissued"] >= c["groups/stale"]
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_a_lost_episode_is_recorded_as_failed_and_the_loop_goes_on(tmp_path):
     cfg = _cfg(0)
     sched, trained, stats = asyncio.run(_drive(cfg, tmp_path, steps=2, seed=0, hang=["run-g0000000-s1"], deadline=5.0))
@@ -162,6 +164,7 @@ def test_a_worker_that_keeps_dying_loses_only_that_episode(tmp_path):
     assert "5 attempts on workers that died" in lost[0].error
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_a_job_whose_episodes_all_fail_stops_with_their_errors(tmp_path):
     with pytest.raises(EpisodesFailingError, match="4x RuntimeError: tool backend down"):
         asyncio.run(_drive(_cfg(0), tmp_path, steps=2, seed=0, fail=1.0))
@@ -174,7 +177,7 @@ def _variance(trajs):
     return {g: max(rs) - min(rs) for g, rs in by_group.items()}
 
 
-@pytest.mark.parametrize("lag", [0, 2])
+@pytest.mark.parametrize("lag", [0, pytest.param(2, marks=pytest.mark.slow)])  # the edit loop runs lag 0
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills_them(tmp_path, lag):
     """Half the groups earn the same reward in every member: each is dropped (stored once as
     zero_variance), a fresh group takes its place under the lag bound, and no step trains one."""
@@ -194,6 +197,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills_them(tmp_path, 
     assert any(m["dynamic_sampling/zero_variance_fraction"] > 0 for m in stats["per_step"])
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_dynamic_sampling_bounds_the_refills_when_no_group_has_signal(tmp_path):
     """Every group earns the same reward (an untrained policy that always gets 0): each step drops
     max_refills x P groups, then trains on what it has and says so; it never loops forever."""
@@ -207,6 +211,7 @@ def test_dynamic_sampling_bounds_the_refills_when_no_group_has_signal(tmp_path):
     assert sum(r["status"] == "zero_variance" for r in rows) == 3 * 2 * 2
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_without_dynamic_sampling_zero_variance_groups_are_trained(tmp_path):
     sched, trained, _ = asyncio.run(_drive(_cfg(1), tmp_path, steps=2, seed=0, const=1.0))
     assert all(v == 0 for _, trajs in trained for v in _variance(trajs).values())

@@ -181,6 +181,7 @@ def _collective_round_trip(backend: str) -> None:
     assert min(times["pack_s"], times["wait_s"], times["transfer_s"]) >= 0
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_collective_broadcast_on_gloo():
     _collective_round_trip("gloo")
 

@@ -41,6 +41,7 @@ def _spec(i: int, env_id: str, **kwargs) -> dict:
             "issued_version": 0}
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_worker_records_every_episode_and_closes_its_sandboxes(ray_cluster):
     from k3rl.sandboxes import open_sandbox
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from k3rl.sandboxes import gc, open_sandbox
 
 from .conftest import JOB, SMALL
@@ -39,6 +41,7 @@ def exists(backend: str, sandbox_id: str) -> bool:
     return any(sandbox_base_dir().glob(f"{sandbox_id}-*")) or any(ROOT.glob(f"*/{PARENT}/{sandbox_id}"))
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_gc_removes_a_crashed_jobs_leftovers_but_not_live_sandboxes(backend):
     job = f"{JOB}-gc-{backend}"
     crash = subprocess.run(

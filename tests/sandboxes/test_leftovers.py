@@ -110,6 +110,7 @@ CRASHING_OWNER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_the_sandboxes_of_a_killed_owner_go_away_and_gc_removes_the_rest(backend):
     job = f"{JOB}-crashed-{backend}"
     owner = subprocess.Popen([sys.executable, "-c", CRASHING_OWNER, backend, job], stdin=subprocess.PIPE,
