@@ -61,6 +61,23 @@ def accuracy(trainer: Trainer, test: list, digits: set[int]) -> dict[str, dict[s
     return {env: {"tokens": c[0] / max(1, c[1]), "digits": c[2] / max(1, c[3])} for env, c in sorted(counts.items())}
 
 
+def profile(trainer: Trainer, batch, steps: int, device: str) -> None:
+    """Where an SFT step's time goes: the ops by self time (CPU and device) over `steps` steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(2):  # compile, autotune, allocate
+        trainer.sft_step(batch())
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            m = trainer.sft_step(batch())
+            print(f"step {m['step_time_s']:.2f}s tokens {m['tokens']:.0f} micro-batches {m['micro_batches']:.0f} "
+                  f"{m['tokens_per_s']:.0f} tok/s", flush=True)
+    for key in ["self_cpu_time_total"] + (["self_device_time_total"] if len(acts) > 1 else []):
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name")
@@ -76,6 +93,7 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/agent_sft_probe"))
     ap.add_argument("--save", type=Path)
     ap.add_argument("--budget-s", type=float, default=0, help="stop (evaluate, save) after this many seconds of SFT")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many steps (after 2 warm-up steps), print, exit")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -89,6 +107,8 @@ def main() -> None:
     digits = {i for i in range(base.model.k3_config().vocab_size) if tok.decode([i]).strip().isdigit()}
     trainer = Trainer.from_job(base, device=a.device)
     rng = random.Random(base.learner.seed)
+    if a.profile:
+        return profile(trainer, lambda: rng.sample(train, min(a.batch, len(train))), a.profile, a.device)
     log, t0 = [], time.time()
     for step in range(1, a.steps + 1):
         m = trainer.sft_step(rng.sample(train, min(a.batch, len(train))))

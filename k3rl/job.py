@@ -235,6 +235,8 @@ class Job:
             self.tracker.log_metrics(m0, step=0)
             console.log(f"policy before training: reward {m0['reward/mean']:.3f} success {m0['episodes/success_rate']:.2f}")
         if cfg.learner.sft_steps > 0:
+            console.log(f"SFT warm start: collecting {cfg.learner.sft_episodes} oracle episodes a phase, then "
+                        f"{cfg.learner.sft_steps} steps")
             demos = ray.remote(num_cpus=0)(collect_demonstration_sets).remote(cfg, self.run_dir.name,
                                                                               cfg.learner.sft_episodes)
             sft, total, t0 = [], cfg.learner.sft_steps, time.monotonic()
@@ -247,7 +249,8 @@ class Job:
                 sft += piece
                 console.log(f"SFT step {len(sft)}/{total}: loss {piece[-1].get('loss', float('nan')):.4f} "
                             f"({time.monotonic() - t0:.0f}s)")
-            phases = f" ({len(cfg.learner.sft_phases) + 1} phases)" if cfg.learner.sft_phases else ""
+            n_phases = len(cfg.learner.sft_phases) + (cfg.learner.sft_phases[0].from_step > 0 if cfg.learner.sft_phases else 1)
+            phases = f" ({n_phases} phases)" if n_phases > 1 else ""
             console.log(f"SFT warm start: {cfg.learner.sft_episodes} oracle episodes{phases}, {len(sft)} steps, loss "
                         f"{sft[0].get('loss', float('nan')):.3f} -> {sft[-1].get('loss', float('nan')):.3f}")
 

@@ -61,7 +61,7 @@ from .losses import LossConfig, policy_loss, sft_loss
 from .optim import PerHeadMuon, param_groups
 from .parallelize import parallelize
 from .qk_clip import MaxLogitTracker, QKClip
-from .update import apply_qk_clip, clip_and_step, lr_at, moon_ep_step, qb_update
+from .update import apply_qk_clip, clip_and_step, lr_at, moon_ep_step, qb_update, sft_lr_at
 
 __all__ = ["Trainer", "lr_at"]
 
@@ -446,11 +446,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     def sft_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One SFT step: cross-entropy on the loss-mask tokens of demonstration trajectories
-        (LR: cosine over `sft_steps` peaking at `sft_lr`)."""
+        (LR: cosine over `sft_steps` peaking at `sft_lr`, restarted by phases that set `lr`: sft_lr_at)."""
         t0 = time.perf_counter()
         mbs, total_positions = self._micro_batches(trajectories, None)
-        lr = lr_at(self.sft_step_count, max(1, self.cfg.sft_steps), self.cfg.sft_lr, self.cfg.sft_warmup_ratio,
-                   self.cfg.min_lr_ratio)
+        lr = sft_lr_at(self.sft_step_count, self.cfg)
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         with self._recording_logits():

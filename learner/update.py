@@ -34,6 +34,18 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_lr_
     return lo + (peak - lo) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
+def sft_lr_at(step: int, learner) -> float:
+    """The SFT warm start's rate at 0-based `step` (learner: the LearnerSection): one cosine (lr_at) of
+    sft_lr over sft_steps, restarted at each of sft_phases that sets `lr`, from that peak over the steps
+    up to the next restart (or sft_steps)."""
+    restarts = [(0, learner.sft_lr)] + [(p.from_step, p.lr) for p in learner.sft_phases if p.lr is not None]
+    if len(restarts) > 1 and restarts[1][0] == 0:  # a first phase at step 0 sets the first peak
+        restarts = restarts[1:]
+    i = max(k for k, (start, _) in enumerate(restarts) if start <= step)
+    (start, peak), end = restarts[i], restarts[i + 1][0] if i + 1 < len(restarts) else max(1, learner.sft_steps)
+    return lr_at(step - start, end - start, peak, learner.sft_warmup_ratio, learner.min_lr_ratio)
+
+
 def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, trainable: list[nn.Parameter], lr: float,
                   grad_clip: float, expert_parallel: int, world_size: int) -> float:
     """Clip the gradient norm to `grad_clip`, step the optimizer at `lr` and zero the gradients;

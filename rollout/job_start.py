@@ -65,6 +65,8 @@ def preflight(cfg: JobConfig) -> None:
         if cfg.learner.sft_steps > 0:
             _check_oracle(spec, cfg, template)
             for i, phase in enumerate(cfg.learner.sft_phases):  # its kwargs reach the env: a typo fails here
+                if phase.envs is not None and e.id not in phase.envs:
+                    continue
                 kwargs = {**e.kwargs, **phase.env_kwargs}
                 try:
                     _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=cfg.learner.seed,
@@ -202,17 +204,21 @@ def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajec
     return run_sync(collect())
 
 
-def phase_config(cfg: JobConfig, env_kwargs: dict) -> JobConfig:
-    """`cfg` with `env_kwargs` merged into every envs.train entry's kwargs (an SFT phase's demonstrations)."""
-    train = [e.model_copy(update={"kwargs": {**e.kwargs, **env_kwargs}}) for e in cfg.envs.train]
+def phase_config(cfg: JobConfig, env_kwargs: dict, envs: list[str] | None = None) -> JobConfig:
+    """`cfg` with `env_kwargs` merged into every envs.train entry's kwargs, and only the entries named in
+    `envs` (all when None): an SFT phase's demonstrations."""
+    train = [e.model_copy(update={"kwargs": {**e.kwargs, **env_kwargs}}) for e in cfg.envs.train
+             if envs is None or e.id in envs]
     return cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
 
 
 def collect_demonstration_sets(cfg: JobConfig, run_name: str, n: int) -> list[list[Trajectory]]:
     """The SFT warm start's demonstrations: `n` oracle episodes of envs.train, then `n` for each of
-    learner.sft_phases (the same tasks, the phase's env kwargs)."""
-    return [collect_demonstrations(c, run_name, n)
-            for c in [cfg, *(phase_config(cfg, p.env_kwargs) for p in cfg.learner.sft_phases)]]
+    learner.sft_phases (the phase's envs and env kwargs). A first phase at step 0 replaces the first
+    set, which is then empty."""
+    phases = cfg.learner.sft_phases
+    first = [] if phases and phases[0].from_step == 0 else collect_demonstrations(cfg, run_name, n)
+    return [first, *(collect_demonstrations(phase_config(cfg, p.env_kwargs, p.envs), run_name, n) for p in phases)]
 
 
 def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:

@@ -134,8 +134,18 @@ def test_sft_phases_start_in_order_inside_the_warm_start():
     assert "learner.sft_phases.0.from_step: 100 must be below sft_steps=50" in msg
     msg = refusal("learner.sft_steps=50", f"learner.sft_phases=[{phase % 20}, {phase % 10}]")
     assert "learner.sft_phases.1.from_step: 10 must be below sft_steps=50 and above the phase before it" in msg
-    assert "learner.sft_phases.0.env_kwargs: Field required" in refusal("learner.sft_steps=5",
-                                                                        "learner.sft_phases=[{from_step: 2}]")
+    assert "learner.sft_phases.0: changes nothing: set env_kwargs, envs or lr" in refusal(
+        "learner.sft_steps=5", "learner.sft_phases=[{from_step: 2}]")
+    # a curriculum: a first phase at step 0 on some of envs.train, then all of them at a restarted rate
+    two = "envs.train=[{id: k3rl/KeyLookup-v0}, {id: k3rl/ScreenRead-v0}]"
+    cfg = JobConfig.load(None, [two, "learner.sft_steps=50",
+                                "learner.sft_phases=[{from_step: 0, envs: [k3rl/ScreenRead-v0]}, {from_step: 30, lr: 0.001}]"])
+    assert cfg.learner.sft_phases[0].envs == ["k3rl/ScreenRead-v0"] and cfg.learner.sft_phases[1].lr == 1e-3
+    msg = refusal(two, "learner.sft_steps=50", "learner.sft_phases=[{from_step: 0, envs: [k3rl/ScreenReed-v0]}]")
+    assert ("learner.sft_phases.0.envs: 'k3rl/ScreenReed-v0' is not in envs.train (k3rl/KeyLookup-v0, "
+            "k3rl/ScreenRead-v0)") in msg
+    msg = refusal("learner.sft_steps=50", "learner.sft_phases=[{from_step: 10, lr: 0.001}, {from_step: 0, lr: 0.002}]")
+    assert "learner.sft_phases.1.from_step: 0 must be below sft_steps=50 and above the phase before it" in msg
 
 
 def test_fsdp_with_a_kl_reference_after_an_sft_warm_start_is_accepted():

@@ -16,7 +16,7 @@ from k3rl.guard import CollapseError, FormatGuard
 sys.path.insert(0, str(Path(__file__).resolve().parent / "learner"))
 from learner_helpers import make_trajectories  # noqa: E402
 
-DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo_from_scratch.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
 
 
 def test_verdicts_baseline_patience_and_lr_scale():
@@ -74,10 +74,11 @@ def test_restore_without_a_snapshot_says_so():
 
 @pytest.mark.slow
 def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
-    """lr 0.05 wrecks k3-tiny's message format in one update. The guard sees the next batch's format
-    error rate jump and returns the learner to the policy that sampled the first batch: the
-    checkpoint after the rollback holds exactly the warm-started weights (the checkpoint's KL
-    reference, kept since the warm start), the one before it does not."""
+    """lr 0.05 wrecks the stored warm start's message format (examples/keylookup_warm_start) in one
+    update. The guard sees the next batch's format error rate jump and returns the learner to the
+    policy that sampled the first batch: the checkpoint after the rollback holds exactly the
+    warm-started weights (the checkpoint's KL reference, kept since the start), the one before it
+    does not."""
     import ray
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
@@ -85,7 +86,7 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
     from k3rl.job import run_job
 
     cfg = JobConfig.load(DEMO, [
-        "learner.sft_steps=20", "learner.sft_phases=[]", "learner.sft_batch=null", "learner.sft_episodes=128", "learner.sft_lr=0.01", "learner.lr=0.05",
+        "learner.lr=0.05", "learner.warmup_ratio=0",
         "learner.steps=2", "learner.checkpoint_every=1", "learner.eval_before_training=false",
         "learner.guard.enabled=true", "learner.guard.baseline_steps=1", "learner.guard.patience=1",
         "learner.guard.max_rise=0.2",

@@ -63,7 +63,7 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _refuse_what_cannot_work(self):
         _refuse(self._model_problems() + self._engine_problems() + self._weight_transport_problems()
-                + self._sandbox_problems() + self._context_parallel_problems())
+                + self._sandbox_problems() + self._context_parallel_problems() + self._sft_phase_problems())
         return self
 
     def _context_parallel_problems(self) -> list[tuple[str, str]]:
@@ -160,6 +160,12 @@ class JobConfig(_Section):
             return [(where, f"'cuda_ipc' needs the learner and the engines on GPUs of one host "
                             f"(learner.gpus={learner_gpus}, rollout.gpus_per_inference_worker={engine_gpus})")]
         return []
+
+    def _sft_phase_problems(self) -> list[tuple[str, str]]:
+        ids = [e.id for e in self.envs.train]
+        return [(f"learner.sft_phases.{i}.envs", f"{env!r} is not in envs.train ({', '.join(ids)}); a phase trains on "
+                                                 f"demonstrations of envs.train's entries")
+                for i, p in enumerate(self.learner.sft_phases) for env in (p.envs or []) if env not in ids]
 
     def _sandbox_problems(self) -> list[tuple[str, str]]:
         if self.sandbox.image and self.sandbox.backend in ("bwrap", "none"):

@@ -151,13 +151,21 @@ class GuardSection(_Section):
 
 
 class SftPhase(_Section):
-    """A later part of the SFT warm start on other demonstrations: from SFT step `from_step` on, the
-    oracle episodes of envs.train with `env_kwargs` merged into each env's kwargs (the same tasks; e.g.
-    KeyLookup's `oracle_wrong_key: 0.5`, a careless demonstrator, after careful demonstrations taught
-    the message format and the copying). One cosine of sft_lr runs over all sft_steps."""
+    """A part of the SFT warm start on other demonstrations: from SFT step `from_step` on, the oracle
+    episodes of envs.train (or of its entries named in `envs`) with `env_kwargs` merged into each env's
+    kwargs (the same tasks; e.g. KeyLookup's `oracle_wrong_key: 0.5`, a careless demonstrator, after
+    careful demonstrations taught the message format and the copying). A curriculum: a first phase at
+    `from_step: 0` with `envs` replaces the all-envs start (short episodes first, then all of them).
+    The rate: one cosine of sft_lr over all sft_steps, restarted by each phase that sets `lr`
+    (a cosine from `lr` over that phase and the phases after it without one)."""
 
-    from_step: int = Field(ge=1, description="the first SFT step (0-based) on this phase's demonstrations")
-    env_kwargs: dict[str, Any] = Field(description="merged into every envs.train entry's kwargs for these demonstrations")
+    from_step: int = Field(ge=0, description="the first SFT step (0-based) on this phase's demonstrations; 0 only "
+                                             "for the first phase, which then replaces the all-envs start")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict,
+                                       description="merged into every envs.train entry's kwargs for these demonstrations")
+    envs: list[str] | None = Field(None, min_length=1, description="the envs.train ids whose demonstrations this "
+                                                                    "phase trains on; None = all of them")
+    lr: float | None = Field(None, gt=0, description="restart the SFT rate's cosine at this peak from from_step on")
 
 
 class LearnerSection(_Section):
@@ -272,11 +280,13 @@ class LearnerSection(_Section):
             problems.append(("sft_episodes", f"is 0, but sft_steps={self.sft_steps} needs oracle demonstrations to "
                                              f"train on; set learner.sft_episodes > 0, or learner.sft_steps: 0"))
         starts = [p.from_step for p in self.sft_phases]
-        for i, start in enumerate(starts):
+        for i, (start, phase) in enumerate(zip(starts, self.sft_phases, strict=True)):
             if start >= self.sft_steps or (i and start <= starts[i - 1]):
                 problems.append((f"sft_phases.{i}.from_step", f"{start} must be below sft_steps={self.sft_steps} and "
                                                               f"above the phase before it; phases start in order, "
                                                               f"each inside the warm start"))
+            if not (phase.env_kwargs or phase.envs or phase.lr):
+                problems.append((f"sft_phases.{i}", "changes nothing: set env_kwargs, envs or lr (or remove it)"))
         _refuse(problems)
         return self
 

@@ -10,6 +10,7 @@ from learner_helpers import make_trajectories
 
 from k3rl.config import JobConfig, LearnerSection
 from k3rl.learner.trainer import Trainer, lr_at
+from k3rl.learner.update import sft_lr_at
 from k3rl.model import K3Config, K3ForCausalLM
 from k3rl.model.state_dict_adapter import from_hf
 
@@ -41,6 +42,26 @@ def test_lr_schedule_linear_warmup_then_cosine():
     assert lr_at(100, 100, peak, 0.05, 0.1) == pytest.approx(0.1)
     assert lr_at(500, 100, peak, 0.05, 0.1) == pytest.approx(0.1)  # stays at the floor
     assert lr_at(0, 20, 3e-3, 0.01, 0.1) == pytest.approx(3e-3)  # ceil(0.2) = 1 warmup step
+
+
+def test_sft_rate_is_one_cosine_restarted_by_the_phases_that_set_lr():
+    """learner.sft_phases[k].lr restarts the SFT cosine at its peak; a phase without lr continues the
+    running one (here: 0-99 at sft_lr 3e-3, then 100-139 restarted at 1e-3, the careless phase at 120
+    inside it)."""
+    phases = [{"from_step": 100, "lr": 1e-3, "env_kwargs": {"x": 1}}, {"from_step": 120, "env_kwargs": {"x": 2}}]
+    cfg = LearnerSection(sft_steps=140, sft_lr=3e-3, sft_warmup_ratio=0.0, min_lr_ratio=0.1, sft_phases=phases)
+    lrs = [sft_lr_at(i, cfg) for i in range(140)]
+    assert lrs[:100] == [lr_at(i, 100, 3e-3, 0.0, 0.1) for i in range(100)]
+    assert lrs[100:] == [lr_at(i, 40, 1e-3, 0.0, 0.1) for i in range(40)]
+    assert lrs[100] == pytest.approx(1e-3) and lrs[99] < 0.31e-3  # the restart
+    # without a phase that sets lr: the one cosine over all sft_steps
+    plain = LearnerSection(sft_steps=140, sft_lr=3e-3, sft_phases=[{"from_step": 100, "env_kwargs": {"x": 1}}])
+    assert [sft_lr_at(i, plain) for i in range(140)] == [lr_at(i, 140, 3e-3, plain.sft_warmup_ratio, 0.1)
+                                                         for i in range(140)]
+    # a first phase at step 0 with lr sets the first peak
+    first = LearnerSection(sft_steps=10, sft_lr=3e-3, sft_warmup_ratio=0.0,
+                           sft_phases=[{"from_step": 0, "lr": 5e-3, "envs": ["a"]}])
+    assert sft_lr_at(0, first) == pytest.approx(5e-3)
 
 
 def test_train_step_reports_every_term_and_changes_the_weights():

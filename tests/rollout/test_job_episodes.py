@@ -133,6 +133,17 @@ def test_sft_phases_demonstrate_the_same_tasks_with_their_env_kwargs_and_preflig
     assert [d.prompt_ids for d in careless] == [d.prompt_ids for d in careful]  # the same tasks
     assert all(d.reward == 1.0 for d in careful) and all(d.reward < 1.0 for d in careless)
     preflight(cfg)
+    # a curriculum: a first phase at step 0 on ScreenRead alone replaces the all-envs start (its set is
+    # empty); the phase after it demonstrates both envs
+    both = [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}, {"id": "k3rl/ScreenRead-v0"}]
+    phases = [{"from_step": 0, "envs": ["k3rl/ScreenRead-v0"]}, {"from_step": 2, "lr": 1e-3}]
+    cfg = job(envs__train=both, learner__sft_steps=4, learner__sft_phases=phases,
+              rollout__sampling={"max_tokens_per_turn": 128})
+    start, first, later = collect_demonstration_sets(cfg, "run", 4)
+    assert start == [] and {d.env_id for d in first} == {"k3rl/ScreenRead-v0"}
+    assert {d.env_id for d in later} == {"k3rl/KeyLookup-v0", "k3rl/ScreenRead-v0"}
+    assert all(d.reward == 1.0 for d in first + later)
+    preflight(cfg)
     bad = job(learner__sft_steps=4, learner__sft_phases=[{"from_step": 1, "env_kwargs": {"no_such_kwarg": 1}}],
               rollout__sampling={"max_tokens_per_turn": 128})
     with pytest.raises(PreflightError, match=r"^learner.sft_phases.0.env_kwargs: k3rl/KeyLookup-v0 with kwargs "
