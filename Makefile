@@ -50,9 +50,9 @@ test: setup
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-# what make test leaves out: the agent job's 20-minute gain test and the ablations measured on its warm start
+# what make test leaves out: the agent job's 20-minute gain test
 test-learning: setup
-	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py tests/envs/test_agentic_ablations.py $(PYTEST_ARGS)
+	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py $(PYTEST_ARGS)
 
 # the package as a user installs it: the wheel (not editable) in a fresh venv, run from outside the repository
 wheel-check: venv
