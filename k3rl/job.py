@@ -90,23 +90,29 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                     if batch is None:  # a stop signal: end with a checkpoint of the last complete step
                         break
                     step += 1
-                    ref = (await within(job.buffer.take_ref.remote([g.id for g in batch], step), BUFFER_S,
-                                        f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
+                    ids = [g.id for g in batch]
                     stats = [s for g in batch for s in g.results.values()]  # what the driver sees: a few numbers each
-                    t1 = time.monotonic()
-                    # teachers on engines of their own attach log T to the episodes (learner/teacher_engines.py)
-                    ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
-                    m = {**step_metrics(stats, step), "policy_version": float(step), **scored}
+                    m = {**step_metrics(stats, step), "policy_version": float(step)}
+                    # the collapse guard judges the batch by its format error rate before it is trained or stored
                     verdict = job.guard.observe(m.get("episodes/format_error_rate", 0.0)) if job.guard else "ok"
-                    if verdict == "ok" and job.guard:  # the policy that sampled this batch is the last good one
-                        await within(job.learner.call("snapshot"), TRAIN_STEP_S, f"the guard's snapshot at step {step}")
                     if verdict == "rollback":  # back to the last good policy, at a lower rate; this batch is not trained
+                        await within(job.buffer.drop.remote(ids, step, "rolled_back"), BUFFER_S,
+                                     f"the buffer to store step {step}'s rolled-back batch")
+                        t1 = time.monotonic()
                         console.log(f"[yellow]step {step}: format error rate {m['episodes/format_error_rate']:.2f} over "
                                     f"the guard's bound; rolling back to the last good policy at "
                                     f"{job.guard.lr_scale:g}x the learning rate")
                         m.update(await within(job.learner.call("restore", job.guard.lr_scale), TRAIN_STEP_S,
                                               f"the guard's rollback at step {step}"))
                     else:
+                        if verdict == "ok" and job.guard:  # the policy that sampled this batch is the last good one
+                            await within(job.learner.call("snapshot"), TRAIN_STEP_S, f"the guard's snapshot at step {step}")
+                        ref = (await within(job.buffer.take_ref.remote(ids, step), BUFFER_S,
+                                            f"the buffer to hand out step {step}'s batch"))[0]  # tokens go by reference
+                        t1 = time.monotonic()
+                        # teachers on engines of their own attach log T to the episodes (learner/teacher_engines.py)
+                        ref, scored = await within(job.teachers.score(ref), TRAIN_STEP_S, f"the teachers to score step {step}")
+                        m.update(scored)
                         m.update(await within(job.learner.call("train_step", ref), TRAIN_STEP_S, f"training step {step}"))
                     if job.guard:
                         m.update(job.guard.metrics())

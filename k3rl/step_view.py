@@ -6,7 +6,7 @@ episode loop).
 Advantages are recomputed from the stored group with the trainer's own function
 (`k3rl.learner.advantages.batch_advantages`) and the run's learner config: group-relative, so the
 group's trained members are all it takes. A distillation teacher's term (learner.distill) is not in
-them; episodes that were not trained (eval, failed, stale, zero_variance, unused) have none.
+them; episodes that were not trained (eval, failed, stale, zero_variance, unused, rolled_back) have none.
 """
 
 from __future__ import annotations

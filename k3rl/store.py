@@ -29,7 +29,7 @@ week-long job's millions of episodes cost tens of MB; a hash match is confirmed 
 ids, so the dedup stays exact.
 
 The job writes an episode once its fate is decided (`status`: trained, failed, stale,
-zero_variance, unused, eval), tagged with the training `step` it was decided at. Resuming from the checkpoint of step
+zero_variance, unused, eval, rolled_back), tagged with the training `step` it was decided at. Resuming from the checkpoint of step
 k first calls `rollback(k)`: rows decided after step k are removed (their training was lost
 with the driver), and the resumed job re-issues those episodes under the same ids, so every
 episode ends in the store exactly once with the step that trained it.

@@ -533,14 +533,16 @@ class Trainer:
         self._good = (_to_host(self.model.state_dict()), _to_host(self.optimizer.state_dict()))
 
     def restore(self, lr_scale: float) -> dict[str, float]:
-        """Return to the last snapshot and train on with the learning rate scaled by `lr_scale`. The step
-        counter goes on (the schedule does not rewind); the KL reference is untouched."""
+        """In place of a training step: return to the last snapshot and train on with the learning rate
+        scaled by `lr_scale`. The step counter counts this step (the schedule does not rewind, and the
+        job's checkpoint of this step loads as this step); the KL reference is untouched."""
         if self._good is None:
             raise RuntimeError("restore: no snapshot was taken; call snapshot() on a good policy first")
         weights, optim = self._good
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(optim)
         self.lr_scale = lr_scale
+        self.step += 1
         return {"guard/restored": 1.0, "lr_scale": lr_scale}
 
     def save_checkpoint(self, directory) -> None:

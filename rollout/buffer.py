@@ -9,7 +9,8 @@
   step trains (`take`), drops (`drop`: stale, every member failed, zero reward variance under
   dynamic sampling, or evaluation) or leaves unused at the end (`flush_unused`). Each episode is
   then written to the TrajectoryStore with that fate in `metadata["status"]` (trained, failed,
-  stale, zero_variance, unused, eval) and the step it was decided at.
+  stale, zero_variance, unused, eval, rolled_back: a batch the collapse guard refused to train)
+  and the step it was decided at.
 * By reference: `take_ref` puts the trainable episodes of a batch into Ray's object store
   itself and returns only the reference, so the tokens go from here to the learner ranks
   without passing through the driver.
@@ -38,7 +39,7 @@ class TrajectoryBuffer:
         self._groups: dict[str, dict[str, Trajectory]] = {}
         self._waiting: set[str] = set()  # ids in self._groups
         self._settled: set[str] = set()  # ids settled here, only when there is no store to ask
-        self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "zero_variance": 0,
+        self.stats = {"received": 0, "duplicates": 0, "trained": 0, "failed": 0, "stale": 0, "zero_variance": 0, "rolled_back": 0,
                       "unused": 0, "eval": 0}
         self._store = None
         if store_dir:
@@ -103,7 +104,8 @@ class TrajectoryBuffer:
         return [ray.put(self.take(group_ids, step))]
 
     def drop(self, group_ids: list[str], step: int, status: str = "stale") -> None:
-        """Groups that will not be trained (too stale, every member failed, zero variance, evaluation): stored
+        """Groups that will not be trained (too stale, every member failed, zero variance, evaluation, a batch
+        the collapse guard rolled back): stored
         with `status` (failed members of a group that is not evaluated or unused: as failed), then gone."""
         for g in group_ids:
             self._settle(g, step, status)

@@ -4,6 +4,7 @@ whose learning rate destroys the format being rolled back to a policy that sampl
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 
 from k3rl.config import JobConfig, LearnerSection
 from k3rl.guard import CollapseError, FormatGuard
+from k3rl.store import TrajectoryStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "learner"))
 from learner_helpers import make_trajectories  # noqa: E402
@@ -117,3 +119,21 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
     assert warm and weights(2, "model").keys() == warm.keys()
     assert all(torch.equal(weights(2, "model")[k], v) for k, v in warm.items())  # rolled back exactly
     assert not all(torch.equal(weights(1, "model")[k], v) for k, v in warm.items())  # step 1 had moved it
+
+    # the store says what happened: step 2's batch is stored as rolled back, not as trained, and the
+    # checkpoint of step 2 is step 2 (the rollback counts as the learner's step)
+    run_dir = tmp_path / "runs" / "guard"
+    store = TrajectoryStore(run_dir)
+    assert store.read(step=2, status="trained") == [] and len(store.read(step=2, status="rolled_back")) == 4 * 4
+    assert json.loads((run_dir / "checkpoints" / "step-000002" / "trainer.json").read_text())["step"] == 2
+    # so a resume continues after step 2 and keeps its rows: every episode stored once, none lost
+    before = {t.id: t.metadata["status"] for t in store.read()}
+    cfg3 = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"steps": 3})})
+    resumed = run_job(cfg3, resume=True, quiet=True)
+    ray.shutdown()
+    assert resumed["completed"] and resumed["steps"] == 3 and len(resumed["history"]) == 1, resumed
+    after = TrajectoryStore(run_dir, readonly=True)
+    ids = after.ids()
+    assert len(ids) == len(set(ids)) and {i: s for i, s in before.items() if s != "unused"}.items() <= \
+        {t.id: t.metadata["status"] for t in after.read()}.items()
+    assert len(after.read(step=3, status="trained")) > 0
