@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import threading
+import warnings
 from pathlib import Path
 
 from k3rl.chat import ChatTemplate
@@ -28,6 +30,7 @@ from k3rl.sandboxes import BackendUnavailableError, choose_backend
 from k3rl.types import Trajectory
 
 DEMONSTRATIONS_AT_ONCE = 8
+PREFLIGHT_RESETS = 3  # seeds preflight tries an env's reset at before it refuses the job
 
 
 class PreflightError(ConfigError):
@@ -48,17 +51,7 @@ def preflight(cfg: JobConfig) -> None:
     template = make_template(cfg)
     limit = cfg.rollout.max_context_tokens
     for e in cfg.envs.train:
-        spec = EpisodeSpec(id=f"preflight-{e.id}", env_id=e.id, seed=cfg.learner.seed, env_kwargs=dict(e.kwargs))
-        try:
-            env = make_env(spec, cfg, template)
-            try:
-                obs, _ = env.reset(seed=spec.seed)
-                n = len(open_session(template, env, obs)[0].rendered)
-            finally:
-                env.close()
-        except Exception as err:
-            raise PreflightError(f"{e.id} (kwargs {dict(e.kwargs)}) cannot be made and reset: "
-                                 f"{type(err).__name__}: {err}") from err
+        spec, n = _first_prompt(e, cfg, template)
         if n >= limit:
             raise PreflightError(f"{e.id}: the first prompt is {n} tokens, {'at' if n == limit else 'over'} "
                                  f"rollout.max_context_tokens={limit}; raise it or shorten the env's opening")
@@ -69,12 +62,53 @@ def preflight(cfg: JobConfig) -> None:
                     continue
                 kwargs = {**e.kwargs, **phase.env_kwargs}
                 try:
-                    _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=cfg.learner.seed,
+                    _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=spec.seed,
                                               env_kwargs=kwargs), cfg, template)
                 except Exception as err:  # noqa: BLE001 - the env's own error, named by the phase it came from
                     why = str(err) if isinstance(err, PreflightError) else f"{type(err).__name__}: {err}"
                     raise PreflightError(f"learner.sft_phases.{i}.env_kwargs: {e.id} with kwargs {kwargs} cannot "
                                          f"play an oracle episode: {why}") from err
+
+
+def _first_prompt(e, cfg: JobConfig, template: ChatTemplate) -> tuple[EpisodeSpec, int]:
+    """Make and reset env `e` at learner.seed; when that raises, at up to PREFLIGHT_RESETS - 1 more seeds (a
+    transient failure does not refuse the job; a warning names it). Returns the spec of the seed that reset and
+    its first prompt's length in tokens. Raises PreflightError when every reset raised, or when one does not
+    return within envs.episode_time_budget_s (a hanging reset would hang the driver)."""
+    budget = cfg.envs.episode_time_budget_s
+    rng = random.Random(f"preflight:{cfg.learner.seed}")
+    seeds = [cfg.learner.seed] + [rng.randrange(2**31) for _ in range(PREFLIGHT_RESETS - 1)]
+    errors = []
+    for seed in seeds:
+        spec = EpisodeSpec(id=f"preflight-{e.id}", env_id=e.id, seed=seed, env_kwargs=dict(e.kwargs))
+        done: list = []
+
+        def reset(spec=spec, done=done) -> None:
+            try:
+                env = make_env(spec, cfg, template)
+                try:
+                    obs, _ = env.reset(seed=spec.seed)
+                    done.append(len(open_session(template, env, obs)[0].rendered))
+                finally:
+                    env.close()
+            except Exception as err:  # noqa: BLE001 - reported below, by seed
+                done.append(err)
+
+        worker = threading.Thread(target=reset, name=f"preflight-{e.id}", daemon=True)
+        worker.start()
+        worker.join(budget)
+        if not done:
+            raise PreflightError(f"{e.id} (kwargs {dict(e.kwargs)}): making and resetting it at seed {seed} did not "
+                                 f"return within envs.episode_time_budget_s={budget:g}s; its reset hangs (a sandbox "
+                                 f"that never starts, a service that never answers?)")
+        if not isinstance(done[0], Exception):
+            if errors:
+                warnings.warn(f"{e.id}: reset failed at {'; '.join(errors)}, then worked at seed {seed}: a flaky env "
+                              f"(its failed episodes are stored as failed, never trained)", stacklevel=3)
+            return spec, done[0]
+        errors.append(f"seed {seed}: {type(done[0]).__name__}: {done[0]}")
+    raise PreflightError(f"{e.id} (kwargs {dict(e.kwargs)}) cannot be made and reset at {len(seeds)} seeds "
+                         f"({'; '.join(errors)})")
 
 
 def _check_sandbox_backend(cfg: JobConfig) -> None:

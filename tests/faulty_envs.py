@@ -2,7 +2,8 @@
 registers `faulty/FlakyLookup-v0`, a KeyLookup whose infrastructure fails at random.
 
 * `reset` raises for a share `reset_fails` of the seeds (whole prompt groups fail: their episodes
-  share the seed); seed 0, which the start-of-job check uses, never does;
+  share the seed); seed 0, which the start-of-job check uses, never does; `reset_hangs_s` makes every
+  reset wait that long first;
 * the `lookup` tool dies with a SandboxError (an infrastructure failure: the episode fails, the
   model is not told) with probability `tool_failure` per call.
 """
@@ -10,6 +11,7 @@ registers `faulty/FlakyLookup-v0`, a KeyLookup whose infrastructure fails at ran
 from __future__ import annotations
 
 import random
+import time
 
 import gymnasium
 
@@ -19,11 +21,12 @@ from k3rl.sandboxes import SandboxError
 
 
 class FlakyLookupEnv(KeyLookupEnv):
-    def __init__(self, tool_failure: float = 0.3, reset_fails: float = 0.25, **kwargs):
-        self.tool_failure, self.reset_fails = tool_failure, reset_fails
+    def __init__(self, tool_failure: float = 0.3, reset_fails: float = 0.25, reset_hangs_s: float = 0.0, **kwargs):
+        self.tool_failure, self.reset_fails, self.reset_hangs_s = tool_failure, reset_fails, reset_hangs_s
         super().__init__(**kwargs)
 
     def reset(self, *, seed=None, options=None):
+        time.sleep(self.reset_hangs_s)  # a service that does not answer
         if seed and (seed % 1000) < 1000 * self.reset_fails:
             raise RuntimeError(f"injected: reset failed for seed {seed}")
         return super().reset(seed=seed, options=options)

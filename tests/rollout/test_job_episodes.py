@@ -1,6 +1,8 @@
 """A job's episodes: the env a JobConfig makes, the start-of-job checks (preflight) and the SFT
 warm start's oracle demonstrations, all through the episode loop."""
 
+import time
+
 import gymnasium
 import pytest
 
@@ -80,12 +82,33 @@ def test_preflight_refuses_sft_without_an_oracle_and_envs_that_cannot_start():
                                              r"demonstrations, but the env has no oracle .*set learner.sft_steps=0"):
         preflight(job(learner__sft_steps=3, envs__train=[{"id": "k3rltest/NoOracle-v0"}]))
     preflight(job(envs__train=[{"id": "k3rltest/NoOracle-v0"}]))
-    with pytest.raises(PreflightError, match=r"k3rltest/Broken-v0 \(kwargs \{\}\) cannot be made and reset: "
-                                             r"FileNotFoundError: tasks.json"):
+    with pytest.raises(PreflightError, match=r"k3rltest/Broken-v0 \(kwargs \{\}\) cannot be made and reset at 3 "
+                                             r"seeds \(seed 0: FileNotFoundError: tasks.json; seed \d+: "):
         preflight(job(envs__train=[{"id": "k3rltest/Broken-v0"}]))
     with pytest.raises(PreflightError, match=r"oracle episode for the SFT warm start was truncated by max_turns "
                                              r"\(envs.max_turns=1\); raise envs.max_turns"):
         preflight(job(learner__sft_steps=1, envs__max_turns=1, rollout__sampling={"max_tokens_per_turn": 128}))
+
+
+def test_preflight_retries_a_flaky_reset_and_refuses_a_hanging_one():
+    """A reset that fails at learner.seed (a transient failure) is tried at other seeds, and the job starts
+    with a warning; a reset that does not return within envs.episode_time_budget_s refuses the job in that
+    time instead of hanging the driver."""
+    flaky = {"id": "faulty/FlakyLookup-v0", "kwargs": {"num_keys": 2, "tool_failure": 0.0, "reset_fails": 0.25}}
+    cfg = job(envs__train=[flaky], envs__imports=["faulty_envs"], learner__seed=7)  # seed 7 % 1000 < 250: fails
+    with pytest.warns(UserWarning, match=r"faulty/FlakyLookup-v0: reset failed at seed 7: RuntimeError: injected: "
+                                         r"reset failed for seed 7, then worked at seed \d+: a flaky env"):
+        preflight(cfg)
+    always = {**flaky, "kwargs": {**flaky["kwargs"], "reset_fails": 1.0}}
+    with pytest.raises(PreflightError, match=r"cannot be made and reset at 3 seeds \(seed 7: RuntimeError"):
+        preflight(job(envs__train=[always], envs__imports=["faulty_envs"], learner__seed=7))
+    hangs = {**flaky, "kwargs": {**flaky["kwargs"], "reset_hangs_s": 30.0}}
+    t0 = time.monotonic()
+    with pytest.raises(PreflightError, match=r"making and resetting it at seed 7 did not return within "
+                                             r"envs.episode_time_budget_s=1s; its reset hangs"):
+        preflight(job(envs__train=[hangs], envs__imports=["faulty_envs"], learner__seed=7,
+                      envs__episode_time_budget_s=1.0))
+    assert time.monotonic() - t0 < 10
 
 
 def test_demonstrations_are_oracle_episodes_token_exact():
