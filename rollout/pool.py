@@ -259,6 +259,9 @@ class InferencePool:
             self._where[request_id] = slot
             try:
                 result = await worker.generate.remote(token_ids, sampling, images, request_id)
+            except asyncio.CancelledError:  # the caller gave up (an episode's time budget): free the engine's slot
+                worker.abort.remote(request_id)
+                raise
             except RayActorError as e:
                 failures.append(f"worker {slot}: {type(e).__name__}")
                 self._restart(slot, worker)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -77,7 +78,13 @@ class RolloutWorker:
     async def _generate(self, token_ids, sampling, images=None, key=None, group_key=None):
         # sticky by episode; the first turn of a GRPO group is routed together so the shared
         # prompt is prefilled once and forked
-        return await self.pool.generate.remote(token_ids, sampling, images=images, key=key, group_key=group_key)
+        request_id = uuid.uuid4().hex
+        try:
+            return await self.pool.generate.remote(token_ids, sampling, images=images, key=key, group_key=group_key,
+                                                   request_id=request_id)
+        except asyncio.CancelledError:  # the episode ran out of time or was cancelled: the engine stops decoding it
+            self.pool.abort.remote(request_id)
+            raise
 
     async def run_episode(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Run one episode, put its Trajectory into the buffer, return a summary of it."""

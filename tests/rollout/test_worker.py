@@ -95,3 +95,41 @@ def test_worker_records_every_episode_and_closes_its_sandboxes(ray_cluster):
         leftovers = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=k3rl.job={job}"], capture_output=True,
                                    text=True, check=True).stdout.split()
         assert leftovers == []
+
+
+@pytest.mark.slow  # seconds: make test runs it, make test-fast leaves it out
+def test_an_episode_out_of_time_stops_its_request_on_the_engine(ray_cluster):
+    """An episode whose time budget runs out while the engine decodes for it: the worker aborts the
+    request, so the engine frees its slot at once instead of decoding the rest of the turn's tokens
+    (an untrained k3-tiny rarely ends a turn: up to 4,000 tokens, tens of seconds on the CPU)."""
+    cfg = JobConfig.from_dict({
+        "name": f"abort-test-{os.getpid()}",
+        "rollout": {"max_context_tokens": 8192, "sampling": {"max_tokens_per_turn": 4000}},
+        "envs": {"max_turns": 2, "episode_time_budget_s": 2.0}, "learner": {"routing_replay": False},
+        "sandbox": {"backend": "none"},
+    })
+
+    async def main():
+        pool = PoolActor.options(num_cpus=0, max_concurrency=100).remote(
+            1, EngineSpec(preset="k3-tiny", seed=0), actor_options=NO_CPU_SLOT)
+        buffer = ray.remote(num_cpus=0)(TrajectoryBuffer).remote(1)
+        try:
+            await pool.wait_ready.remote()
+            worker = RolloutWorker(cfg.to_dict(), pool, buffer, index=0)
+            summary = await worker.run_episode(_spec(0, "k3rl/KeyLookup-v0"))
+            running = []
+            for _ in range(15):  # the abort reaches the engine within its next steps (without it: 3.3 s more here)
+                running.append(sum(p["running"] + p["waiting"] for p in await pool.check_health.remote()))
+                if running[-1] == 0:
+                    break
+                await asyncio.sleep(0.1)
+            await worker.close()
+            return summary, running
+        finally:
+            await pool.shutdown.remote()
+            ray.kill(pool)
+            ray.kill(buffer)
+
+    summary, running = asyncio.run(main())
+    assert summary["failed_at"] == "time_budget" and "time budget of 2s ran out" in summary["error"], summary
+    assert running[-1] == 0, f"the engine still decodes the timed-out episode's request 1.5 s later: {running}"
