@@ -31,6 +31,21 @@ from k3rl.store import TrajectoryStore
 from k3rl.types import Trajectory
 
 
+class BufferDiedError(RuntimeError):
+    """The TrajectoryBuffer actor died: finished episodes have nowhere to go, so the job stops (the store
+    keeps what was written; `--resume` continues from the last checkpoint and re-issues the rest)."""
+
+
+async def put_trajectory(buffer, traj: Trajectory) -> bool:
+    """`buffer.put(traj)` on the buffer actor; its death raises BufferDiedError (a rollout worker's own
+    failure would be taken for the worker's death, and healthy workers replaced)."""
+    try:
+        return await buffer.put.remote(traj)
+    except ray.exceptions.RayActorError as e:
+        raise BufferDiedError(f"the trajectory buffer died ({type(e).__name__}): finished episodes have nowhere to "
+                              f"go; resume the job (k3rl train ... --resume) from its last checkpoint") from None
+
+
 class TrajectoryBuffer:
     def __init__(self, group_size: int, store_dir: str | None = None) -> None:
         if group_size < 1:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ import ray
 
 from k3rl.config import EvalSpec, JobConfig
 from k3rl.metrics import trainable
+from k3rl.rollout.buffer import BufferDiedError
 
 WORKER_START_S, BUFFER_S = 600.0, 300.0  # a rollout worker's start-up; one call to the buffer actor
 EVAL_SEED_BASE = 2**31  # eval seeds are EVAL_SEED_BASE + randrange(2**31); training's are randrange(2**31)
@@ -161,6 +163,7 @@ class Scheduler:
         self.pings: dict[Any, asyncio.Future] = {}  # worker -> its first answer
         self.failed_streak: list[str] = []  # errors of the groups failed whole since the last good one
         self.counts = collections.Counter()
+        self.fatal: BufferDiedError | None = None  # raised by the waiting driver: the job cannot go on
 
     # -- admission -----------------------------------------------------------------------------
     def set_serving(self, version: int, admit: bool = True) -> None:
@@ -202,6 +205,14 @@ class Scheduler:
 
     # -- supervision ---------------------------------------------------------------------------
     async def _run(self, group: Group, spec: dict[str, Any], counted: bool = True) -> None:
+        try:
+            await self._run_episode(group, spec, counted)
+        except BufferDiedError as e:  # nothing can be stored: the waiting driver raises it (next_batch, run_apart)
+            cause = getattr(e, "cause", e)  # a rollout worker's task error carries the worker's BufferDiedError
+            self.fatal = self.fatal or (cause if isinstance(cause, BufferDiedError) else BufferDiedError(str(e)))
+            self.changed.set()
+
+    async def _run_episode(self, group: Group, spec: dict[str, Any], counted: bool) -> None:
         errors: list[str] = []
         stats = None
         while stats is None:
@@ -217,6 +228,8 @@ class Scheduler:
                     ref = worker.run_episode.remote(spec)
                     try:
                         stats = await asyncio.wait_for(ref, self.deadline_s)
+                    except BufferDiedError:  # the worker is fine; the buffer it put the episode into is not
+                        raise
                     except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
                         errors.append(f"worker {i} died ({type(e).__name__})")
                         self._replace(i, worker)
@@ -235,9 +248,11 @@ class Scheduler:
         self.changed.set()
 
     def _replace(self, i: int, worker) -> None:
-        if self.workers[i] is worker:  # the first to notice replaces it
+        if self.workers[i] is worker:  # the first to notice replaces it, and ends it (with its warm sandboxes)
             self.workers[i] = self.make_worker(i)
             self.counts["workers/restarts"] += 1
+            with contextlib.suppress(Exception):
+                ray.kill(worker, no_restart=True)
 
     def _started(self, worker) -> asyncio.Future:
         if worker not in self.pings:
@@ -246,7 +261,11 @@ class Scheduler:
 
     async def _lost(self, spec: dict[str, Any], error: str) -> dict[str, Any]:
         self.counts["episodes/lost"] += 1
-        return await asyncio.wait_for(self.buffer.put_lost.remote(spec, error), BUFFER_S)
+        try:
+            return await asyncio.wait_for(self.buffer.put_lost.remote(spec, error), BUFFER_S)
+        except ray.exceptions.RayActorError as e:
+            raise BufferDiedError(f"the trajectory buffer died ({type(e).__name__}) while storing a lost episode; "
+                                  f"resume the job (k3rl train ... --resume) from its last checkpoint") from None
 
     async def _acquire_slot(self) -> int:
         while min(self.running) >= self.per_worker:
@@ -278,6 +297,8 @@ class Scheduler:
         stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
         refills = 0  # groups dropped for zero variance at this step
         while True:
+            if self.fatal:
+                raise self.fatal
             dropped: dict[str, list[Group]] = {"stale": [], "zero_variance": []}  # status in the store -> groups
             for g in sorted((g for g in self.open.values() if g.done), key=lambda g: g.index):
                 if g.min_version() is None:  # every member failed (each is stored as failed)
@@ -349,6 +370,8 @@ class Scheduler:
             for spec in group.specs:
                 self._spawn(self._run(group, spec, counted=False))
         while not all(g.done for g in groups):
+            if self.fatal:
+                raise self.fatal
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), stall_timeout_s)

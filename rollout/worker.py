@@ -22,6 +22,7 @@ from k3rl.config import JobConfig
 from k3rl.envs.registration import import_env_modules
 from k3rl.envs.sandboxed import on_loop_thread
 from k3rl.metrics import episode_stats
+from k3rl.rollout.buffer import put_trajectory
 from k3rl.rollout.episode import (
     EpisodeSpec,
     job_limits,
@@ -105,7 +106,7 @@ class RolloutWorker:
         finally:
             self.running -= 1
         traj.metadata["worker"] = self.index
-        accepted = await self.buffer.put.remote(traj)
+        accepted = await put_trajectory(self.buffer, traj)
         self.finished += 1
         return {**episode_stats(traj), "accepted": accepted, "seconds": time.monotonic() - t0}
 

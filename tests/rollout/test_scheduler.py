@@ -12,7 +12,7 @@ import ray
 
 from k3rl.config import JobConfig
 from k3rl.metrics import episode_stats
-from k3rl.rollout.buffer import TrajectoryBuffer
+from k3rl.rollout.buffer import BufferDiedError, TrajectoryBuffer, put_trajectory
 from k3rl.rollout.scheduler import EpisodesFailingError, Scheduler
 from k3rl.store import TrajectoryStore
 from k3rl.types import Trajectory
@@ -62,7 +62,7 @@ class ScriptedWorker:
                           prompt_ids=[1, 2], completion_ids=[] if error else [3, 4], logprobs=[] if error else [0.0, 0.0],
                           loss_mask=[] if error else [1, 1], versions=[] if error else [v0, v1],
                           reward=0.0 if error else 0.5 if const else rng.random(), error=error)
-        await self.buffer.put.remote(traj)
+        await put_trajectory(self.buffer, traj)  # as the rollout worker does
         return episode_stats(traj)
 
     async def close(self):
@@ -162,6 +162,36 @@ def test_a_worker_that_keeps_dying_loses_only_that_episode(tmp_path):
     assert sched.metrics()["workers/restarts"] >= 5
     lost = TrajectoryStore(tmp_path, readonly=True).read(episode="run-g0000001-s0")
     assert "5 attempts on workers that died" in lost[0].error
+
+
+@pytest.mark.slow  # seconds: make test runs it, make test-fast leaves it out
+def test_a_dead_buffer_stops_the_job_naming_it_and_replaces_no_worker(tmp_path):
+    """The buffer actor dies after step 1: the next batch raises BufferDiedError at once (not a stall, not
+    a worker's death: healthy workers are neither replaced nor re-run their episodes)."""
+    cfg = _cfg(1)
+
+    async def main():
+        buffer = ray.remote(TrajectoryBuffer).remote(cfg.rollout.group_size, store_dir=str(tmp_path))
+        engines = Engines.remote()
+        sched = Scheduler(cfg, "run", lambda i: ScriptedWorker.remote(buffer, engines, 0), buffer, episode_deadline_s=30.0)
+        sched.set_serving(1)
+        await engines.set.remote(1)
+        batch = await sched.next_batch(1, stall_timeout_s=60)
+        await buffer.take_ref.remote([g.id for g in batch], 1)
+        ray.kill(buffer)
+        try:
+            with pytest.raises(BufferDiedError, match=r"the trajectory buffer died \(\w+\): finished episodes have "
+                                                      r"nowhere to go; resume the job"):
+                for step in range(2, 6):  # groups that finished before the kill may still make a batch or two
+                    await engines.set.remote(step)
+                    sched.set_serving(step)
+                    await asyncio.wait_for(sched.next_batch(step, stall_timeout_s=60), 30)
+            return sched.metrics()
+        finally:
+            await sched.stop()
+
+    counts = asyncio.run(main())
+    assert counts.get("workers/restarts", 0) == 0, counts
 
 
 @pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
