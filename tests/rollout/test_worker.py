@@ -7,6 +7,7 @@ env registered here and its sandbox pool can be inspected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 
@@ -36,6 +37,21 @@ class SandboxOpening(PythonToolEnv):
 gymnasium.register("k3rltest/SandboxOpening-v0", entry_point=SandboxOpening)
 
 
+@contextlib.asynccontextmanager
+async def engine_and_buffer():
+    """A one-engine k3-tiny pool (ready) and a trajectory buffer, as Ray actors, ended on exit."""
+    pool = PoolActor.options(num_cpus=0, max_concurrency=100).remote(
+        1, EngineSpec(preset="k3-tiny", seed=0), actor_options=NO_CPU_SLOT)
+    buffer = ray.remote(num_cpus=0)(TrajectoryBuffer).remote(1)
+    try:
+        await pool.wait_ready.remote()
+        yield pool, buffer
+    finally:
+        await pool.shutdown.remote()
+        ray.kill(pool)
+        ray.kill(buffer)
+
+
 def _spec(i: int, env_id: str, **kwargs) -> dict:
     return {"id": f"wt-g{i:07d}-s0", "env_id": env_id, "seed": i, "group_id": f"wt-g{i:07d}", "env_kwargs": kwargs,
             "issued_version": 0}
@@ -58,11 +74,7 @@ def test_worker_records_every_episode_and_closes_its_sandboxes(ray_cluster):
     })
 
     async def main():
-        pool = PoolActor.options(num_cpus=0, max_concurrency=100).remote(
-            1, EngineSpec(preset="k3-tiny", seed=0), actor_options=NO_CPU_SLOT)
-        buffer = ray.remote(num_cpus=0)(TrajectoryBuffer).remote(1)
-        try:
-            await pool.wait_ready.remote()
+        async with engine_and_buffer() as (pool, buffer):
             worker = RolloutWorker(cfg.to_dict(), pool, buffer, index=3)
             specs = [_spec(0, "k3rl/KeyLookup-v0"), _spec(1, "k3rl/KeyLokup-v0"),
                      _spec(2, "k3rl/KeyLookup-v0", num_keys=0), _spec(3, "k3rltest/SandboxOpening-v0")]
@@ -73,10 +85,6 @@ def test_worker_records_every_episode_and_closes_its_sandboxes(ray_cluster):
             await worker.close()
             await worker.close()  # idempotent
             return done, again, pool_sandboxes, backend, worker.sandbox_pool.sandbox_ids()
-        finally:
-            await pool.shutdown.remote()
-            ray.kill(pool)
-            ray.kill(buffer)
 
     done, again, opened, backend, left = asyncio.run(main())
     ok, unknown, bad_kwargs, sandboxed = done
@@ -110,11 +118,7 @@ def test_an_episode_out_of_time_stops_its_request_on_the_engine(ray_cluster):
     })
 
     async def main():
-        pool = PoolActor.options(num_cpus=0, max_concurrency=100).remote(
-            1, EngineSpec(preset="k3-tiny", seed=0), actor_options=NO_CPU_SLOT)
-        buffer = ray.remote(num_cpus=0)(TrajectoryBuffer).remote(1)
-        try:
-            await pool.wait_ready.remote()
+        async with engine_and_buffer() as (pool, buffer):
             worker = RolloutWorker(cfg.to_dict(), pool, buffer, index=0)
             summary = await worker.run_episode(_spec(0, "k3rl/KeyLookup-v0"))
             running = []
@@ -125,10 +129,6 @@ def test_an_episode_out_of_time_stops_its_request_on_the_engine(ray_cluster):
                 await asyncio.sleep(0.1)
             await worker.close()
             return summary, running
-        finally:
-            await pool.shutdown.remote()
-            ray.kill(pool)
-            ray.kill(buffer)
 
     summary, running = asyncio.run(main())
     assert summary["failed_at"] == "time_budget" and "time budget of 2s ran out" in summary["error"], summary
