@@ -135,6 +135,28 @@ def runs(
 
 
 @app.command()
+def sync(
+    run: Annotated[str, typer.Argument(metavar="RUN", help=RUN_REF)],
+    runs_dir: RunsDirOpt = Path("runs"),
+    tracking_uri: TrackingOpt = None,
+) -> None:
+    """Send what a job could not write to MLflow (its store was down; kept in <run dir>/tracking_spool.jsonl)."""
+    from k3rl.runs import resolve_run
+    from k3rl.tracking import mlflow_client
+    from k3rl.tracking_writer import Spool, replay
+
+    ref = resolve_run(run, runs_dir, tracking_uri)
+    if ref.dir is None or ref.run_id is None:
+        err.print(f"[bold red]error:[/] {run!r} needs both a run folder and its MLflow run id (run.json) to sync")
+        raise typer.Exit(2)
+    spool = Spool(ref.dir)
+    sent, left = replay(mlflow_client(ref.tracking_uri), ref.run_id, spool)
+    console.print(f"{ref.name}: sent {sent} spooled records to {ref.tracking_uri}" +
+                  (f"; [yellow]{left} still wait in {spool.path} (is the store up?)[/]" if left else ""))
+    raise typer.Exit(1 if left else 0)
+
+
+@app.command()
 def replay(
     run: Annotated[Optional[str], typer.Argument(metavar="RUN", help=f"{RUN_REF}; omit for the newest run")] = None,
     episode: Annotated[Optional[str], typer.Option(metavar="ID", help="an episode by id (a prefix is enough)")] = None,

@@ -146,6 +146,7 @@ async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, 
                    "restarts": int(job.sched.counts["workers/restarts"]), "seconds": time.monotonic() - t_job}
         job.tracker.log_reward_curve_png()
         job.tracker.finish("FINISHED" if summary["completed"] else "KILLED")
+        summary["tracking"] = job.tracker.writer.stats()  # what MLflow took, and what waits in the spool
     _report(job, summary, quiet)
     return summary
 
@@ -182,7 +183,8 @@ class Job:
         init_ray(cfg)
         check_resources(cfg)  # an impossible request fails now, not after ray.start_timeout_s
         tracker = stack.enter_context(Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
-                                              run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir))
+                                              run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir,
+                                              write_deadline_s=cfg.tracking.write_deadline_s))
         meta_file.write_text(json.dumps({**meta, "mlflow_run_id": tracker.run_id}))
         if not resume:
             tracker.log_params(cfg.flat())
@@ -441,6 +443,9 @@ def _report(job: Job, summary: dict[str, Any], quiet: bool) -> None:
         console.print(f"  MLflow UI:   k3rl ui --tracking-uri {uri}")
         console.print(f"  reward plot: k3rl compare {name} --tracking-uri {uri}")
         console.print(f"  episodes:    k3rl replay {job.run_dir} --html {job.run_dir}/episode.html")
+        if summary["tracking"]["pending"]:
+            console.print(f"[yellow]  MLflow was down at the end: {summary['tracking']['pending']} records wait in "
+                          f"{job.run_dir}/tracking_spool.jsonl; `k3rl sync {job.run_dir}` sends them[/]")
 
 
 def _log_samples(job: Job, stats: list[dict], step: int) -> None:

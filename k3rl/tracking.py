@@ -13,6 +13,7 @@ import fcntl
 import io
 import logging
 import math
+import os
 import posixpath
 import re
 import tempfile
@@ -23,13 +24,14 @@ from typing import Any
 
 import matplotlib
 from matplotlib.figure import Figure
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from k3rl import __version__
 from k3rl.render_html import render_episode_html
 from k3rl.traces import log_episode_trace
+from k3rl.tracking_writer import Spool, Writer, replay, send
 from k3rl.types import Trajectory
 
 try:  # MLflow's own limits, so we never send what it would reject
@@ -149,19 +151,40 @@ class Tracker:
 
     `artifact_root`: local directory for the experiment's artifacts (default: `artifacts/`
     next to the SQLite file); only used when the experiment is created.
+
+    `run_dir` given (a job's run folder): the run is tagged with it, and every write after the start
+    (metrics, tags, artifacts, the end) goes through a `Writer` (k3rl/tracking_writer.py) that never
+    blocks the caller: a store that is slow or down delays the writes, spools them to the run folder
+    after `write_deadline_s`, and gets them when it is back. Without it every call writes at once.
     """
 
     def __init__(self, uri: str = "sqlite:///runs/mlflow.db", experiment: str = "k3rl", run_name: str | None = None,
                  run_id: str | None = None, artifact_root: str | Path | None = None,
-                 tags: Mapping[str, str] | None = None, run_dir: str | Path | None = None) -> None:
+                 tags: Mapping[str, str] | None = None, run_dir: str | Path | None = None,
+                 write_deadline_s: float = 60.0, probe_s: float = 10.0) -> None:
         self.uri = uri
+        if run_dir is not None and uri.startswith(("http://", "https://")):
+            # one attempt per call, 10 s at most (MLflow's defaults: 7 retries, 120 s): the writer retries itself,
+            # up to write_deadline_s. These are read at each call, and a user's own settings stand.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self.client = mlflow_client(uri)
+        self.writer: Writer | None = None
+        self.pending = 0  # records still spooled when the run ended
+        self._last_ms = 0  # the timestamp of the latest metrics
         if run_id is not None:
             try:
                 run = self.client.get_run(run_id)
             except MlflowException as e:
                 raise TrackingError(f"cannot resume MLflow run {run_id!r}: it is not in {uri} ({e.message}). "
                                     f"Start a new run (no run_id) or point uri at the store that holds it") from None
+            if run_dir is not None:  # what the last process could not send, its end included, before RUNNING
+                sent, left = replay(self.client, run_id, Spool(run_dir))
+                if left:
+                    raise TrackingError(f"MLflow run {run_id} in {uri} does not take the {left} records spooled in "
+                                        f"{Path(run_dir) / 'tracking_spool.jsonl'}; is the store writable?")
+                if sent:
+                    log.warning("replayed %d tracking records the last process spooled", sent)
             self.run_id = run.info.run_id
             self.experiment_id = run.info.experiment_id
             self.run_name = run.info.run_name
@@ -180,6 +203,23 @@ class Tracker:
             self.resumed = False
         self.artifact_uri = run.info.artifact_uri
         self.finished = False
+        if run_dir is not None:
+            self.writer = Writer(self.client, self.run_id, run_dir, deadline_s=write_deadline_s,
+                                 probe_s=min(probe_s, write_deadline_s))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has handed everything logged so far to the store (or spooled it), up to
+        `timeout` s (default: the write deadline); True when nothing is left in its queue."""
+        if self.writer is None:
+            return True
+        return self.writer.flush(self.writer.deadline_s if timeout is None else timeout)
+
+    def _write(self, record: dict) -> None:
+        """Metrics or tags to the store: through the writer when there is one, else now."""
+        if self.writer is not None:
+            self.writer.put(record)
+        else:
+            send(self.client, self.run_id, record)
 
     def _experiment(self, name: str, artifact_root: str | Path | None) -> str:
         exp = self.client.get_experiment_by_name(name)
@@ -228,28 +268,30 @@ class Tracker:
         return new
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
-        items = [RunTag(clean_key(k), truncate_value(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
+        items = [(clean_key(k), truncate_value(str(v), MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]
         for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
-            self.client.log_batch(self.run_id, tags=items[i:i + MAX_PARAMS_TAGS_PER_BATCH])
+            self._write({"kind": "tags", "tags": dict(items[i:i + MAX_PARAMS_TAGS_PER_BATCH])})
 
     # -- metrics -------------------------------------------------------------------------
     def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log numbers at a training step (ints, floats, numpy/torch scalars; NaN/inf allowed)."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        now = int(time.time() * 1000)
+        # strictly increasing per run, so that of two values logged at one step the later wins even within a ms
+        now = self._last_ms = max(int(time.time() * 1000), self._last_ms + 1)
         items = []
         for key, value in metrics.items():
             try:
                 number = float(value.item() if hasattr(value, "item") else value)
             except (TypeError, ValueError):
                 raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}: {value!r:.80}") from None
-            items.append(Metric(clean_key(key), number, now, step))
+            items.append((clean_key(key), number, now, step))
         for i in range(0, len(items), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_METRICS_PER_BATCH])
+            self._write({"kind": "metrics", "metrics": items[i:i + MAX_METRICS_PER_BATCH]})
 
     def metric_history(self, key: str) -> list[tuple[int, float]]:
         """(step, value) of a metric, sorted by step (the last value logged at a step wins)."""
+        self.flush()
         return metric_history(self.client, self.run_id, key)
 
     # -- artifacts -----------------------------------------------------------------------
@@ -260,8 +302,15 @@ class Tracker:
         with tempfile.TemporaryDirectory(prefix="k3rl-artifact-") as tmp:
             local = Path(tmp) / name
             local.write_bytes(data)
-            self.client.log_artifact(self.run_id, str(local), artifact_path=directory or None)
+            self._log_artifact(local, directory or None)
         return artifact_path
+
+    def _log_artifact(self, local: Path, directory: str | None) -> None:
+        if self.writer is None:
+            self.client.log_artifact(self.run_id, str(local), artifact_path=directory)
+        else:  # a copy in the run folder, kept until the store has it
+            self.writer.put({"kind": "artifact", "file": self.writer.spool.keep_file(local, local.name),
+                             "artifact_path": directory})
 
     def log_artifact_text(self, text: str, artifact_path: str) -> str:
         return self.log_artifact_bytes(text.encode("utf-8"), artifact_path)
@@ -271,11 +320,12 @@ class Tracker:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"cannot log artifact {path}: no such file")
-        self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+        self._log_artifact(path, artifact_path)
         return posixpath.join(artifact_path, path.name) if artifact_path else path.name
 
     def list_artifacts(self, path: str | None = None) -> list[str]:
         """Artifact paths (files, recursively) under `path`."""
+        self.flush()
         out = []
         for info in self.client.list_artifacts(self.run_id, path):
             out.extend(self.list_artifacts(info.path) if info.is_dir else [info.path])
@@ -289,12 +339,28 @@ class Tracker:
 
     def log_episode_trace(self, trajectory: Trajectory, step: int) -> str:
         """The episode as an MLflow trace of this run (a span per turn and tool call, the reward;
-        see `k3rl.traces`), tagged `k3rl.step`; returns the trace id."""
+        see `k3rl.traces`), tagged `k3rl.step`; returns the trace id (None: handed to the writer, which
+        stores it when the store takes it and otherwise counts it dropped: a sample, not a metric)."""
+        if self.writer is not None:
+            self.writer.put_trace(lambda: log_episode_trace(self.client, self.experiment_id, self.run_id, trajectory,
+                                                            step))
+            return None
         return log_episode_trace(self.client, self.experiment_id, self.run_id, trajectory, step)
 
     def log_reward_curve_png(self, metrics: Iterable[str] | None = None, artifact_path: str = "reward_curve.png") -> str | None:
         """Plot the run's reward curves (default: `reward/mean` and every per-environment `reward/<env>/mean`) from what is in
-        the store and store the PNG. Returns its artifact path, or None when nothing was logged."""
+        the store and store the PNG. Returns its artifact path, or None when nothing was logged or the
+        store cannot be read (a warning then: the curves are in the store or the spool, only the picture is missing)."""
+        if not self.flush():
+            log.warning("MLflow is behind (its writes are spooled): no reward-curve picture for run %s", self.run_id)
+            return None
+        try:
+            return self._reward_curve_png(metrics, artifact_path)
+        except Exception as e:  # noqa: BLE001 - a store that went down after the flush: no picture, no failure
+            log.warning("could not draw the reward curves of run %s: %s", self.run_id, e)
+            return None
+
+    def _reward_curve_png(self, metrics: Iterable[str] | None, artifact_path: str) -> str | None:
         keys = list(metrics) if metrics is not None else sorted(
             k for k in self.client.get_run(self.run_id).data.metrics
             if k.startswith("reward/") and k.endswith("/mean"))  # reward/mean and reward/<env>/mean
@@ -311,8 +377,16 @@ class Tracker:
             raise ValueError(f"status must be one of {RUN_STATUSES}, got {status!r}")
         if self.finished:
             return
-        self.client.set_terminated(self.run_id, status=status)
         self.finished = True
+        if self.writer is None:
+            self.client.set_terminated(self.run_id, status=status)
+            return
+        self.writer.put({"kind": "terminate", "status": status})
+        self.pending = self.writer.close(timeout=self.writer.deadline_s)
+        if self.pending:
+            log.warning("MLflow did not take %d records of run %s (the run's end included); they are kept in %s: "
+                        "`k3rl sync %s` sends them when the store is back (`k3rl train --resume` does too)",
+                        self.pending, self.run_id, self.writer.spool.path, self.writer.spool.path.parent)
 
     def __enter__(self) -> Tracker:
         return self

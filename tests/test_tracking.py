@@ -39,6 +39,7 @@ def test_params_metrics_artifacts_on_local_disk(store):
                              "reward/std": 0.1, "loss/pg": 1.0 / (step + 1), "count": step}, step=step)
     tracker.log_metrics({"reward/mean": 0.9}, step=4)  # re-logged at a step: the last value wins
     tracker.log_metrics({"grad_norm": float("nan")}, step=0)
+    assert tracker.flush()  # with a run folder the writes go through the writer's thread
 
     client = MlflowClient(uri)
     run = client.get_run(tracker.run_id)

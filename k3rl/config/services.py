@@ -36,6 +36,10 @@ class TrackingSection(_Section):
     sample_episodes: int = Field(4, ge=0, description="episodes rendered as HTML artifacts per logging step")
     eval_every: int = Field(0, ge=0, description="run envs.eval every this many RL steps (and after the last); "
                                                  "0: only before the first RL step")
+    write_deadline_s: float = Field(
+        60.0, gt=0, description="a metric the store has not taken this long after it was logged (retried meanwhile, "
+                                "off the training loop) is spooled to <run dir>/tracking_spool.jsonl and sent when the "
+                                "store is back; training never waits for MLflow")
 
 
 class RaySection(_Section):
