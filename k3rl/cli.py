@@ -141,6 +141,7 @@ def sync(
     tracking_uri: TrackingOpt = None,
 ) -> None:
     """Send what a job could not write to MLflow (its store was down; kept in <run dir>/tracking_spool.jsonl)."""
+    # lazy: these read MLflow (seconds to import); only `sync` needs them
     from k3rl.runs import resolve_run
     from k3rl.tracking import mlflow_client
     from k3rl.tracking_writer import Spool, replay
