@@ -185,7 +185,8 @@ class PrefillGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: kernels compiled, the chunk kernel's tables built for (R, T)
-            self._forward(key)
+            for _ in range(2):  # one was not enough for the first capture on an H100 (torch 2.11): it failed with
+                self._forward(key)  # "operation not permitted when stream is capturing"; two, as PyTorch's recipe
         torch.cuda.current_stream().wait_stream(stream)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
