@@ -111,9 +111,9 @@ class EngineWorker:
         return await self.engine.aupdate_weights(update)
 
     def _receive(self, receiver, message):
-        """The transport's receive, never beside an engine step: it opens IPC handles, copies and
-        synchronises the device, which invalidates a CUDA graph the step may be capturing (a job's
-        engine lost every later capture to that)."""
+        """The transport's receive, never beside a CUDA graph capture: it opens IPC handles, copies and
+        synchronises the device, which invalidates a capture in progress (a job's engine lost every later
+        capture to that). The engine keeps decoding meanwhile: only the switch, between two steps, pauses it."""
         with getattr(self.engine, "device_lock", None) or contextlib.nullcontext():
             return receiver.receive(message, self.name)
 

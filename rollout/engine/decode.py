@@ -24,6 +24,7 @@ top-k and weights are one kernel (kernels/moe/router.py) and the routed experts 
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 
@@ -43,6 +44,12 @@ from k3rl.model.moe import MoEGate
 
 from .sampling import policy_logprobs, sample_tokens
 from .state_pool import StatePool
+
+# Held through every CUDA graph capture in this process (decode steps and prefill chunks). Code that works on
+# the device beside the engine (a weight transport's receive: IPC handles opened, copies, device syncs) holds
+# it too: a device-wide sync from another thread invalidates a capture in progress. Steps that replay graphs
+# or run eagerly need no guard, so a slow weight transfer never stops decoding.
+CAPTURE_LOCK = threading.Lock()
 
 BATCH_RUNGS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_CAPTURE_FAILURES = 3
@@ -337,6 +344,6 @@ class DecodeRunner:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             outputs = self._run(B, S, filtered, host_lengths)
         return graph, outputs

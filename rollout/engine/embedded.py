@@ -31,7 +31,7 @@ from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams, WeightUpdate
 
 from .contract import EngineLoad, GenerationResult, InferenceEngine
-from .decode import DecodeRunner, keep_fp32_island_weights
+from .decode import CAPTURE_LOCK, DecodeRunner, keep_fp32_island_weights
 from .prefill import PrefillRunner
 from .prefix_cache import PrefixCache
 from .sampler import Sampler
@@ -207,11 +207,13 @@ class EmbeddedEngine(InferenceEngine):
 
     @property
     def device_lock(self) -> threading.Lock:
-        """The lock the scheduler holds through every step. Other code of this process that works on
-        the GPU beside the engine (a weight transport's receive: IPC handles opened, copies, device
-        syncs) holds it too, so that nothing touches the device while a step captures a CUDA graph:
-        a device-wide sync from another thread invalidates the capture."""
-        return self._step_lock
+        """The lock every CUDA graph capture of the engine holds (`decode.CAPTURE_LOCK`). Other code of this
+        process that works on the GPU beside the engine (a weight transport's receive: IPC handles opened,
+        copies, device syncs) holds it too, so that nothing touches the device while a step captures a
+        graph: a device-wide sync from another thread invalidates the capture. Only captures: a receive,
+        however slow, never stops the steps that decode (it once held the step lock, and a slow transfer
+        spent the running episodes' time budgets)."""
+        return CAPTURE_LOCK
 
     def abort(self, request_id: str) -> bool:
         with self._cv:

@@ -39,7 +39,7 @@ from k3rl.model import K3Cache
 from k3rl.model.kda import KDACacheEntry
 from k3rl.model.mla import MLACacheEntry
 
-from .decode import context_rung, decode_forward, end_failed_capture, rung
+from .decode import CAPTURE_LOCK, context_rung, decode_forward, end_failed_capture, rung
 
 ALIGN = 16
 ROW_RUNGS = (1, 2, 4, 8, 16, 32)
@@ -191,6 +191,6 @@ class PrefillGraphs:
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             logits = self._forward(key)
         return graph, logits

@@ -216,10 +216,10 @@ def _open_ipc(share, queue) -> None:
     queue.put({k: v.cpu() for k, v in upd.state_dict().items()})
 
 
-def test_a_transport_receive_never_runs_beside_an_engine_step(ray_cluster):
+def test_a_transport_receive_never_runs_beside_a_graph_capture(ray_cluster):
     """An engine worker receives a weight update (IPC handles opened, copies, device syncs) holding the
-    engine's device lock, the one every step holds: on the GPU a receive beside a step that captured a
-    CUDA graph invalidated the capture (a job's engine then lost every later capture)."""
+    engine's device lock, the one every CUDA graph capture holds: on the GPU a receive beside a capture
+    invalidated it (a job's engine then lost every later capture)."""
     import asyncio
 
     import ray
@@ -246,4 +246,49 @@ def test_a_transport_receive_never_runs_beside_an_engine_step(ray_cluster):
         assert held == [True] and not worker.engine.device_lock.locked()
         assert torch.equal(worker.engine.model.lm_head.weight, new)
     finally:
+        worker.engine.close()
+
+
+def test_a_slow_receive_never_stops_the_engine_decoding(ray_cluster):
+    """A weight transfer that takes seconds (a slow network) runs beside the engine's steps: a request
+    submitted while it is received is decoded and answered before the receive ends, and the new weights
+    apply after it. (The receive once held the step lock: every running episode waited through the whole
+    transfer, and a slow broadcast spent their time budgets, failing them as if the env had hung.)"""
+    import asyncio
+
+    import ray
+
+    from k3rl.rollout.pool import EngineSpec, EngineWorker
+    from k3rl.rollout.transport import TRANSPORTS
+    from k3rl.rollout.transport.object_store import PublishedUpdate
+
+    worker = EngineWorker(EngineSpec(preset="k3-tiny", engine_kwargs={"background": True}), "e0")
+    real = TRANSPORTS["object_store"](device="cpu")
+    receiving = asyncio.Event()
+
+    class SlowNetwork:  # the real receive after 2 s on the wire
+        def receive(self, message, member):
+            loop.call_soon_threadsafe(receiving.set)
+            time.sleep(2.0)
+            return real.receive(message, member)
+
+    worker.receivers["object_store"] = SlowNetwork()
+    new = _model(3).lm_head.weight.clone()
+    update = WeightUpdate(version=1, full=False, buckets=[WeightBucket(tensors={"lm_head.weight": new})])
+    message = PublishedUpdate(1, False, ray.put(PackedUpdate.pack(update)))
+
+    async def main():
+        switch = asyncio.create_task(worker.update_weights(message))
+        await receiving.wait()
+        result = await worker.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), None, "r1")
+        answered_during_receive = not switch.done()
+        return result, answered_during_receive, await switch
+
+    try:
+        loop = asyncio.new_event_loop()
+        result, answered_during_receive, version = loop.run_until_complete(main())
+        assert answered_during_receive and len(result.token_ids) == 4 and result.versions == [0] * 4
+        assert version == 1 and torch.equal(worker.engine.model.lm_head.weight, new)
+    finally:
+        loop.close()
         worker.engine.close()
