@@ -69,6 +69,18 @@ def _supports_disable_userns(exe: str) -> bool:
         return False
 
 
+def tasks_of_uid(uid: int) -> int:
+    """The tasks (threads, which the kernel's RLIMIT_NPROC counts, not just processes) that `uid` runs."""
+    n = 0
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                n += sum(1 for _ in (entry / "task").iterdir())
+        except OSError:
+            continue
+    return n
+
+
 def _root_binds(rootfs: Path | None) -> list[str]:
     if rootfs is not None:
         return ["--ro-bind", str(rootfs), "/"]
@@ -181,19 +193,13 @@ class BwrapSandbox(Sandbox):
     def _rlimit_argv(self) -> list[str]:
         """Fallback limits without cgroups: address space and process count (prlimit, util-linux).
 
-        RLIMIT_NPROC counts every process of the real uid the sandbox runs as, so the limit is the
+        RLIMIT_NPROC counts every task (thread) of the real uid the sandbox runs as, so the limit is the
         sandbox's `pids` on top of what that uid already runs.
         """
         if shutil.which("prlimit") is None:
             log.warning("bwrap sandbox %s: neither cgroups nor prlimit here; no memory/pids limits", self.id)
             return []
-        uid = NOBODY if self._drop_to_nobody else os.getuid()
-        running = 0
-        for entry in Path("/proc").iterdir():
-            try:
-                running += entry.name.isdigit() and entry.stat().st_uid == uid
-            except OSError:
-                continue
+        running = tasks_of_uid(NOBODY if self._drop_to_nobody else os.getuid())
         memory = self.limits.memory_mb << 20
         return ["prlimit", f"--as={memory}", f"--nproc={running + self.limits.pids}", "--"]
 

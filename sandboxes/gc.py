@@ -78,6 +78,27 @@ def gc_docker(job: str | None = None, all: bool = False) -> list[str]:
     return removed
 
 
+SANDBOX_ID = re.compile(r"k3rl-bwrap-[0-9a-f]{12}")
+
+
+def _trusted(entry: Path, meta: dict) -> bool:
+    """Whether a sandbox folder's owner file can be acted on. The folder lies in a shared temp directory
+    where anyone may write, and its `sandbox` field names the cgroups gc kills and removes: so the id must
+    be a sandbox id (no path: `../` would reach any cgroup, or any directory holding a `cgroup.procs`),
+    the folder must be that sandbox's and no symlink, and it must belong to whoever runs gc."""
+    sid = meta.get("sandbox")
+    try:
+        ours = entry.lstat().st_uid == os.geteuid()
+    except OSError:
+        return False
+    ok = (isinstance(sid, str) and SANDBOX_ID.fullmatch(sid) is not None and entry.name.startswith(f"{sid}-")
+          and not entry.is_symlink() and entry.is_dir() and ours)
+    if not ok:
+        log.warning("sandbox gc: skipped %s (its owner file names sandbox %r: not a sandbox id of this folder, or "
+                    "the folder is not yours or a symlink)", entry, sid)
+    return ok
+
+
 def gc_bwrap(job: str | None = None, all: bool = False) -> list[str]:
     removed = []
     base = sandbox_base_dir()
@@ -88,6 +109,8 @@ def gc_bwrap(job: str | None = None, all: bool = False) -> list[str]:
             try:
                 meta = json.loads(owner_file.read_text())
             except (OSError, ValueError):
+                continue
+            if not isinstance(meta, dict) or not _trusted(entry, meta):
                 continue
             owner = f"{meta.get('host')}:{meta.get('pid')}"
             if not _doomed(meta.get("job"), owner, job, all):
