@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import platform
 import shlex
 import shutil
 import socket as socketlib
@@ -32,6 +33,7 @@ from .cgroups import SandboxCgroup
 from .docker_backend import SANDBOX_ENV
 from .image import SANDBOX_UID, TMP_SEED_DIR, rootfs_dir
 from .paths import WORK_DIR
+from .seccomp import filter_program
 from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
 
 NOBODY = 65534
@@ -126,6 +128,7 @@ class BwrapSandbox(Sandbox):
         self._agent: PipeAgentChannel | None = None
         self._agent_lock = threading.Lock()
         self.cgroup: SandboxCgroup | None = None
+        self.seccomp: Path | None = None
         try:
             (self.base / OWNER_FILE).write_text(
                 json.dumps(
@@ -142,6 +145,13 @@ class BwrapSandbox(Sandbox):
                     for path in [self.base / sub, *(self.base / sub).rglob("*")]:
                         os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
             os.chmod(self.base, 0o711)
+            program = filter_program()
+            self.seccomp = self.base / "seccomp.bpf" if program else None
+            if self.seccomp is not None:
+                self.seccomp.write_bytes(program)
+            else:
+                log.warning("bwrap sandbox %s: no seccomp filter for this architecture (%s)", self.id,
+                            platform.machine())
             self.cgroup = SandboxCgroup.create(self.id, self.limits)
         except Exception:
             self._destroy()
@@ -179,6 +189,8 @@ class BwrapSandbox(Sandbox):
         ]  # fmt: skip
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
+        if self.seccomp is not None:  # the shell prefix below opens it as fd 3; bwrap loads it before the command
+            argv += ["--seccomp", "3"]
         argv += ["--cap-drop", "ALL", "--", *inner]
         if self._drop_to_nobody:
             argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
@@ -188,6 +200,8 @@ class BwrapSandbox(Sandbox):
         else:
             prefix = ""
             argv = [*self._rlimit_argv(), *argv]
+        if self.seccomp is not None:
+            prefix = f"exec 3< {shlex.quote(str(self.seccomp))} || exit 125; " + prefix
         return ["/bin/sh", "-c", prefix + 'exec "$@"', "k3rl-bwrap", *argv]
 
     def _rlimit_argv(self) -> list[str]:
@@ -230,7 +244,7 @@ class BwrapSandbox(Sandbox):
                 raise SandboxDeadError(f"sandbox {self.id} was closed during {mode}") from exc
             code = agent.proc.poll()
             if code == 125:
-                raise SandboxError(f"sandbox {self.id}: could not join its cgroup: {exc}") from exc
+                raise SandboxError(f"sandbox {self.id}: could not join its cgroup or open its seccomp filter: {exc}") from exc
             raise SandboxDeadError(
                 f"the processes of sandbox {self.id} were killed during {mode} (killed from outside, or the "
                 "command killed every process, e.g. `kill -9 -1`); its files are kept and the next call "

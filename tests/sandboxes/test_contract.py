@@ -6,7 +6,10 @@ sending traffic anywhere.
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
+import shlex
 import signal
 import threading
 import time
@@ -59,6 +62,41 @@ def test_runs_as_non_root_without_capabilities(sb):
     assert status["NoNewPrivs"].strip() == "1"
     nested = sb.exec("unshare --user --map-root-user id")  # no new user namespace (kernel attack surface)
     assert nested.exit_code != 0 and "uid=0" not in nested.stdout
+
+
+def test_a_seccomp_filter_refuses_calls_a_sandboxed_program_has_no_use_for(sb):
+    """Both backends filter system calls (Docker by its default profile, bwrap by `sandboxes/seccomp.py`):
+    calls that succeed unfiltered even without capabilities, `unshare(0)` (a no-op) and `kcmp` on the
+    program's own pid, answer EPERM, while ordinary calls go through. A seccomp-filtered process says so in
+    /proc/self/status."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe uses x86_64 call numbers")
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def call(nr, *a):\n"
+        "    ctypes.set_errno(0)\n"
+        "    return libc.syscall(nr, *a), ctypes.get_errno()\n"
+        "print(call(272, 0), call(312, os.getpid(), os.getpid(), 0, 0, 0), call(39) == (os.getpid(), 0))\n"
+    )
+    out = sb.exec(f"python3 -c {shlex.quote(probe)}").stdout.strip()
+    assert out == f"(-1, {errno.EPERM}) (-1, {errno.EPERM}) True", out
+    assert "Seccomp:\t2" in sb.exec("cat /proc/self/status").stdout  # 2: SECCOMP_MODE_FILTER
+
+
+def test_the_seccomp_program_is_well_formed():
+    """sock_filter entries of 8 bytes: the architecture check first, ALLOW last, an EPERM after every denied
+    call number; no table for an architecture it does not know."""
+    import struct
+
+    from k3rl.sandboxes.seccomp import SECCOMP_RET_ALLOW, X86_64_DENIED, filter_program
+
+    prog = filter_program("x86_64")
+    insns = [struct.unpack("=HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
+    assert len(prog) % 8 == 0 and insns[0] == (0x20, 0, 0, 4) and insns[-1] == (0x06, 0, 0, SECCOMP_RET_ALLOW)
+    checked = {k for code, jt, jf, k in insns if code == 0x15 and (jt, jf) == (0, 1)}
+    assert checked == set(X86_64_DENIED.values()) and len(insns) <= 4096  # the kernel's BPF_MAXINSNS
+    assert filter_program("sparc") is None
 
 
 def test_writes_outside_the_work_dir_fail(sb):
