@@ -5,9 +5,12 @@ The episode ends when the assistant replies without a tool call; then hidden tes
 same contract, more cases) are written into the sandbox and run. Reward 1 when they all
 pass, else 0.
 
-Grading runs `python3 -I -m pytest --noconftest -c <hidden>/pytest.ini <hidden>` so files the
-agent planted in the work dir (conftest.py, pytest.ini, sitecustomize.py) cannot change how
-the hidden tests run; the module under test is imported from /work.
+Grading happens in a fresh sandbox: the regular files the agent left under /work are copied into
+it (at most `MAX_JUDGED_FILES` files and `MAX_JUDGED_BYTES`; symlinks are not followed), so no
+process the agent started (a daemon that would rewrite the hidden tests as they land) runs there.
+It runs `python3 -I -m pytest --noconftest -c <hidden>/pytest.ini <hidden>` so files the agent
+planted in the work dir (conftest.py, pytest.ini, sitecustomize.py) cannot change how the hidden
+tests run; the module under test is imported from /work.
 
 `reset(options={"bug": "clamp_bound"})` picks a bug of the catalogue (code_fix_tasks.BUGS);
 `bugs=[...]` restricts the set.
@@ -24,8 +27,10 @@ from k3rl.envs.base import ToolEnv
 from k3rl.envs.code_fix_tasks import BUGS, CodeFixTask
 from k3rl.envs.sandboxed import format_exec, read_text, write_text
 from k3rl.envs.tools import ToolError, tool
+from k3rl.sandboxes import open_sandbox
 
 PYTEST = "python3 -m pytest -q -p no:cacheprovider"
+MAX_JUDGED_FILES, MAX_JUDGED_BYTES = 500, 8 << 20  # what a repository fix may leave under /work
 
 
 class CodeFixEnv(ToolEnv):
@@ -120,15 +125,40 @@ class CodeFixEnv(ToolEnv):
 
     # -- reward ------------------------------------------------------------------------------
     def score(self, final_text: str) -> float:
-        hidden = f".k3rl-hidden-{uuid.uuid4().hex[:8]}"
-        self.sandbox.write_file(f"{hidden}/test_hidden.py", self.task.hidden_tests)
-        self.sandbox.write_file(f"{hidden}/pytest.ini", "[pytest]\n")
-        result = self.sandbox.exec(
-            f"python3 -I -m pytest -q -p no:cacheprovider --noconftest -c {hidden}/pytest.ini {hidden}",
-            timeout=max(5.0, self.exec_timeout_s),
-        )
+        files = self._work_files()
+        if isinstance(files, str):  # too much left in /work to judge
+            self.last_hidden_output = files
+            return 0.0
+        judge = self._sandbox_factory() if self._sandbox_factory is not None else \
+            open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
+        try:
+            with self.timed("judge"):
+                for path, data in files.items():
+                    judge.write_file(path, data)
+                hidden = f".k3rl-hidden-{uuid.uuid4().hex[:8]}"
+                judge.write_file(f"{hidden}/test_hidden.py", self.task.hidden_tests)
+                judge.write_file(f"{hidden}/pytest.ini", "[pytest]\n")
+                result = judge.exec(
+                    f"python3 -I -m pytest -q -p no:cacheprovider --noconftest -c {hidden}/pytest.ini {hidden}",
+                    timeout=max(5.0, self.exec_timeout_s),
+                )
+        finally:
+            if self._sandbox_release is not None:
+                self._sandbox_release(judge)
+            else:
+                judge.close()
         self.last_hidden_output = format_exec(result, self.exec_timeout_s)
         return 1.0 if result.ok else 0.0
+
+    def _work_files(self) -> dict[str, bytes] | str:
+        """The regular files under /work (paths relative to it) as the agent left them, or why not."""
+        listing = self.sandbox.exec("find . -type f -printf '%s %P\\0'", timeout=max(5.0, self.exec_timeout_s))
+        entries = [e.split(" ", 1) for e in listing.stdout.split("\0") if " " in e]
+        total = sum(int(size) for size, _ in entries)
+        if len(entries) > MAX_JUDGED_FILES or total > MAX_JUDGED_BYTES:
+            return (f"not judged: /work holds {len(entries)} files of {total} bytes, more than a repository fix "
+                    f"leaves ({MAX_JUDGED_FILES} files, {MAX_JUDGED_BYTES} bytes)")
+        return {path: self.sandbox.read_file(path) for _, path in entries}
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """read_file -> str_replace (the known fix) -> run_tests -> final answer."""

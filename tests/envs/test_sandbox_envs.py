@@ -126,6 +126,22 @@ def test_code_fix_tools_and_grading(require_sandbox):
     assert "failed" in env.last_hidden_output
 
 
+def test_code_fix_judges_in_a_fresh_sandbox_where_the_agents_processes_do_not_run(require_sandbox):
+    """A daemon the agent leaves running in its sandbox rewrites any hidden tests the moment they land there;
+    the judge's sandbox holds the agent's files but none of its processes, so the unfixed bug still fails."""
+    require_sandbox("pytest")
+    env = make("k3rl/CodeFix-v0").unwrapped
+    env.reset(seed=4, options={"bug": "clamp_bound"})
+    daemon = ("nohup sh -c 'while true; do for d in .k3rl-hidden-*; do [ -d \"$d\" ] && "
+              "printf \"def test_ok():\\n    assert True\\n\" > \"$d/test_hidden.py\"; done; sleep 0.005; done' "
+              ">/dev/null 2>&1 &")
+    env.step(env.say(tool_calls=[{"name": "bash", "arguments": {"command": daemon}}]))
+    assert "sleep 0.005" in env.sandbox.exec("ps -eo args").stdout  # it runs in the episode's sandbox
+    obs, reward, term, _, _ = env.step("Fixed.")
+    assert term and reward == 0.0, env.last_hidden_output
+    assert "failed" in env.last_hidden_output
+
+
 # -- ChartMatch ------------------------------------------------------------------------------
 def test_chart_match_oracle_sees_images_and_scores_one(require_sandbox):
     require_sandbox("matplotlib")
