@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND := Agg
 
-.PHONY: setup venv host demo test test-fast test-learning wheel-check bench lint clean
+.PHONY: setup venv host demo test test-fast test-learning test-sandboxes-nonroot wheel-check bench lint clean
 
 setup: venv host
 
@@ -53,6 +53,10 @@ test-fast: venv
 # what make test leaves out: the agent job's 20-minute gain test
 test-learning: setup
 	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py $(PYTEST_ARGS)
+
+# the sandbox tests as a user without root: bwrap on rlimits, no cgroups (.ci/run runs it after make test)
+test-sandboxes-nonroot: setup
+	bash .ci/sandboxes_nonroot
 
 # the package as a user installs it: the wheel (not editable) in a fresh venv, run from outside the repository
 wheel-check: venv

@@ -37,6 +37,7 @@ from .seccomp import filter_program
 from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
 
 NOBODY = 65534
+SHARED_PIDS = 24  # without cgroups: how many sandboxes' `pids` the uid's one process budget holds
 OWNER_FILE = "k3rl-owner.json"
 
 
@@ -189,6 +190,8 @@ class BwrapSandbox(Sandbox):
         ]  # fmt: skip
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
+        if self.cgroup is None:  # RLIMIT_AS counts address space: glibc's per-thread arenas (64 MiB each,
+            argv += ["--setenv", "MALLOC_ARENA_MAX", "2"]  # reserved) used it up before memory did
         if self.seccomp is not None:  # the shell prefix below opens it as fd 3; bwrap loads it before the command
             argv += ["--seccomp", "3"]
         argv += ["--cap-drop", "ALL", "--", *inner]
@@ -215,7 +218,10 @@ class BwrapSandbox(Sandbox):
             return []
         running = tasks_of_uid(NOBODY if self._drop_to_nobody else os.getuid())
         memory = self.limits.memory_mb << 20
-        return ["prlimit", f"--as={memory}", f"--nproc={running + self.limits.pids}", "--"]
+        # RLIMIT_NPROC is per uid, and every sandbox of a job runs as one uid: sandboxes started later raise
+        # the count an earlier one's limit is checked against. So the budget is shared by up to SHARED_PIDS
+        # sandboxes' worth of tasks: a fork bomb stops there, not at this sandbox's own `pids`.
+        return ["prlimit", f"--as={memory}", f"--nproc={running + SHARED_PIDS * self.limits.pids}", "--"]
 
     def _start_agent(self) -> PipeAgentChannel:
         with self._agent_lock:
