@@ -67,10 +67,46 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
     return asyncio.run(_run_job(cfg, resume, quiet, faults))
 
 
+class StoppedWhileStarting(BaseException):
+    """A stop signal while the job's parts were starting: what had started is released, the MLflow run
+    (if it was made) ends KILLED. A BaseException, as KeyboardInterrupt is: no `except Exception` takes it."""
+
+
 async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None]) -> dict[str, Any]:
+    stop = Stop(cfg.learner.preempt_grace_s)  # from here on Ctrl-C, SIGTERM and SIGHUP end the job cleanly
+    run_dir = Path(cfg.tracking.runs_dir) / (cfg.tracking.run_name or cfg.name)
+    try:
+        return await _run_started(cfg, resume, quiet, faults, stop)
+    except StoppedWhileStarting:
+        console.print(f"[yellow]stopped by signal {stop.signal} while the job was starting: nothing was trained, "
+                      f"everything it had started is released[/]")
+        summary = {"completed": False, "steps": 0, "run_dir": str(run_dir), "signal": stop.signal,
+                   "abandoned_step": False, "stopped_while_starting": True, "history": [], "eval": {}}
+        if run_dir.is_dir():
+            (run_dir / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+        return summary
+
+
+async def _start(cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack, stop: Stop) -> Job:
+    """`Job.start`, unless a stop signal comes first: then its task is cancelled (and awaited, so that nothing
+    it was starting is half-registered) and StoppedWhileStarting unwinds `stack`, which releases the rest."""
+    task = asyncio.ensure_future(Job.start(cfg, resume, stack, stop))
+    waiter = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise StoppedWhileStarting(stop.signal)
+
+
+async def _run_started(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None],
+                       stop: Stop) -> dict[str, Any]:
     async with contextlib.AsyncExitStack() as stack:  # every actor, episode and the MLflow run end on every exit
-        job = await Job.start(cfg, resume, stack)
-        stop = Stop(cfg.learner.preempt_grace_s)  # from here on Ctrl-C, SIGTERM and SIGHUP end the job cleanly
+        job = await _start(cfg, resume, stack, stop)
         step, steps, history, evals, t_job = job.step, cfg.learner.steps, [], {}, time.monotonic()
         done, warmed = step, None  # done: the last step trained to its end
         async with stop.grace():  # a step in progress is abandoned learner.preempt_grace_s after a stop signal
@@ -168,7 +204,8 @@ class Job:
     guard: FormatGuard | None = None  # the collapse guard (k3rl/guard.py); its state starts afresh on resume
 
     @classmethod
-    async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack) -> Job:
+    async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack,
+                    stop: Stop | None = None) -> Job:
 
         run_name = cfg.tracking.run_name or cfg.name
         run_dir = Path(cfg.tracking.runs_dir) / run_name
@@ -181,6 +218,8 @@ class Job:
         meta_file = run_dir / "run.json"
         meta = json.loads(meta_file.read_text()) if (resume and meta_file.exists()) else {}
         init_ray(cfg)
+        if stop is not None:  # ray.init put its own SIGTERM handler in the driver (it exits at once): ours again
+            stop.install()
         check_resources(cfg)  # an impossible request fails now, not after ray.start_timeout_s
         tracker = stack.enter_context(Tracker(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment,
                                               run_name=run_name, run_id=meta.get("mlflow_run_id"), run_dir=run_dir,
@@ -387,8 +426,12 @@ class Stop:
     def __init__(self, grace_s: float):
         self.grace_s, self.signal, self.abandoned = grace_s, None, False
         self.event, self._deadline = asyncio.Event(), None
+        self.install()
+
+    def install(self) -> None:
+        """The handlers of SIGNALS, in place of any before (Ray's SIGTERM handler in the driver exits at once)."""
         loop = asyncio.get_running_loop()
-        for sig in self.SIGNALS:  # replaces Ray's SIGTERM handler in the driver, which exits at once
+        for sig in self.SIGNALS:
             with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
                 loop.add_signal_handler(sig, self.set, sig)
 

@@ -74,6 +74,37 @@ def test_sigterm_checkpoints_ends_killed_leaves_nothing_and_resume_is_lossless(t
     assert nothing_left("preempted") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
+@pytest.mark.slow
+def test_sigterm_while_the_job_starts_releases_what_started_and_ends_the_run_killed(tmp_path):
+    """A scheduler may preempt a job before its first step, while Ray, the tracker, the engines and the
+    learner start (minutes for a large model). The stop handler is in place from the start: the start is
+    cancelled, what had started is released, the MLflow run ends KILLED and `k3rl train` exits 143. (It
+    was installed after the start, so such a SIGTERM killed the driver outright: the run stayed RUNNING
+    and its actors and sandboxes outlived it.)"""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    config = _job(tmp_path, "early", [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}, SANDBOXED],
+                  "learner.steps=5", "learner.checkpoint_every=0")
+    run_dir = tmp_path / "runs" / "early"
+    proc = _train(config, tmp_path)
+    end = time.monotonic() + 300
+    while not (run_dir / "run.json").exists():  # written by Job.start once the MLflow run exists
+        assert proc.poll() is None and time.monotonic() < end, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, out[-3000:]
+    assert "while the job was starting" in out and "step 1:" not in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_while_starting"] and summary["signal"] == signal.SIGTERM and summary["steps"] == 0
+    client = MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    run = client.search_runs([client.get_experiment_by_name("k3rl").experiment_id])[0]
+    assert run.info.status == "KILLED" and "StoppedWhileStarting" in run.data.tags["k3rl.error"]
+    assert nothing_left("early") == {"containers": [], "bwrap": [], "ray_orphans": []}
+
+
 def test_sighup_and_sigterm_stop_the_job_and_the_grace_bounds_the_wait_for_the_step():
     """Each of SIGTERM, SIGHUP and SIGINT sets the stop and names itself; a step that never reaches its
     boundary is abandoned once learner.preempt_grace_s has passed after the signal."""
