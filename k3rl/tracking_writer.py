@@ -18,6 +18,7 @@ spooled, and a trace the store would not take is counted (`dropped_traces`) and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -89,8 +90,13 @@ class Spool:
     def keep_file(self, src: Path, name: str) -> str:
         """A copy of an artifact's file under the spool folder; its path, for the record."""
         dest = self.files / f"{time.time_ns()}-{threading.get_ident()}" / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dest)
+        for _ in range(3):  # the writer removes the spool's folder when its last artifact is sent: make it again
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dest)
+                break
+            except FileNotFoundError:
+                continue
         return str(dest)
 
 
@@ -111,7 +117,10 @@ def send(client, run_id: str, record: dict) -> None:
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in record["tags"].items()])
     elif kind == "artifact":
         client.log_artifact(run_id, record["file"], artifact_path=record["artifact_path"])
-        shutil.rmtree(Path(record["file"]).parent, ignore_errors=True)
+        held = Path(record["file"]).parent
+        shutil.rmtree(held, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the spool's folder goes with its last artifact
+            held.parent.rmdir()
     elif kind == "terminate":
         client.set_terminated(run_id, status=record["status"])
     else:
