@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -56,16 +57,42 @@ class ClusterResourcesError(RuntimeError):
     """The job asks for more than the Ray cluster has: its actors would wait for ever."""
 
 
-def job_requests(cfg: JobConfig) -> list[tuple[str, int, float, float]]:
-    """The job's actors that hold resources, all running at once: (the config fields that size them,
-    how many, CPUs each, GPUs each). Rollout workers, the buffer and the pool's router take none."""
-    r, learner = cfg.rollout, cfg.learner
+@dataclass(frozen=True)
+class ActorRequest:
+    """What one kind of the job's actors asks Ray for: the config fields that size it, how many, and each
+    one's CPUs and GPUs. The actors are made with `options()`, and `check_resources` sums the same numbers."""
+
+    fields: str
+    count: int
+    cpus: float
+    gpus: float
+
+    def options(self) -> dict[str, float]:
+        return {"num_cpus": self.cpus, "num_gpus": self.gpus}
+
+
+def engine_request(cfg: JobConfig) -> ActorRequest:
+    r = cfg.rollout
+    return ActorRequest("rollout.num_inference_workers x rollout.gpus_per_inference_worker", r.num_inference_workers,
+                        1.0, r.gpus_per_inference_worker)
+
+
+def learner_request(cfg: JobConfig) -> ActorRequest:
+    learner = cfg.learner
     ranks = learner.world_size if learner.data_parallel == "fsdp" else 1
-    return [("rollout.num_inference_workers x rollout.gpus_per_inference_worker", r.num_inference_workers, 1.0,
-             r.gpus_per_inference_worker),
-            ("learner.world_size x learner.gpus / world_size", ranks, 1.0, learner.gpus / ranks),
-            *((f"learner.distill.teachers.{i}.engines x gpus_per_engine", t.engines, 1.0, t.gpus_per_engine)
-              for i, t in enumerate(learner.distill.teachers) if t.engines)]
+    return ActorRequest("learner.world_size x learner.gpus / world_size", ranks, 1.0, learner.gpus / ranks)
+
+
+def teacher_request(cfg: JobConfig, i: int) -> ActorRequest:
+    t = cfg.learner.distill.teachers[i]
+    return ActorRequest(f"learner.distill.teachers.{i}.engines x gpus_per_engine", t.engines, 1.0, t.gpus_per_engine)
+
+
+def job_requests(cfg: JobConfig) -> list[ActorRequest]:
+    """The job's actors that hold resources, all running at once. Rollout workers, the buffer and the pool's
+    router take none."""
+    return [engine_request(cfg), learner_request(cfg),
+            *(teacher_request(cfg, i) for i in range(len(cfg.learner.distill.teachers)))]
 
 
 def check_resources(cfg: JobConfig) -> None:
@@ -77,14 +104,15 @@ def check_resources(cfg: JobConfig) -> None:
     have = f"the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all on {len(nodes)} " \
            f"node(s), at most {max((n.get('CPU', 0) for n in nodes), default=0):g} CPUs and " \
            f"{max((n.get('GPU', 0) for n in nodes), default=0):g} GPUs on one"
-    requests = [r for r in job_requests(cfg) if r[1] > 0]
-    problems = [f"{fields}: each of its {count} actor(s) asks for {cpus:g} CPU and {gpus:g} GPU, more than any node has"
-                for fields, count, cpus, gpus in requests
-                if not any(n.get("CPU", 0) >= cpus and n.get("GPU", 0) >= gpus for n in nodes)]
-    for k, kind in ((2, "CPU"), (3, "GPU")):
-        need = sum(r[1] * r[k] for r in requests)
+    requests = [r for r in job_requests(cfg) if r.count > 0]
+    problems = [f"{r.fields}: each of its {r.count} actor(s) asks for {r.cpus:g} CPU and {r.gpus:g} GPU, more than any "
+                f"node has" for r in requests
+                if not any(n.get("CPU", 0) >= r.cpus and n.get("GPU", 0) >= r.gpus for n in nodes)]
+    for kind in ("CPU", "GPU"):
+        each = (lambda r: r.cpus) if kind == "CPU" else (lambda r: r.gpus)
+        need = sum(r.count * each(r) for r in requests)
         if need > total.get(kind, 0) + 1e-9:
-            parts = " + ".join(f"{r[1]} x {r[k]:g} ({r[0]})" for r in requests if r[k])
+            parts = " + ".join(f"{r.count} x {each(r):g} ({r.fields})" for r in requests if each(r))
             problems.append(f"all together the job asks for {need:g} {kind}s, more than the {total.get(kind, 0):g} "
                             f"the cluster has: {parts}")
     if problems:

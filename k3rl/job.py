@@ -26,7 +26,7 @@ import ray
 from rich.console import Console
 from rich.live import Live
 
-from k3rl.cluster import check_resources, init_ray
+from k3rl.cluster import check_resources, engine_request, init_ray
 from k3rl.config import JobConfig
 from k3rl.envs.registration import check_env_ids
 from k3rl.guard import FormatGuard
@@ -240,7 +240,7 @@ class Job:
                                          **({"prefill_wait_steps": r.prefill_wait_steps}
                                             if r.prefill_wait_steps is not None else {})})  # embedded only
         pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={
-            "num_cpus": 1, "num_gpus": r.gpus_per_inference_worker, "max_concurrency": 10_000})
+            **engine_request(cfg).options(), "max_concurrency": 10_000})
         stack.push_async_callback(_stop_pool, pool)
         learner = LearnerGroup(cfg, run_dir, pool)
         stack.callback(learner.shutdown)

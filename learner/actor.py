@@ -43,7 +43,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from k3rl.cluster import free_port, rendezvous_host
+from k3rl.cluster import free_port, learner_request, rendezvous_host
 from k3rl.config import JobConfig
 from k3rl.learner.trainer import Trainer
 from k3rl.rollout.transport import make_transport
@@ -248,8 +248,9 @@ class LearnerGroup:
     `cfg.rollout.weight_transport` (its send half lives in rank 0)."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path, pool) -> None:
-        ranks = cfg.learner.world_size if cfg.learner.data_parallel == "fsdp" else 1
-        actor = ray.remote(num_cpus=1, num_gpus=cfg.learner.gpus / ranks, max_restarts=0)(LearnerActor)
+        request = learner_request(cfg)
+        ranks = request.count
+        actor = ray.remote(**request.options(), max_restarts=0)(LearnerActor)
         self.actors = [actor.remote(cfg.to_dict(), str(run_dir), r, ranks, pool) for r in range(ranks)]
 
     async def start(self) -> None:

@@ -30,6 +30,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
+from k3rl.cluster import teacher_request
 from k3rl.config import JobConfig
 from k3rl.learner.distill import TEACHER_LOGPROBS, score, teacher_index
 from k3rl.model import build_model
@@ -108,7 +109,7 @@ class TeacherGroup:
         self.names: list[str] = []  # per engine: "teacher i (checkpoint) engine j"
         self.engines = []
         for i, spec in enumerate(cfg.learner.distill.teachers):
-            actor = ray.remote(num_cpus=1, num_gpus=spec.gpus_per_engine, max_restarts=0)(TeacherEngine)
+            actor = ray.remote(**teacher_request(cfg, i).options(), max_restarts=0)(TeacherEngine)
             for j in range(spec.engines):
                 self.names.append(f"learner.distill.teachers.{i} ({spec.checkpoint}) engine {j}")
                 self.engines.append(actor.remote(cfg.to_dict(), i, j))
