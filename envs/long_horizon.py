@@ -24,7 +24,8 @@ answer is both digits, `D1D2`. The trail overflows the context, and the start fi
 at the very end, so the policy must carry it through its own summaries (`rollout.context.strategy:
 summarize`): a summary that drops it loses the episode. The oracle summarises `code D1`;
 `oracle_mistakes=q` makes it careless (with probability q, once per episode, its summaries keep
-only the progress, and its final answer guesses the first digit). Partial credit: 0.5 per digit.
+only the progress, and its final answer has "?" for the first code, which earns nothing). Partial
+credit: 0.5 per code when the answer has both.
 """
 
 from __future__ import annotations
@@ -269,5 +270,5 @@ class LongHorizonEnv(ToolEnv):
         final = re.search(r"^code: (\d)$", last.content, re.M)
         first = self._remembered_code(messages)
         if first is None or (self._is_careless() and self.hops > 1):
-            first = str(int(self.np_random.integers(10)))  # forgotten: a guess
+            first = "?"  # forgotten: said so (a made-up digit would teach the policy to write random digits)
         return self.say(f"{first}{final.group(1) if final else '0'}")

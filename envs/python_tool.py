@@ -15,7 +15,8 @@ For small policies (the agentic mixture of examples/agent.yaml): the family `mul
 prompt alone says what to do: ~20 tokens instead of ~400), `partial_credit` with `turn_rewards`
 (0.5 in the turn whose program printed the answer, 0.5 for the exact final answer), and
 `oracle_mistakes=q`: a careless demonstrator that, with probability q (once per episode), answers
-at once with a guess instead of running the program. `tool_available=False` is the ablation: the
+at once "?" instead of running the program (no made-up number: demonstrations of random digits taught
+a warm start to miscopy the task's numbers). `tool_available=False` is the ablation: the
 `python` tool answers that it is unavailable, so a policy must compute in its head (success drops
 to chance: a guess of a 3-4 digit product).
 """
@@ -208,7 +209,7 @@ class PythonToolEnv(ToolEnv):
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """Run the task's program once; answer with the last integer it printed. With `oracle_mistakes` = q:
-        with probability q (once per episode) it answers at once with a guess (never the answer)."""
+        with probability q (once per episode) it answers at once, without the tool, that it does not know."""
         messages = self._messages(history)
         last = messages[-1] if messages else None
         terse = self.system_prompt is None
@@ -219,10 +220,7 @@ class PythonToolEnv(ToolEnv):
                 return self.say(str(value) if terse else f"The answer is {value}.")
         if self._oracle_guesses is None:
             self._oracle_guesses = bool(self.oracle_mistakes > 0 and self.np_random.random() < self.oracle_mistakes)
-        if self._oracle_guesses:
-            guess = self.task.answer
-            while guess == self.task.answer:  # about the answer's size, never the answer
-                guess = int(self.np_random.integers(max(1, self.task.answer // 2), 2 * self.task.answer + 2))
-            return self.say(str(guess))
+        if self._oracle_guesses:  # no digits: a made-up number would teach the policy to write random digits
+            return self.say("?")
         return self.say("" if terse else "Let me compute it.",
                         [{"name": "python", "arguments": {"code": self.task.code}}])

@@ -96,7 +96,8 @@ def test_python_mul_runs_the_product_in_the_sandbox(require_sandbox):
     assert ep.turns[0].role == "user" and ep.turns[0].text == task.question  # "37*58": the prompt is the task
     assert next(t for t in ep.turns if t.role == "tool").text == str(task.answer)  # printed in the sandbox
     careless = run_oracle_episode(make("k3rl/PythonTool-v0", oracle_mistakes=1.0), seed=2)
-    assert careless.reward == 0.0 and careless.num_turns == 1  # a guess, never the answer
+    assert careless.reward == 0.0 and careless.num_turns == 1  # "?" at once: no number, no tool
+    assert [t.text for t in careless.turns if t.role == "assistant"] == ["?"]
 
 
 def test_python_mul_without_the_tool_cannot_succeed(require_sandbox):
@@ -137,7 +138,8 @@ def test_code_trail_is_solved_only_through_the_policys_summary(require_sandbox):
     careless = run_oracle_episode(make("k3rl/LongHorizon-v0", template=template, oracle_mistakes=1.0), seed=4,
                                   max_context_tokens=LIMIT, context=CONTEXT)
     assert [t.text for t in careless.turns if t.compaction == "summary"] == ["reading"]
-    assert careless.reward == 0.5  # the last code, and a wrong guess of the first (this seed's)
+    assert careless.reward == 0.0  # "?" for the first code: no made-up digit, and no credit
+    assert [t.text for t in careless.turns if t.role == "assistant"][-1].startswith("?")
 
 
 def test_code_trail_refuses_what_does_not_fit():
