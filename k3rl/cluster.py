@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -66,32 +66,41 @@ class ActorRequest:
     count: int
     cpus: float
     gpus: float
+    resources: dict[str, float] = field(default_factory=dict)  # custom ones: ray.placement
 
-    def options(self) -> dict[str, float]:
-        return {"num_cpus": self.cpus, "num_gpus": self.gpus}
+    def options(self) -> dict[str, Any]:
+        return {"num_cpus": self.cpus, "num_gpus": self.gpus, **({"resources": self.resources} if self.resources else {})}
 
 
 def engine_request(cfg: JobConfig) -> ActorRequest:
     r = cfg.rollout
     return ActorRequest("rollout.num_inference_workers x rollout.gpus_per_inference_worker", r.num_inference_workers,
-                        1.0, r.gpus_per_inference_worker)
+                        1.0, r.gpus_per_inference_worker, dict(cfg.ray.placement.engines))
 
 
 def learner_request(cfg: JobConfig) -> ActorRequest:
     learner = cfg.learner
     ranks = learner.world_size if learner.data_parallel == "fsdp" else 1
-    return ActorRequest("learner.world_size x learner.gpus / world_size", ranks, 1.0, learner.gpus / ranks)
+    return ActorRequest("learner.world_size x learner.gpus / world_size", ranks, 1.0, learner.gpus / ranks,
+                        dict(cfg.ray.placement.learner))
 
 
 def teacher_request(cfg: JobConfig, i: int) -> ActorRequest:
     t = cfg.learner.distill.teachers[i]
-    return ActorRequest(f"learner.distill.teachers.{i}.engines x gpus_per_engine", t.engines, 1.0, t.gpus_per_engine)
+    return ActorRequest(f"learner.distill.teachers.{i}.engines x gpus_per_engine", t.engines, 1.0, t.gpus_per_engine,
+                        dict(cfg.ray.placement.teachers))
+
+
+def rollout_worker_request(cfg: JobConfig) -> ActorRequest:
+    """Rollout workers take no CPU slot (their work is waiting: on engines, sandboxes), only placement."""
+    return ActorRequest("rollout.num_rollout_workers", cfg.rollout.num_rollout_workers, 0.0, 0.0,
+                        dict(cfg.ray.placement.rollout_workers))
 
 
 def job_requests(cfg: JobConfig) -> list[ActorRequest]:
     """The job's actors that hold resources, all running at once. Rollout workers, the buffer and the pool's
     router take none."""
-    return [engine_request(cfg), learner_request(cfg),
+    return [engine_request(cfg), learner_request(cfg), rollout_worker_request(cfg),
             *(teacher_request(cfg, i) for i in range(len(cfg.learner.distill.teachers)))]
 
 
@@ -105,9 +114,12 @@ def check_resources(cfg: JobConfig) -> None:
            f"node(s), at most {max((n.get('CPU', 0) for n in nodes), default=0):g} CPUs and " \
            f"{max((n.get('GPU', 0) for n in nodes), default=0):g} GPUs on one"
     requests = [r for r in job_requests(cfg) if r.count > 0]
-    problems = [f"{r.fields}: each of its {r.count} actor(s) asks for {r.cpus:g} CPU and {r.gpus:g} GPU, more than any "
-                f"node has" for r in requests
-                if not any(n.get("CPU", 0) >= r.cpus and n.get("GPU", 0) >= r.gpus for n in nodes)]
+    def fits(r: ActorRequest, n: dict) -> bool:
+        return all(n.get(k, 0) >= v for k, v in {"CPU": r.cpus, "GPU": r.gpus, **r.resources}.items())
+
+    problems = [f"{r.fields}: each of its {r.count} actor(s) asks for {r.cpus:g} CPU and {r.gpus:g} GPU"
+                + (f" and {r.resources} (ray.placement)" if r.resources else "") + ", more than any node has"
+                for r in requests if not any(fits(r, n) for n in nodes)]
     for kind in ("CPU", "GPU"):
         each = (lambda r: r.cpus) if kind == "CPU" else (lambda r: r.gpus)
         need = sum(r.count * each(r) for r in requests)

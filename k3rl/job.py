@@ -26,7 +26,7 @@ import ray
 from rich.console import Console
 from rich.live import Live
 
-from k3rl.cluster import check_resources, engine_request, init_ray
+from k3rl.cluster import check_resources, engine_request, init_ray, rollout_worker_request
 from k3rl.config import JobConfig
 from k3rl.envs.registration import check_env_ids
 from k3rl.guard import FormatGuard
@@ -259,8 +259,8 @@ class Job:
         workers = []
 
         def make_worker(i: int):
-            workers.append(ray.remote(num_cpus=0, max_concurrency=r.episodes_per_worker + 1, max_restarts=0)(
-                RolloutWorker).remote(cfg.to_dict(), pool, buffer, i))
+            workers.append(ray.remote(**rollout_worker_request(cfg).options(), max_concurrency=r.episodes_per_worker + 1,
+                                      max_restarts=0)(RolloutWorker).remote(cfg.to_dict(), pool, buffer, i))
             return workers[-1]
 
         stack.push_async_callback(_close_workers, workers)

@@ -42,7 +42,26 @@ class TrackingSection(_Section):
                                 "store is back; training never waits for MLflow")
 
 
+class PlacementSection(_Section):
+    """Custom Ray resources each kind of actor asks for, to pin it to the nodes that offer them (a node
+    started with `ray start --resources='{"engine_node": 8}'`). Empty: anywhere that has its CPUs/GPUs."""
+
+    engines: dict[str, float] = Field(default_factory=dict, description="each inference engine's custom resources")
+    learner: dict[str, float] = Field(default_factory=dict, description="each learner rank's custom resources")
+    teachers: dict[str, float] = Field(default_factory=dict, description="each teacher engine's custom resources")
+    rollout_workers: dict[str, float] = Field(default_factory=dict,
+                                              description="each rollout worker's (its episodes' sandboxes run there)")
+
+    @model_validator(mode="after")
+    def _positive(self):
+        _refuse([(f"{kind}.{name}", f"a resource amount must be > 0, got {amount}")
+                 for kind in ("engines", "learner", "teachers", "rollout_workers")
+                 for name, amount in getattr(self, kind).items() if not amount > 0])
+        return self
+
+
 class RaySection(_Section):
+    placement: PlacementSection = Field(default_factory=PlacementSection)
     address: str | None = Field(None, description="None starts a local Ray; 'auto' or ray://host:port joins a cluster")
     num_cpus: int | None = Field(None, ge=1)
     namespace: str = "k3rl"
