@@ -50,7 +50,7 @@ test: setup
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-# what make test leaves out: the agent job's 20-minute gain test
+# what make test leaves out: the agent job's gain test (25-47 minutes)
 test-learning: setup
 	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py $(PYTEST_ARGS)
 

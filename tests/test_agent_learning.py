@@ -3,7 +3,7 @@ examples/agent_warm_start; ScreenRead, PythonTool mul in Docker sandboxes and Lo
 each in turn; 30 RL steps) on seed 0. RL's own gain in held-out greedy success, the warm start's (step 0)
 against the last eval's, is at least +0.15 on each of the three envs.
 
-The job takes about 20 minutes on 2 idle cores, so this test runs only when asked:
+The job takes 25-47 minutes on 2 cores, so this test runs only when asked:
 `K3RL_LEARNING_TESTS=1 pytest tests/test_agent_learning.py` (or `make test-learning`). The runs on two seeds
 behind BENCHMARKS.md's numbers are `k3rl train examples/agent.yaml --set learner.seed=N`.
 """
@@ -20,7 +20,7 @@ ENVS = ("ScreenRead-v0", "PythonTool-v0", "LongHorizon-v0")
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     os.environ.get("K3RL_LEARNING_TESTS") != "1",
-    reason="a 20-minute RL job: run with K3RL_LEARNING_TESTS=1 (make test-learning)")]
+    reason="a 25-47-minute RL job: run with K3RL_LEARNING_TESTS=1 (make test-learning)")]
 
 
 @pytest.mark.timeout(3600)
