@@ -67,6 +67,11 @@ def run_job(cfg: JobConfig, resume: bool = False, *, quiet: bool = False,
     return asyncio.run(_run_job(cfg, resume, quiet, faults))
 
 
+def run_dir_of(cfg: JobConfig) -> Path:
+    """The job's run folder: tracking.runs_dir / (tracking.run_name, else the job's name)."""
+    return Path(cfg.tracking.runs_dir) / (cfg.tracking.run_name or cfg.name)
+
+
 class StoppedWhileStarting(BaseException):
     """A stop signal while the job's parts were starting: what had started is released, the MLflow run
     (if it was made) ends KILLED. A BaseException, as KeyboardInterrupt is: no `except Exception` takes it."""
@@ -74,7 +79,7 @@ class StoppedWhileStarting(BaseException):
 
 async def _run_job(cfg: JobConfig, resume: bool, quiet: bool, faults: dict[str, int | None]) -> dict[str, Any]:
     stop = Stop(cfg.learner.preempt_grace_s)  # from here on Ctrl-C, SIGTERM and SIGHUP end the job cleanly
-    run_dir = Path(cfg.tracking.runs_dir) / (cfg.tracking.run_name or cfg.name)
+    run_dir = run_dir_of(cfg)
     try:
         return await _run_started(cfg, resume, quiet, faults, stop)
     except StoppedWhileStarting:
@@ -207,8 +212,8 @@ class Job:
     async def start(cls, cfg: JobConfig, resume: bool, stack: contextlib.AsyncExitStack,
                     stop: Stop | None = None) -> Job:
 
-        run_name = cfg.tracking.run_name or cfg.name
-        run_dir = Path(cfg.tracking.runs_dir) / run_name
+        run_dir = run_dir_of(cfg)
+        run_name = run_dir.name
         if not resume and any((run_dir / "checkpoints").glob("step-*")):
             raise SystemExit(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
                              f"or set tracking.run_name to start a new one")

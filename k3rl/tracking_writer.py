@@ -139,6 +139,7 @@ class Writer:
         self.down_since: float | None = None  # monotonic time the store was found down; None: up
         self.next_probe = 0.0
         self.sent = self.spooled = self.replayed = self.dropped_traces = 0
+        self.spilled = False  # records put in the spool by a full queue, not by a down store
         self.spooled_at_start = len(self.spool.read())  # a resumed run's spool: replayed first
         self.closing = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="k3rl-tracking-writer", daemon=True)
@@ -152,6 +153,7 @@ class Writer:
         except queue.Full:  # the store is far behind: the record goes to disk now, in the caller's thread
             self.spool.append([record])
             self.spooled += 1
+            self.spilled = True  # the thread replays it once the queue is idle, even with the store up
 
     def put_trace(self, fn: Callable[[], Any]) -> None:
         """A best-effort write (an MLflow trace): tried once in the thread, counted when it fails."""
@@ -176,6 +178,8 @@ class Writer:
             self.next_probe = 0.0  # the thread retries the spool now
         self.closing.set()
         self.thread.join(timeout=max(1.0, timeout))
+        if not self.thread.is_alive() and self.spool.read():  # a last try, for records a full queue spilled too
+            self._replay()
         left = []
         while True:
             try:
@@ -200,7 +204,8 @@ class Writer:
             try:
                 r = self.q.get(timeout=0.1)
             except queue.Empty:
-                if self.down_since is not None and time.monotonic() >= self.next_probe:
+                if (self.down_since is not None and time.monotonic() >= self.next_probe) or self.spilled:
+                    self.spilled = False
                     self._replay()
                 continue
             try:

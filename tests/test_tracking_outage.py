@@ -214,3 +214,19 @@ def test_the_job_finishes_through_a_tracking_server_that_dies_and_comes_back(ser
     assert run.info.status == "FINISHED"
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")}) == list(range(1, steps + 1))
     assert not (run_dir / "tracking_spool.jsonl").exists()
+
+
+def test_records_a_full_queue_spills_reach_the_store_that_is_up(tmp_path):
+    """A queue of one, written faster than the store takes it: what overflows goes to the spool on disk, and
+    from there into the store, which never went down; nothing waits in the spool at the end."""
+    from k3rl.tracking import mlflow_client
+    from k3rl.tracking_writer import Writer
+
+    client = mlflow_client(f"sqlite:///{tmp_path}/m.db")
+    run = client.create_run(client.create_experiment("spill"))
+    w = Writer(client, run.info.run_id, tmp_path / "run", deadline_s=30, queue_size=1)
+    for step in range(40):
+        w.put({"kind": "metrics", "metrics": [("x", float(step), 1000 + step, step)]})
+    assert w.stats()["spooled"] > 0  # the queue did overflow
+    assert w.close(timeout=30) == 0
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "x")) == list(range(40))
