@@ -12,3 +12,48 @@ def module_ray():
     ray.shutdown()  # none that another module left running: the first job starts one with its own config
     yield
     ray.shutdown()
+
+
+# ---- jobs that run beside the suite (tests/background.py) ----------------------------------------------------
+_BACKGROUND: dict = {}  # "runner": the runner process, "folder": its results
+
+
+def pytest_collection_finish(session):
+    """Start the selected background jobs (tests marked `background`) in one runner process, in test order."""
+    if session.config.option.collectonly:
+        return
+    jobs = [f"{item.path}:{mark.args[0]}" for item in session.items
+            for mark in item.iter_markers("background")]
+    if jobs:
+        import tempfile
+        from pathlib import Path
+
+        import background
+
+        _BACKGROUND["folder"] = Path(tempfile.mkdtemp(prefix="k3rl-background-"))
+        _BACKGROUND["runner"] = background.start(_BACKGROUND["folder"], list(dict.fromkeys(jobs)))
+
+
+def pytest_unconfigure(config):
+    if "runner" in _BACKGROUND:
+        import shutil
+
+        import background
+
+        background.stop(_BACKGROUND["runner"], _BACKGROUND["folder"])
+        shutil.rmtree(_BACKGROUND.pop("folder"), ignore_errors=True)
+        _BACKGROUND.pop("runner")
+
+
+@pytest.fixture
+def background_job(request):
+    """(summary, folder) of this test's background job, once it has finished (it started at collection)."""
+    import background
+
+    mark = request.node.get_closest_marker("background")
+    assert mark and "runner" in _BACKGROUND, "a background_job test needs @pytest.mark.background(<job>)"
+    name = mark.args[0]
+    timeout = request.node.get_closest_marker("timeout")
+    summary = background.wait_for(_BACKGROUND["folder"], name, _BACKGROUND["runner"],
+                                  timeout_s=(timeout.args[0] if timeout else 600) - 30)
+    return summary, _BACKGROUND["folder"] / name

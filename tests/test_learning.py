@@ -12,6 +12,9 @@
    architecture the job's preflight refuses the stored checkpoint by name; rebuild it from a run of
    `k3rl train examples/demo_from_scratch.yaml --set model.seed=3 --set learner.seed=3` (its
    checkpoints/step-000010/reference, cast to bf16).
+
+The three jobs (about 9 minutes one after another on 2 cores) run beside the rest of the suite from collection on
+(`@pytest.mark.background`, tests/background.py); each test waits for its job and asserts on what it returned.
 """
 
 from pathlib import Path
@@ -22,29 +25,56 @@ from k3rl.config import JobConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
-@pytest.mark.parametrize("seed", [0])
-def test_short_job_learns_keylookup(tmp_path, seed, module_ray):
-    from k3rl.job import run_job
+def _tracking(out: Path, name: str) -> list[str]:
+    return ["tracking.sample_episodes=0", f"tracking.runs_dir={out}/runs", f"tracking.uri={_uri(out)}",
+            f"name={name}", "tracking.run_name=null"]
 
-    cfg = JobConfig.load(EXAMPLES / "demo_from_scratch.yaml", [
-        # the demo's warm start without its careless phase and at the RL batch's 16 demonstrations a
-        # step (60 SFT steps; the demo's 130 x 32 would cost this test ~10 minutes a seed; 20 steps on
-        # 128 oracle episodes left the policy weak enough that RL drifted to reward 0 on one CI run)
-        "learner.sft_steps=60", "learner.sft_phases=[]", "learner.sft_batch=null",
-        f"model.seed={seed}", f"learner.seed={seed}",
-        "learner.steps=4", "learner.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        # the held-out eval of the warm start only (step 0), greedy (16 tasks) and one sample each
-        "tracking.eval_every=0", "envs.eval.0.num_tasks=16", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
-        "tracking.sample_episodes=0", f"tracking.runs_dir={tmp_path}/runs",
-        f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=learn{seed}", "tracking.run_name=null",
-    ])
-    summary = run_job(cfg, quiet=True)
+
+def _uri(out: Path) -> str:
+    return f"sqlite:///{out}/runs/mlflow.db"
+
+
+def _short_job(seed: int):
+    def build(out: Path) -> JobConfig:
+        return JobConfig.load(EXAMPLES / "demo_from_scratch.yaml", [
+            # the demo's warm start without its careless phase and at the RL batch's 16 demonstrations a
+            # step (60 SFT steps; the demo's 130 x 32 would cost this test ~10 minutes a seed; 20 steps on
+            # 128 oracle episodes left the policy weak enough that RL drifted to reward 0 on one CI run)
+            "learner.sft_steps=60", "learner.sft_phases=[]", "learner.sft_batch=null",
+            f"model.seed={seed}", f"learner.seed={seed}",
+            "learner.steps=4", "learner.checkpoint_every=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
+            # the held-out eval of the warm start only (step 0), greedy (16 tasks) and one sample each
+            "tracking.eval_every=0", "envs.eval.0.num_tasks=16", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
+            *_tracking(out, f"learn{seed}"),
+        ])
+    return build
+
+
+def _rl_gain(seed: int):
+    def build(out: Path) -> JobConfig:
+        return JobConfig.load(EXAMPLES / "demo.yaml", [
+            "learner.eval_before_training=false", f"learner.seed={seed}", "learner.steps=8",
+            "learner.checkpoint_every=0", "rollout.prompts_per_step=8", "rollout.group_size=8",
+            # held-out eval before the first RL step and after the last: 32 tasks, greedy and one sample each
+            "tracking.eval_every=8", "envs.eval.0.num_tasks=32", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
+            *_tracking(out, f"gain{seed}"),
+        ])
+    return build
+
+
+# the jobs tests/background.py runs for this module's tests, by the name of their `background` mark
+BACKGROUND_JOBS = {"learn0": _short_job(0), "gain0": _rl_gain(0), "gain1": _rl_gain(1)}
+
+
+@pytest.mark.parametrize("seed", [pytest.param(0, marks=pytest.mark.background("learn0"))])
+def test_short_job_learns_keylookup(seed, background_job):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    summary, out = background_job
+    client = MlflowClient(tracking_uri=_uri(out))
     sft = [m.value for m in sorted(client.get_metric_history(summary["mlflow_run_id"], "sft/loss"), key=lambda m: m.step)]
     assert sft[-1] < sft[0] / 10  # the warm start learned the message format
     rewards = [m["reward/mean"] for m in summary["history"]]
@@ -65,19 +95,9 @@ def test_short_job_learns_keylookup(tmp_path, seed, module_ray):
     assert summary["eval"][0]["eval/KeyLookup-v0/success"] >= 0.25, summary["eval"][0]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_rl_raises_held_out_success_from_a_stored_warm_start(tmp_path, seed, module_ray):
-    from k3rl.job import run_job
-
-    cfg = JobConfig.load(EXAMPLES / "demo.yaml", [
-        "learner.eval_before_training=false", f"learner.seed={seed}", "learner.steps=8",
-        "learner.checkpoint_every=0", "rollout.prompts_per_step=8", "rollout.group_size=8",
-        # held-out eval before the first RL step and after the last: 32 tasks, greedy and one sample each
-        "tracking.eval_every=8", "envs.eval.0.num_tasks=32", "envs.eval.0.pass_k=1", "envs.eval.0.samples=1",
-        "tracking.sample_episodes=0", f"tracking.runs_dir={tmp_path}/runs",
-        f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", f"name=gain{seed}", "tracking.run_name=null",
-    ])
-    summary = run_job(cfg, quiet=True)
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.background(f"gain{s}")) for s in (0, 1)])
+def test_rl_raises_held_out_success_from_a_stored_warm_start(seed, background_job):
+    summary, _ = background_job
     assert summary["completed"] and sorted(summary["eval"]) == [0, 8], summary["eval"]
     before, after = summary["eval"][0], summary["eval"][8]
     greedy = [e["eval/KeyLookup-v0/success"] for e in (before, after)]
