@@ -278,12 +278,17 @@ def plot(runs: list[dict], path: Path) -> None:
         colour, label = f"C{i}", r["label"]
         top.plot([s["step"] for s in r["steps"]], [s["reward"] for s in r["steps"]], "-o", color=colour,
                  markersize=3, label=label)
-        for key in sorted({k for e in r["eval"] for k in e if k != "step"}):
-            if key.endswith("/success") or "/pass_at_" in key:
-                greedy = key.endswith("/success")
-                kind = "greedy success" if greedy else key.split("/")[-1].replace("pass_at_", "pass@")
-                bottom.plot([e["step"] for e in r["eval"] if key in e], [e[key] for e in r["eval"] if key in e],
-                            "-o" if greedy else "--", color=colour, markersize=4, label=f"{label}: {kind}")
+        keys = sorted({k for e in r["eval"] for k in e if k.endswith("/success") or "/pass_at_" in k})
+        envs = sorted({k.split("/")[-2] for k in keys if "/" in k})
+        for key in keys:
+            greedy = key.endswith("/success")
+            kind = "greedy success" if greedy else key.split("/")[-1].replace("pass_at_", "pass@")
+            env = key.split("/")[-2] if "/" in key else ""
+            # several envs (<env>/success, ...): a marker per env, so their lines tell apart
+            marker = "osd^v"[envs.index(env) % 5] if env in envs else "o"
+            bottom.plot([e["step"] for e in r["eval"] if key in e], [e[key] for e in r["eval"] if key in e],
+                        f"-{marker}" if greedy else f"--{marker}", color=colour, markersize=4,
+                        label=f"{label}: {env + ' ' if len(envs) > 1 else ''}{kind}")
     top.set(title="training reward (sampled episodes of each step)", xlabel="RL step", ylabel="reward/mean")
     bottom.set(title="held-out evaluation (step 0: the SFT warm start)", xlabel="RL steps done", ylabel="rate",
                ylim=(-0.03, 1.03))
