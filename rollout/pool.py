@@ -366,9 +366,9 @@ class InferencePool:
 
     async def engine_metrics(self) -> dict[str, float]:
         """Every live engine's `metrics()` summed, as `engine/<name>` (a worker that fails to answer, e.g.
-        one restarting, is left out of the sum)."""
+        one restarting, is left out of the sum), and `engine/restarts`: the pool's restarts of dead workers."""
         got = await asyncio.gather(*(w.metrics.remote() for w in self._workers), return_exceptions=True)
-        total: dict[str, float] = {}
+        total: dict[str, float] = {"engine/restarts": float(self.restarts)}
         for m in got:
             for k, v in (m if isinstance(m, dict) else {}).items():
                 total[f"engine/{k}"] = total.get(f"engine/{k}", 0.0) + v
