@@ -21,7 +21,7 @@ from k3rl.config import JobConfig
 
 # Communication settings the actors must share with the driver: NCCL_NVLS_ENABLE=0 and its
 # relatives keep NVLink multicast off on shared GPU hosts; a worker without them would not.
-FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_")
+FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_", "K3RL_LEARNER_THREADS")
 
 
 def _forwarded_env() -> dict[str, str]:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from k3rl.cluster import free_port, learner_request, rendezvous_host
 from k3rl.config import JobConfig
+from k3rl.learner.free_cores import FreeCores
 from k3rl.learner.trainer import Trainer
 from k3rl.rollout.transport import make_transport
 from k3rl.store import fsync_dir, fsync_file
@@ -171,11 +172,15 @@ class LearnerActor:
         batch = self.cfg.learner.sft_batch or self.cfg.rollout.prompts_per_step * self.cfg.rollout.group_size
         out = []
         threads = torch.get_num_threads()
-        if self.device == "cpu":  # nothing else computes during the warm start: the CPU's cores, shared by the ranks
-            # (a 32-demonstration step of the demo: 5.6 s on one of 2 cores, 4.0 s on both)
-            torch.set_num_threads(max(threads, len(os.sched_getaffinity(0)) // self.world_size))
+        # nothing of the job computes during the warm start: the cores the ranks share that no other process
+        # uses, measured before each step (learner/free_cores.py: threads beside a busy core run slower than
+        # one). K3RL_LEARNER_THREADS fixes the count instead: the same count every step, the same bits every run
+        adapt = self.device == "cpu" and "K3RL_LEARNER_THREADS" not in os.environ
+        free = FreeCores(len(os.sched_getaffinity(0)) // self.world_size) if adapt else None
         try:
             for i in range(start, start + steps):
+                if free is not None:
+                    torch.set_num_threads(max(threads, free.threads()))
                 demos = demo_sets[sum(i >= s for s in starts)]
                 out.append(self.trainer.sft_step(self._sft_rng.sample(demos, k=min(len(demos), batch))))
         finally:

@@ -51,9 +51,12 @@ def test_sft_trains_each_phase_on_its_own_demonstrations(tmp_path):
     assert all(m["loss_tokens"] in one for m in actor.sft([long], 2))
 
 
-def test_sft_in_pieces_trains_as_one_call(tmp_path):
+def test_sft_in_pieces_trains_as_one_call(tmp_path, monkeypatch):
     """The driver runs the warm start in pieces (k3rl/job.py, SFT_PIECE) to report its loss as it goes:
-    the same demonstrations, phases and weights as one call; a piece out of order is refused."""
+    the same demonstrations, phases and weights as one call; a piece out of order is refused. (At a fixed
+    thread count: K3RL_LEARNER_THREADS; the count that follows the free cores can differ from step to step,
+    and with it the sums' rounding.)"""
+    monkeypatch.setenv("K3RL_LEARNER_THREADS", "1")
     cfg = _cfg("learner.sft_steps=5", "learner.sft_phases=[{from_step: 2, env_kwargs: {x: 1}}]")
     sets = [make_trajectories(0, n=4), make_trajectories(1, n=4, max_completion=12)]
     whole = LearnerActor(cfg.to_dict(), str(tmp_path / "a"))
