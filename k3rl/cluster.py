@@ -53,6 +53,16 @@ def init_ray(cfg: JobConfig) -> None:
                  include_dashboard=cfg.ray.include_dashboard, **common)
 
 
+def on_driver_node() -> dict[str, Any]:
+    """Ray options that keep an actor on the driver's node. The job's singletons (the trajectory buffer, the
+    engine pool's router) go there: a job outlives the loss of any node but the driver's, whose loss ends it
+    anyway, and these must outlive the nodes of engines and workers. Not `soft`: a soft affinity let Ray put
+    them on another node (seen with Ray 2.x on a cluster_utils.Cluster); they take no resources, so they fit."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+
+
 class ClusterResourcesError(RuntimeError):
     """The job asks for more than the Ray cluster has: its actors would wait for ever."""
 

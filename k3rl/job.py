@@ -26,7 +26,7 @@ import ray
 from rich.console import Console
 from rich.live import Live
 
-from k3rl.cluster import check_resources, engine_request, init_ray, rollout_worker_request
+from k3rl.cluster import check_resources, engine_request, init_ray, on_driver_node, rollout_worker_request
 from k3rl.config import JobConfig
 from k3rl.envs.registration import check_env_ids
 from k3rl.guard import FormatGuard
@@ -244,7 +244,8 @@ class Job:
                                             if r.prefill_graphs is not None else {}),
                                          **({"prefill_wait_steps": r.prefill_wait_steps}
                                             if r.prefill_wait_steps is not None else {})})  # embedded only
-        pool = PoolActor.options(num_cpus=0, max_concurrency=10_000).remote(r.num_inference_workers, spec, actor_options={
+        pool = PoolActor.options(num_cpus=0, max_concurrency=10_000, **on_driver_node()).remote(
+            r.num_inference_workers, spec, actor_options={
             **engine_request(cfg).options(), "max_concurrency": 10_000})
         stack.push_async_callback(_stop_pool, pool)
         learner = LearnerGroup(cfg, run_dir, pool)
@@ -259,7 +260,8 @@ class Job:
         step = int(state.get("step", 0))
         # episodes decided after the checkpoint are re-issued under the same ids (exactly once)
         TrajectoryStore(run_dir).rollback(step if ckpt else -1)
-        buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).remote(r.group_size, store_dir=str(run_dir))
+        buffer = ray.remote(num_cpus=0, max_concurrency=1000)(TrajectoryBuffer).options(**on_driver_node()).remote(
+            r.group_size, store_dir=str(run_dir))
         stack.callback(ray.kill, buffer)
         workers = []
 

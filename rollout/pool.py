@@ -50,6 +50,11 @@ from .engine import EmbeddedEngine, EngineLoad, GenerationResult, InferenceEngin
 from .transport import TRANSPORTS, PublishedUpdate, publish
 from .vllm_adapter import VLLMEngine
 
+# a replacement that dies before it is ready (put on a node that is going away) is tried again, this often,
+# RESTART_BACKOFF_S x attempt apart
+RESTART_ATTEMPTS = 4
+RESTART_BACKOFF_S = 2.0
+
 
 @dataclass
 class EngineSpec:
@@ -210,14 +215,28 @@ class InferencePool:
                 ray.kill(dead, no_restart=True)  # it may be half-alive (unresponsive): make sure it is gone
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
-            self._generation[slot] += 1
-            fresh = self._spawn(slot)
-            await fresh.ping.remote()
-            for message in self._weights:  # bring it to the pool's version before it takes requests
-                await fresh.update_weights.remote(message)
-            self._slot_version[slot] = (await fresh.ping.remote())["version"]
-            self._workers[slot] = fresh
-            self.restarts += 1
+            for attempt in range(1, RESTART_ATTEMPTS + 1):
+                self._generation[slot] += 1
+                fresh = self._spawn(slot)
+                try:
+                    await fresh.ping.remote()
+                    for message in self._weights:  # bring it to the pool's version before it takes requests
+                        await fresh.update_weights.remote(message)
+                    self._slot_version[slot] = (await fresh.ping.remote())["version"]
+                except RayActorError as e:
+                    # placed on a node that is going away (Ray declares a node dead only after missed health
+                    # checks, and schedules onto it until then): kill it, wait a little longer, again
+                    with contextlib.suppress(Exception):
+                        ray.kill(fresh, no_restart=True)
+                    if attempt == RESTART_ATTEMPTS:
+                        raise RuntimeError(f"engine slot {slot}: its replacement died {attempt} times before it was "
+                                           f"ready (last: {type(e).__name__}); no node that can host an engine "
+                                           "stays up (ray.placement.engines, the cluster's nodes)") from e
+                    await asyncio.sleep(RESTART_BACKOFF_S * attempt)
+                    continue
+                self._workers[slot] = fresh
+                self.restarts += 1
+                return
         finally:
             self._restarting.pop(slot, None)
 

@@ -1,4 +1,11 @@
+import os
+
 import pytest
+
+# Ray takes the machine's address for its nodes and rewrites a 127.0.0.1 cluster address to it (it asks the
+# route to a public address which one). Off, as on macOS: every node and client of the tests' Ray clusters on
+# loopback (set before anything imports ray; the CLI's jobs inherit it)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="module")

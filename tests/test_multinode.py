@@ -17,8 +17,10 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1}})
-    nodes = {name: c.add_node(num_cpus=cpus, resources={name: 8})
+    loopback = "127.0.0.1"  # every node on loopback: nothing leaves the machine
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": loopback,
+                                                      "resources": {"head_node": 1}})
+    nodes = {name: c.add_node(node_ip_address=loopback, num_cpus=cpus, resources={name: 8})
              for name, cpus in (("engine_node", 2), ("learner_node", 1), ("worker_node", 1))}
     c.wait_for_nodes()
     yield c, nodes
