@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from k3rl.config import JobConfig
 
@@ -58,8 +59,6 @@ def on_driver_node() -> dict[str, Any]:
     engine pool's router) go there: a job outlives the loss of any node but the driver's, whose loss ends it
     anyway, and these must outlive the nodes of engines and workers. Not `soft`: a soft affinity let Ray put
     them on another node (seen with Ray 2.x on a cluster_utils.Cluster); they take no resources, so they fit."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
