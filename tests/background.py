@@ -59,11 +59,11 @@ def wait_for(folder: Path, job: str, runner: subprocess.Popen, timeout_s: float)
     out = folder / job
     deadline = time.monotonic() + timeout_s
     while True:
+        finished = runner.poll() is not None  # before the files: a runner that ends after writing is seen
         if (out / "summary.pkl").exists():
             return pickle.loads((out / "summary.pkl").read_bytes())
         if (out / "error.txt").exists():
             raise AssertionError(f"background job {job} failed:\n{(out / 'error.txt').read_text()}")
-        finished = runner.poll() is not None
         if finished or time.monotonic() > deadline:
             log = (folder / "runner.log").read_text(errors="replace")[-4000:]
             why = f"ended (exit {runner.returncode})" if finished else f"gave no result within {timeout_s:.0f} s"
