@@ -22,10 +22,13 @@ summary (`oracle_summary`), it states the total so far and the next file.
 (`kamiro.txt`), no log noise, the start file holds `code: D1` and the last file `code: D2`, and the
 answer is both digits, `D1D2`. The trail overflows the context, and the start file's code is needed
 at the very end, so the policy must carry it through its own summaries (`rollout.context.strategy:
-summarize`): a summary that drops it loses the episode. The oracle summarises `code D1`;
-`oracle_mistakes=q` makes it careless (with probability q, once per episode, its summaries keep
-only the progress, and its final answer has "?" for the first code, which earns nothing). Partial
-credit: 0.5 per code when the answer has both.
+summarize`): a summary that drops it loses the episode. The oracle notes `code D1` beside each call
+after the start file's and summarises `code D1`;
+`short_names=True` names the files with one letter (`q.txt`): the name a small policy must copy from
+one file into its next call is one character, not six. `oracle_mistakes=q` makes it careless (with
+probability q, once per episode, it keeps no notes, its summaries keep only the progress, and its final
+answer has "?" for the first code, which earns nothing). Partial credit: 0.5 per code when the answer has
+both.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from k3rl.envs.base import ToolEnv
 from k3rl.envs.sandboxed import read_text
 from k3rl.envs.tools import tool
 
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 SYLLABLES = ("ka", "ro", "mi", "tu", "sel", "van", "dor", "pe", "lix", "quo", "ba", "ne")
 START = "ledger/start.log"
 SETUP_SCRIPT = ".k3rl-ledger-setup.py"
@@ -72,12 +76,15 @@ def _log(rng, amount: int, nxt: str, noise_lines: int) -> str:
     return "\n".join(lines + [f"next: {nxt}"]) + "\n"
 
 
-def make_code_trail(rng, hops: int, decoys: int) -> Trail:
+def make_code_trail(rng, hops: int, decoys: int, short_names: bool = False) -> Trail:
     """The `codes` variant: `hops` files from START.txt, each naming the next; the first and the last
-    also hold a one-digit code (their `amounts`); `decoys` files off the trail."""
+    also hold a one-digit code (their `amounts`); `decoys` files off the trail. `short_names`: one
+    letter a file (`q.txt`) instead of two syllables (`kamiro.txt`)."""
     names: list[str] = ["start.txt"]
+    if short_names and hops + decoys > 27:
+        raise ValueError(f"short_names has 26 one-letter names, too few for hops + decoys = {hops + decoys}")
     while len(names) < hops + decoys:
-        n = f"{_name(rng, 2)}.txt"
+        n = f"{LETTERS[int(rng.integers(26))]}.txt" if short_names else f"{_name(rng, 2)}.txt"
         if n not in names:
             names.append(n)
     trail, others = names[:hops], names[hops:]
@@ -120,7 +127,7 @@ class LongHorizonEnv(ToolEnv):
 
     def __init__(self, hops: int = 24, decoys: int = 12, noise_lines: int = 3, progress_reward: float = 0.0,
                  goal: str = "sum", partial_credit: bool = False, oracle_mistakes: float = 0.0,
-                 **kwargs: Any) -> None:
+                 short_names: bool = False, **kwargs: Any) -> None:
         if hops < 1 or decoys < 1 or noise_lines < 0:
             raise ValueError(f"need hops >= 1, decoys >= 1 and noise_lines >= 0; got hops={hops}, decoys={decoys}, "
                              f"noise_lines={noise_lines}")
@@ -131,13 +138,13 @@ class LongHorizonEnv(ToolEnv):
                              f"got {goal!r}")
         if goal == "codes" and hops < 2:
             raise ValueError("goal 'codes' needs hops >= 2 (the codes are in the first and the last file)")
-        if (partial_credit or oracle_mistakes) and goal != "codes":
-            raise ValueError("partial_credit and oracle_mistakes belong to goal 'codes'")
+        if (partial_credit or oracle_mistakes or short_names) and goal != "codes":
+            raise ValueError("partial_credit, oracle_mistakes and short_names belong to goal 'codes'")
         if not 0.0 <= oracle_mistakes <= 1.0:
             raise ValueError(f"oracle_mistakes is a probability in [0, 1], got {oracle_mistakes}")
         self.hops, self.decoys, self.noise_lines = hops, decoys, noise_lines
         self.progress_reward, self.goal = progress_reward, goal
-        self.partial_credit, self.oracle_mistakes = partial_credit, oracle_mistakes
+        self.partial_credit, self.oracle_mistakes, self.short_names = partial_credit, oracle_mistakes, short_names
         self._found: set[str] = set()
         self._new_finds = 0
         self._careless: bool | None = None
@@ -150,7 +157,7 @@ class LongHorizonEnv(ToolEnv):
     def generate_task(self, rng, options: dict[str, Any]) -> Trail:
         self._found, self._new_finds, self._careless = set(), 0, None
         if self.goal == "codes":
-            return make_code_trail(rng, self.hops, self.decoys)
+            return make_code_trail(rng, self.hops, self.decoys, self.short_names)
         return make_trail(rng, self.hops, self.decoys, self.noise_lines)
 
     def opening_messages(self, task: Trail) -> list[Message]:
@@ -255,8 +262,8 @@ class LongHorizonEnv(ToolEnv):
                 found = re.search(r"^code: (\d)$", m.content, re.M)
                 if found and code is None:
                     code = found.group(1)
-            elif m.role == "user" and (said := re.search(r"\bcode (\d)\b", m.content)):
-                code = said.group(1)  # a summary of this episode (context compaction)
+            elif m.role in ("user", "assistant") and (said := re.search(r"\bcode (\d)\b", m.content)):
+                code = said.group(1)  # a note or a summary of this episode (context compaction)
         return code
 
     def _code_oracle(self, history: Sequence[Message | dict] | None) -> str:
@@ -266,7 +273,11 @@ class LongHorizonEnv(ToolEnv):
             return self.say(tool_calls=[{"name": "read_file", "arguments": {"path": self.start}}])
         step = re.search(r"^next: (\S+)$", last.content, re.M)
         if step and step.group(1) != "none":
-            return self.say(tool_calls=[{"name": "read_file", "arguments": {"path": step.group(1)}}])
+            # a note of the first code beside each call: the policy copies it from its own last message,
+            # a hundred tokens back, not from the start file, hundreds back (k3-tiny copied that at chance)
+            first = None if self._is_careless() else self._remembered_code(messages)
+            return self.say(f"code {first}" if first is not None else "",
+                            [{"name": "read_file", "arguments": {"path": step.group(1)}}])
         final = re.search(r"^code: (\d)$", last.content, re.M)
         first = self._remembered_code(messages)
         if first is None or (self._is_careless() and self.hops > 1):

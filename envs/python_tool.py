@@ -16,7 +16,8 @@ prompt alone says what to do: ~20 tokens instead of ~400), `partial_credit` with
 (0.5 in the turn whose program printed the answer, 0.5 for the exact final answer), and
 `oracle_mistakes=q`: a careless demonstrator that, with probability q (once per episode), answers
 at once "?" instead of running the program (no made-up number: demonstrations of random digits taught
-a warm start to miscopy the task's numbers). `tool_available=False` is the ablation: the
+a warm start to miscopy the task's numbers); in the family `mul` it runs the sum instead of the product
+(`print(37+58)`), a wrong choice of one token that copies the task's numbers right. `tool_available=False` is the ablation: the
 `python` tool answers that it is unavailable, so a policy must compute in its head (success drops
 to chance: a guess of a 3-4 digit product).
 """
@@ -209,7 +210,8 @@ class PythonToolEnv(ToolEnv):
 
     def oracle(self, history: Sequence[Message | dict] | None = None) -> str:
         """Run the task's program once; answer with the last integer it printed. With `oracle_mistakes` = q:
-        with probability q (once per episode) it answers at once, without the tool, that it does not know."""
+        with probability q (once per episode) it answers at once, without the tool, that it does not know
+        (family `mul`: it adds the numbers instead, and answers what that printed)."""
         messages = self._messages(history)
         last = messages[-1] if messages else None
         terse = self.system_prompt is None
@@ -220,6 +222,8 @@ class PythonToolEnv(ToolEnv):
                 return self.say(str(value) if terse else f"The answer is {value}.")
         if self._oracle_guesses is None:
             self._oracle_guesses = bool(self.oracle_mistakes > 0 and self.np_random.random() < self.oracle_mistakes)
+        if self._oracle_guesses and self.task.family == "mul":  # the wrong operation, the task's own numbers
+            return self.say("", [{"name": "python", "arguments": {"code": self.task.code.replace("*", "+")}}])
         if self._oracle_guesses:  # no digits: a made-up number would teach the policy to write random digits
             return self.say("?")
         return self.say("" if terse else "Let me compute it.",

@@ -161,6 +161,8 @@ def figure(curves: list[RunCurve], labels: dict[str, str], metric: str):
     with_eval = any(c.evals for c in curves)
     fig = Figure(figsize=(8, 8 if with_eval else 4.5), dpi=100)
     axes = fig.subplots(2 if with_eval else 1, 1, squeeze=False, sharex=True)[:, 0]
+    # several envs: the eval panel colours by env and tells runs apart by marker
+    envs = sorted({EVAL_CURVE.fullmatch(k).group("env") for c in curves for k in c.evals})
     for i, c in enumerate(curves):
         colour = f"C{i % 10}"
         _line(axes[0], c.points, labels[c.run_id], colour, "-")
@@ -172,7 +174,9 @@ def figure(curves: list[RunCurve], labels: dict[str, str], metric: str):
         for key, points in c.evals.items():
             env, kind = EVAL_CURVE.fullmatch(key).group("env", "kind")
             name = "success" if kind == "success" else kind.replace("pass_at_", "pass@")
-            _line(axes[-1], points, f"{labels[c.run_id]}: {env} {name}", colour, "-" if kind == "success" else ":" if kind == "pass_at_1" else "--")
+            by_env = len(envs) > 1
+            _line(axes[-1], points, f"{labels[c.run_id]}: {env} {name}", f"C{envs.index(env) % 10}" if by_env else colour,
+                  "-" if kind == "success" else ":" if kind == "pass_at_1" else "--", MARKERS[i % len(MARKERS)] if by_env else "o")
     values = [v for c in curves for _, v in c.points if math.isfinite(v)]
     axes[0].set(title=f"{metric} by run", xlabel=STEP_AXIS, ylabel=metric, ylim=value_range(values))
     if with_eval:
@@ -192,7 +196,10 @@ def value_range(values: list[float]) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
-def _line(ax, points: list[tuple[int, float]], label: str, colour: str, style: str) -> None:
+MARKERS = "os^Dv<>p"
+
+
+def _line(ax, points: list[tuple[int, float]], label: str, colour: str, style: str, marker: str = "o") -> None:
     xs = [s for s, v in points if math.isfinite(v)]
     ys = [v for s, v in points if math.isfinite(v)]
-    ax.plot(xs, ys, style, color=colour, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+    ax.plot(xs, ys, style, color=colour, marker=marker if len(xs) < 30 else None, markersize=3, label=label)

@@ -95,9 +95,16 @@ def test_python_mul_runs_the_product_in_the_sandbox(require_sandbox):
     assert ep.reward == 1.0 and [t.reward for t in ep.turns if t.role == "assistant"] == [0.5, 0.5]
     assert ep.turns[0].role == "user" and ep.turns[0].text == task.question  # "37*58": the prompt is the task
     assert next(t for t in ep.turns if t.role == "tool").text == str(task.answer)  # printed in the sandbox
-    careless = run_oracle_episode(make("k3rl/PythonTool-v0", oracle_mistakes=1.0), seed=2)
-    assert careless.reward == 0.0 and careless.num_turns == 1  # "?" at once: no number, no tool
-    assert [t.text for t in careless.turns if t.role == "assistant"] == ["?"]
+    careless_env = make("k3rl/PythonTool-v0", oracle_mistakes=1.0)
+    careless = run_oracle_episode(careless_env, seed=2)
+    a, b = careless_env.unwrapped.task.question.split("*")
+    # the careless oracle adds the task's own numbers: a wrong choice of one token, no miscopied digit
+    calls = [c for t in careless.turns if t.role == "assistant" for c in t.tool_calls]
+    assert [c.arguments["code"] for c in calls] == [f"print({a}+{b})"]
+    assert next(t for t in careless.turns if t.role == "tool").text == str(int(a) + int(b))
+    assert careless.reward == 0.0 and careless.turns[-1].text == str(int(a) + int(b))
+    guess = run_oracle_episode(make("k3rl/PythonTool-v0", families=["product"], oracle_mistakes=1.0), seed=2)
+    assert guess.reward == 0.0 and [t.text for t in guess.turns if t.role == "assistant"] == ["?"]
 
 
 def test_python_mul_without_the_tool_cannot_succeed(require_sandbox):
@@ -118,6 +125,16 @@ def test_code_trail_holds_the_codes_at_its_ends():
     assert all("code:" not in trail.files[p] for p in trail.path[1:-1])
 
 
+def test_code_trail_short_names_are_one_letter():
+    trail = make_code_trail(np.random.default_rng(1), hops=4, decoys=2, short_names=True)
+    assert [len(p) for p in trail.files] == [9] + [5] * 5  # start.txt, then q.txt ...
+    assert trail.files["start.txt"].endswith(f"next: {trail.path[1]}\n")
+    with pytest.raises(ValueError, match="too few"):
+        make_code_trail(np.random.default_rng(1), hops=20, decoys=10, short_names=True)
+    with pytest.raises(ValueError, match="belong to goal 'codes'"):
+        gym.make("k3rl/LongHorizon-v0", short_names=True)
+
+
 def test_code_trail_is_solved_only_through_the_policys_summary(require_sandbox):
     require_sandbox()
     template = make_template(AGENT)
@@ -129,6 +146,9 @@ def test_code_trail_is_solved_only_through_the_policys_summary(require_sandbox):
     first, _ = env.unwrapped.task.amounts
     summaries = [t for t in ep.turns if t.compaction == "summary"]
     assert ep.reward == 1.0 and len(ep.segment_starts) == 1 and [s.text for s in summaries] == [f"code {first}"]
+    # after the start file, every call carries a note of the first code (copied from the last message)
+    calls = [t for t in ep.turns if t.role == "assistant" and t.tool_calls and t.compaction is None]
+    assert calls[0].text == "" and {t.text for t in calls[1:]} == {f"code {first}"}
     for lo, hi in ep.segment_bounds:
         assert hi - lo <= LIMIT
     # the start file, which holds the first code, is not in the context that gives the answer
@@ -138,6 +158,7 @@ def test_code_trail_is_solved_only_through_the_policys_summary(require_sandbox):
     careless = run_oracle_episode(make("k3rl/LongHorizon-v0", template=template, oracle_mistakes=1.0), seed=4,
                                   max_context_tokens=LIMIT, context=CONTEXT)
     assert [t.text for t in careless.turns if t.compaction == "summary"] == ["reading"]
+    assert all(t.text == "" for t in careless.turns if t.role == "assistant" and t.tool_calls)  # no notes
     assert careless.reward == 0.0  # "?" for the first code: no made-up digit, and no credit
     assert [t.text for t in careless.turns if t.role == "assistant"][-1].startswith("?")
 

@@ -1,0 +1,48 @@
+#!/bin/bash
+# The agentic warm start's last two SFT phases on the GPU, from the stored warm start: careful
+# demonstrations of all three envs, then careless ones (oracle_mistakes 0.5: ScreenRead shows the other
+# panel, PythonTool adds instead of multiplying, LongHorizon keeps no notes and drops the first code from
+# its summaries), so RL starts from a policy that copies but chooses badly. k3-tiny runs with KDA chunk 64,
+# so the Triton kernels take it (the same model: chunk 16 and 64 agree to 3e-5 in fp32); on an H100 an SFT
+# step of 32 demonstrations takes 0.7 s against 14 s on the 2-core CPU.
+#
+#   device `run`, carry [".whl", ".whl_rl", ".cache/triton"]:
+#   VARIANTS="A:150:60 B:300:60" bash experiments/agent_ws_device.sh 2>&1 | tee $OUT/log
+#
+# VARIANTS: NAME:CAREFUL_STEPS:CARELESS_STEPS, run at once. $OUT gets policies.tgz (NAME-careful/ and
+# NAME-careless/, HF layout, fp32, config with chunk 16 again), the probes' JSON logs and the Triton cache.
+set -uo pipefail
+R=$PWD
+: "${OUT:?OUT must name the folder the results go to}"
+VARIANTS=${VARIANTS:-A:150:60} LR=${LR:-1e-3} BUDGET=${BUDGET:-240}
+source benchmarks/device_env.sh
+LA='{num_heads: 2, head_dim: 32, short_conv_kernel_size: 4, gate_lower_bound: -5.0, use_full_rank_gate: true, kda_layers: [1, 2, 3, 5, 6, 7], full_attn_layers: [4, 8], chunk_size: 64}'
+W=/tmp/ws
+mkdir -p $W
+probe() {  # NAME FROM ARGS...
+  local name=$1 from=$2; shift 2
+  (cd /tmp && python3 "$R/experiments/agent_sft_probe.py" "$name" --device cuda --threads 2 --every 20 --cache $W \
+     --set "model.overrides={linear_attn_config: $LA}" --set "model.checkpoint=$from" --save "$W/$name" "$@")
+}
+# the demonstrations once (cached in $W), before the variants share them
+probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 > $W/warmup.log 2>&1 && \
+  probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
+tail -3 $W/warmup.log
+pids=()
+for v in $VARIANTS; do
+  IFS=: read -r name careful careless <<< "$v"
+  (probe "$name-careful" "$R/examples/agent_warm_start" --steps "$careful" --lr "$LR" --budget-s "$BUDGET" \
+     && probe "$name-careless" "$W/$name-careful" --careless 0.5 --episodes 512 --steps "$careless" --lr "$LR" \
+          --budget-s "$BUDGET") > $W/$name.log 2>&1 &
+  pids+=($!)
+done
+tail -f $W/*.log &
+tailer=$!
+wait "${pids[@]}"
+kill $tailer
+for d in $W/*-careful $W/*-careless; do  # the stored model says chunk 16, k3-tiny's own
+  sed -i 's/"chunk_size": 64/"chunk_size": 16/' "$d/config.json"
+done
+(cd $W && tar czf "$OUT/policies.tgz" ./*-careful ./*-careless ./*.json ./*.log)
+(cd "$R/.cache" 2>/dev/null && tar czf "$OUT/triton-cache.tgz" triton 2>/dev/null)
+ls -la "$OUT"
