@@ -9,29 +9,31 @@
 #   device `run`, carry [".whl", ".whl_rl", ".cache/triton"]:
 #   VARIANTS="A:150:60 B:300:60" bash experiments/agent_ws_device.sh 2>&1 | tee $OUT/log
 #
-# VARIANTS: NAME:CAREFUL_STEPS:CARELESS_STEPS, run at once. $OUT gets policies.tgz (NAME-careful/ and
+# VARIANTS: NAME:CAREFUL_STEPS:CARELESS_STEPS, run at once; EPISODES: careful demonstrations (more of them:
+# more distinct PythonTool products, so the copy generalises to held-out tasks instead of being memorised). $OUT gets policies.tgz (NAME-careful/ and
 # NAME-careless/, HF layout, fp32, config with chunk 16 again), the probes' JSON logs and the Triton cache.
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
-VARIANTS=${VARIANTS:-A:150:60} LR=${LR:-1e-3} BUDGET=${BUDGET:-240}
+VARIANTS=${VARIANTS:-A:150:60} EVERY=${EVERY:-20} LR=${LR:-1e-3} BUDGET=${BUDGET:-240} EPISODES=${EPISODES:-1024}
 source benchmarks/device_env.sh
 LA='{num_heads: 2, head_dim: 32, short_conv_kernel_size: 4, gate_lower_bound: -5.0, use_full_rank_gate: true, kda_layers: [1, 2, 3, 5, 6, 7], full_attn_layers: [4, 8], chunk_size: 64}'
 W=/tmp/ws
 mkdir -p $W
 probe() {  # NAME FROM ARGS...
   local name=$1 from=$2; shift 2
-  (cd /tmp && python3 "$R/experiments/agent_sft_probe.py" "$name" --device cuda --threads 2 --every 20 --cache $W \
+  (cd /tmp && python3 "$R/experiments/agent_sft_probe.py" "$name" --device cuda --threads 2 --every "$EVERY" --cache $W \
      --set "model.overrides={linear_attn_config: $LA}" --set "model.checkpoint=$from" --save "$W/$name" "$@")
 }
 # the demonstrations once (cached in $W), before the variants share them
-probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 > $W/warmup.log 2>&1 && \
+probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
   probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
 tail -3 $W/warmup.log
 pids=()
 for v in $VARIANTS; do
   IFS=: read -r name careful careless <<< "$v"
   (probe "$name-careful" "$R/examples/agent_warm_start" --steps "$careful" --lr "$LR" --budget-s "$BUDGET" \
+     --episodes "$EPISODES" \
      && probe "$name-careless" "$W/$name-careful" --careless 0.5 --episodes 512 --steps "$careless" --lr "$LR" \
           --budget-s "$BUDGET") > $W/$name.log 2>&1 &
   pids+=($!)
