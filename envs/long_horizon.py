@@ -27,8 +27,8 @@ after the start file's and summarises `code D1`;
 `short_names=True` names the files with one letter (`q.txt`): the name a small policy must copy from
 one file into its next call is one character, not six. `oracle_mistakes=q` makes it careless (with
 probability q, once per episode, it keeps no notes, its summaries keep only the progress, and its final
-answer has "?" for the first code, which earns nothing). Partial credit: 0.5 per code when the answer has
-both.
+answer has "?" for the first code, which earns nothing). Partial credit: 0.5 per code in its place when the
+answer is two characters (digits, or "?" for a code it does not know): "?4" earns the last code's 0.5.
 """
 
 from __future__ import annotations
@@ -203,10 +203,10 @@ class LongHorizonEnv(ToolEnv):
 
     def reward_parts(self, final_text: str) -> dict[str, float]:
         """goal 'codes': 0.5 for each code in its place of the answer (the answer's digits, in order)."""
-        digits = re.sub(r"\D", "", final_text)
+        said = re.sub(r"[^\d?]", "", final_text)  # "?4": the first code forgotten, said so; the last one right
         first, last = (str(a) for a in self.task.amounts)
-        return {"first_code": 0.5 if len(digits) == 2 and digits[0] == first else 0.0,
-                "last_code": 0.5 if len(digits) == 2 and digits[1] == last else 0.0}
+        return {"first_code": 0.5 if len(said) == 2 and said[0] == first else 0.0,
+                "last_code": 0.5 if len(said) == 2 and said[1] == last else 0.0}
 
     def score(self, final_text: str) -> float:
         if self.goal == "codes":

@@ -155,12 +155,15 @@ def test_code_trail_is_solved_only_through_the_policys_summary(require_sandbox):
     last_segment = ep.token_ids[ep.segment_starts[-1]:]
     assert "code: " + str(first) not in template.tok.decode(last_segment).replace(f"code {first}", "")
 
-    careless = run_oracle_episode(make("k3rl/LongHorizon-v0", template=template, oracle_mistakes=1.0), seed=4,
-                                  max_context_tokens=LIMIT, context=CONTEXT)
+    careless_env = make("k3rl/LongHorizon-v0", template=template, oracle_mistakes=1.0)
+    careless = run_oracle_episode(careless_env, seed=4, max_context_tokens=LIMIT, context=CONTEXT)
     assert [t.text for t in careless.turns if t.compaction == "summary"] == ["reading"]
     assert all(t.text == "" for t in careless.turns if t.role == "assistant" and t.tool_calls)  # no notes
-    assert careless.reward == 0.0  # "?" for the first code: no made-up digit, and no credit
-    assert [t.text for t in careless.turns if t.role == "assistant"][-1].startswith("?")
+    # "?" for the first code: no made-up digit and no credit for it; the last code still earns its half
+    assert [t.text for t in careless.turns if t.role == "assistant"][-1] == f"?{careless_env.unwrapped.task.amounts[1]}"
+    assert careless.reward == 0.5
+    parts = careless_env.unwrapped.reward_parts
+    assert parts("?") == {"first_code": 0.0, "last_code": 0.0} and parts(f"{first}?")["first_code"] == 0.5
 
 
 def test_code_trail_refuses_what_does_not_fit():
