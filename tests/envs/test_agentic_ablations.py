@@ -6,12 +6,12 @@ the embedded engine; it solves them with the modality and fails without it.
   still calls `show` and answers, but the 2-digit value it must read is a guess.
 * PythonTool, family mul (code in the sandbox): a 2-digit product. Without the tool (`tool_available=False`:
   the call returns nothing) no answer is exact.
-* LongHorizon, goal codes (long horizon): the trail is longer than the context. Without compaction
-  (`rollout.context.strategy: none`) every episode overflows the context and earns nothing.
+* LongHorizon, goal codes (long horizon): the trail is longer than the context. With compaction the
+  episodes reach the trail's last file; without it (`rollout.context.strategy: none`) every episode
+  overflows the context and earns nothing.
 
-Measured with the stored warm start (2026-12-05, 16 tasks, greedy): ScreenRead success 0.88 seen, 0.12
-blanked; PythonTool 0.75 with the tool, 0.00 without; LongHorizon 0.12 (reward 0.34) with compaction, 0.00
-(every episode overflowed) without (experiments/agent_greedy.py --ablate).
+What each env's numbers are with the stored warm start: `python experiments/agent_greedy.py
+examples/agent_warm_start --ablate` (experiments/results/agent/README.md has them).
 """
 
 from __future__ import annotations
@@ -98,12 +98,16 @@ def test_long_horizon_needs_compaction(require_sandbox):
     require_sandbox()
     summarized = play(2)
     overflowed = play(2, ["rollout.context.strategy=none"])
-    # compaction carries some trails to their end (the weakest of the three envs: RL's to improve)
-    assert success(summarized) >= 1 / TASKS and sum(t.reward for t in summarized) / TASKS >= 0.2, \
-        [t.reward for t in summarized]
-    assert any(t.metadata.get("compactions") or any(turn.compaction for turn in t.turns) for t in summarized)
+    # compaction carries the trails to their end: most episodes answer after a summary, and the last code,
+    # which only the trail's last file holds, earns its half (the first code, carried through the policy's
+    # notes, is the copy RL is to improve: the careless warm start often answers "?" for it)
+    compacted = [t for t in summarized if any(turn.compaction == "summary" for turn in t.turns)]
+    answered = [t for t in compacted if not t.truncated]
+    assert len(answered) >= TASKS // 2 and sum(t.reward for t in summarized) / TASKS >= 0.2, \
+        [(t.truncated, t.metadata.get("truncated_by"), t.reward) for t in summarized]
     # without compaction the trail overflows the context (the warm start answered one of 16 early instead,
     # with one digit of its two right)
     assert sum(t.truncated and t.metadata.get("truncated_by") == "context" for t in overflowed) >= TASKS - 2, \
         [(t.truncated, t.metadata.get("truncated_by"), t.reward) for t in overflowed]
-    assert success(overflowed) == 0.0
+    assert success(overflowed) == 0.0 and sum(t.reward for t in overflowed) / TASKS < 0.1, \
+        [t.reward for t in overflowed]
