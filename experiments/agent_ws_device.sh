@@ -29,6 +29,9 @@ probe() {  # NAME FROM ARGS...
 probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
   probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
 tail -3 $W/warmup.log
+pack() { (cd $W && tar czf "$OUT/policies.tgz" ./*-careful ./*-careless ./*.json ./*.log 2>/dev/null); }
+# DEADLINE=s: pack what there is by then too (the run's time limit would otherwise lose it all)
+[ -n "${DEADLINE:-}" ] && (sleep "$DEADLINE"; pack) &
 pids=()
 for v in $VARIANTS; do
   IFS=: read -r name careful careless <<< "$v"
@@ -45,6 +48,6 @@ kill $tailer
 for d in $W/*-careful $W/*-careless; do  # the stored model says chunk 16, k3-tiny's own
   sed -i 's/"chunk_size": 64/"chunk_size": 16/' "$d/config.json"
 done
-(cd $W && tar czf "$OUT/policies.tgz" ./*-careful ./*-careless ./*.json ./*.log)
+pack
 (cd "$R/.cache" 2>/dev/null && tar czf "$OUT/triton-cache.tgz" triton 2>/dev/null)
 ls -la "$OUT"
