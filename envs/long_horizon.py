@@ -23,9 +23,8 @@ summary (`oracle_summary`), it states the total so far and the next file.
 answer is both digits, `D1D2`. The trail overflows the context, and the start file's code is needed
 at the very end, so the policy must carry it through its own summaries (`rollout.context.strategy:
 summarize`): a summary that drops it loses the episode. The oracle notes `code D1` beside each call
-after the start file's and summarises `code D1`;
-`short_names=True` names the files with one letter (`q.txt`): the name a small policy must copy from
-one file into its next call is one character, not six. `oracle_mistakes=q` makes it careless (with
+after the start file's and summarises `code D1`. `short_names=True` names the files with one letter
+(`q.txt`): the name a small policy must copy from one file into its next call is one character, not six. `oracle_mistakes=q` makes it careless (with
 probability q, once per episode, it keeps no notes, its summaries keep only the progress, and its final
 answer has "?" for the first code, which earns nothing). Partial credit: 0.5 per code in its place when the
 answer is two characters (digits, or "?" for a code it does not know): "?4" earns the last code's 0.5.
@@ -202,7 +201,7 @@ class LongHorizonEnv(ToolEnv):
         return obs, reward + self.progress_reward * self._new_finds, terminated, truncated, info
 
     def reward_parts(self, final_text: str) -> dict[str, float]:
-        """goal 'codes': 0.5 for each code in its place of the answer (the answer's digits, in order)."""
+        """goal 'codes': 0.5 for each code in its place of the answer (two characters: digits, or "?")."""
         said = re.sub(r"[^\d?]", "", final_text)  # "?4": the first code forgotten, said so; the last one right
         first, last = (str(a) for a in self.task.amounts)
         return {"first_code": 0.5 if len(said) == 2 and said[0] == first else 0.0,

@@ -16,10 +16,10 @@ prompt alone says what to do: ~20 tokens instead of ~400), `partial_credit` with
 (0.5 in the turn whose program printed the answer, 0.5 for the exact final answer), and
 `oracle_mistakes=q`: a careless demonstrator that, with probability q (once per episode), answers
 at once "?" instead of running the program (no made-up number: demonstrations of random digits taught
-a warm start to miscopy the task's numbers); in the family `mul` it runs the sum instead of the product
-(`print(37+58)`), a wrong choice of one token that copies the task's numbers right. `tool_available=False` is the ablation: the
-`python` tool answers that it is unavailable, so a policy must compute in its head (success drops
-to chance: a guess of a 3-4 digit product).
+a warm start to miscopy the task's numbers); in the family `mul` it runs the sum instead of the
+product (`print(37+58)`), a wrong choice of one token that copies the task's numbers right.
+`tool_available=False` is the ablation: the `python` tool answers that it is unavailable, so a policy
+must compute in its head (success drops to chance: a guess of a 3-4 digit product).
 """
 
 from __future__ import annotations
