@@ -9,8 +9,10 @@ result and assert on it. The jobs and the assertions are the same as when each t
 
     python tests/background.py FOLDER MODULE.py:JOB [MODULE.py:JOB ...]
 
-MODULE.py's `BACKGROUND_JOBS[JOB](folder)` gives the JobConfig. Each job writes FOLDER/JOB/summary.pkl (what
-`run_job` returned) or FOLDER/JOB/error.txt (its traceback); the tests read them through `wait_for`.
+MODULE.py's `BACKGROUND_JOBS[JOB](folder)` gives the JobConfig, or a function of no arguments for a job that is
+more than one `run_job` (a `k3rl train` command, a run and its resume); it returns what the test reads. Each job
+writes FOLDER/JOB/summary.pkl (what `run_job` or the function returned) or FOLDER/JOB/error.txt (its traceback);
+the tests read them through `wait_for`. Jobs of one module share the runner's Ray; it stops between modules.
 The process ends with its parent: pytest stopped, the jobs stop (SIGTERM: each ends as a Ctrl-C would end it).
 """
 
@@ -82,11 +84,16 @@ def _end_with_parent(folder: Path) -> None:
 
 def main(folder: Path, jobs: list[str]) -> None:
     threading.Thread(target=_end_with_parent, args=(folder,), daemon=True).start()
+    import ray
+
     from k3rl.job import run_job
 
-    modules = {}
+    modules, previous = {}, None
     for spec in jobs:
         path, name = spec.rsplit(":", 1)
+        if path != previous:
+            ray.shutdown()  # the next module's first job starts Ray with its own config
+            previous = path
         if path not in modules:
             loader = importlib.util.spec_from_file_location(Path(path).stem, path)
             modules[path] = importlib.util.module_from_spec(loader)
@@ -98,7 +105,8 @@ def main(folder: Path, jobs: list[str]) -> None:
         t0 = time.monotonic()
         print(f"[background] {name}: starting", flush=True)
         try:
-            summary = run_job(modules[path].BACKGROUND_JOBS[name](out), quiet=True)
+            job = modules[path].BACKGROUND_JOBS[name](out)
+            summary = job() if callable(job) else run_job(job, quiet=True)
         except BaseException:
             (out / "error.txt").write_text(traceback.format_exc())
             if not isinstance(sys.exc_info()[1], Exception):
@@ -108,9 +116,14 @@ def main(folder: Path, jobs: list[str]) -> None:
             tmp.write_bytes(pickle.dumps(summary))
             tmp.rename(out / "summary.pkl")
         print(f"[background] {name}: done in {time.monotonic() - t0:.0f} s", flush=True)
-    import ray
-
     ray.shutdown()
+
+
+def k3rl_train(cwd: Path, args: list[str], timeout_s: float = 600) -> dict:
+    """`python -m k3rl.cli train ARGS` in `cwd`, as a user runs it: its exit status and output."""
+    r = subprocess.run([sys.executable, "-m", "k3rl.cli", "train", *args], capture_output=True, text=True,
+                       timeout=timeout_s, cwd=cwd, env={**os.environ, "COLUMNS": "200"})
+    return {"returncode": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
 
 
 if __name__ == "__main__":

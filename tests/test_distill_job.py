@@ -5,14 +5,14 @@ the in-learner path on the same (stored) batch; its engine dying ends the job wi
 its checkpoint, leaving no actor behind; a teacher checkpoint of another architecture is refused at
 start, by field path."""
 
+import functools
 import json
-import os
 import re
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
+from background import k3rl_train
 
 pytestmark = pytest.mark.slow
 
@@ -26,25 +26,54 @@ def settings(tmp_path, name: str, teacher: str, *extra: str) -> list[str]:
             f"tracking.runs_dir={runs}", f"tracking.uri={uri}", "ray.num_cpus=4", *extra]
 
 
-def train(tmp_path, name: str, teacher: str, *extra: str) -> subprocess.CompletedProcess:
-    args = [a for s in settings(tmp_path, name, teacher, *extra) for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "k3rl.cli", "train", *args], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
+def train(tmp_path, name: str, teacher: str, *extra: str) -> dict:
+    return k3rl_train(tmp_path, [a for s in settings(tmp_path, name, teacher, *extra) for a in ("--set", s)])
 
 
-def test_a_teacher_on_an_engine_of_its_own_scores_the_students_tokens_in_the_job(tmp_path):
+def _teacher_engine_job(out: Path) -> dict:
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
+
+    save_hf(build_model("k3-tiny", seed=7).eval(), out / "teacher")
+    return train(out, "opd", str(out / "teacher"))  # engines: 1 (the default)
+
+
+def _other_architecture_job(out: Path) -> dict:
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
+
+    save_hf(build_model("k3-tiny", {"moe_intermediate_size": 32}, seed=0), out / "teacher")
+    return train(out, "bad", str(out / "teacher"))
+
+
+def _exact_teacher_job(out: Path) -> dict:
+    from k3rl.model import build_model
+    from k3rl.model.checkpoint import save_hf
+
+    save_hf(build_model("k3-tiny", seed=7).eval(), out / "teacher")
+    save_hf(build_model("k3-tiny", seed=3).eval(), out / "student")
+    spec = f"learner.distill.teachers=[{{checkpoint: {out / 'teacher'}, estimator: exact, engines: 0}}]"
+    return train(out, "exact", str(out / "teacher"), spec, f"model.checkpoint={out / 'student'}",
+                 "rollout.sampling.temperature=0.7")
+
+
+# the `k3rl train` jobs run beside the suite (tests/background.py); the tests assert on what they left
+BACKGROUND_JOBS = {"teacher_engine": lambda out: functools.partial(_teacher_engine_job, out),
+                   "other_architecture": lambda out: functools.partial(_other_architecture_job, out),
+                   "exact_teacher": lambda out: functools.partial(_exact_teacher_job, out)}
+
+
+@pytest.mark.background("teacher_engine")
+def test_a_teacher_on_an_engine_of_its_own_scores_the_students_tokens_in_the_job(background_job):
     from mlflow.tracking import MlflowClient
 
     from k3rl.learner.distill import Teacher, distill_advantages
     from k3rl.model import build_model
-    from k3rl.model.checkpoint import save_hf
     from k3rl.store import TrajectoryStore
 
-    torch.manual_seed(0)
-    teacher = build_model("k3-tiny", seed=7).eval()
-    save_hf(teacher, tmp_path / "teacher")
-    r = train(tmp_path, "opd", str(tmp_path / "teacher"))  # engines: 1 (the default)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r, tmp_path = background_job
+    teacher = build_model("k3-tiny", seed=7).eval()  # the job's teacher (the same seed builds the same weights)
+    assert r["returncode"] == 0, r["stdout"][-3000:] + r["stderr"][-3000:]
     summary = json.loads((tmp_path / "runs" / "opd" / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 2
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
@@ -93,35 +122,29 @@ def test_a_teacher_engine_dying_ends_the_job_naming_its_checkpoint_and_leaves_no
         ray.shutdown()
 
 
-def test_a_teacher_of_another_architecture_is_refused_at_start(tmp_path):
-    from k3rl.model import build_model
-    from k3rl.model.checkpoint import save_hf
-
-    save_hf(build_model("k3-tiny", {"moe_intermediate_size": 32}, seed=0), tmp_path / "teacher")
-    r = train(tmp_path, "bad", str(tmp_path / "teacher"))
-    assert r.returncode != 0
-    out = r.stdout + r.stderr
+@pytest.mark.background("other_architecture")
+def test_a_teacher_of_another_architecture_is_refused_at_start(background_job):
+    r, _ = background_job
+    assert r["returncode"] != 0
+    out = r["stdout"] + r["stderr"]
     assert "learner.distill.teachers.0.checkpoint" in out and "moe_intermediate_size" in out, out[-3000:]
 
 
-def test_an_exact_teacher_in_the_learner_trains_the_job_on_its_kl(tmp_path):
+@pytest.mark.background("exact_teacher")
+def test_an_exact_teacher_in_the_learner_trains_the_job_on_its_kl(background_job):
     """estimator: exact through the job: the learner loads the teacher (engines: 0), starts no teacher engine,
     and logs distill_kl, the mean KL(student || teacher) per taught token, which for step 1 equals the KL of
     the starting student (the job's model.checkpoint) to the teacher over that step's stored episodes."""
     from mlflow.tracking import MlflowClient
 
     from k3rl.model import build_model
-    from k3rl.model.checkpoint import save_hf
     from k3rl.model.logprobs import chunked_reverse_kl
     from k3rl.store import TrajectoryStore
 
+    r, tmp_path = background_job
+    # the job's teacher and student (the same seeds build the same weights)
     teacher, student = build_model("k3-tiny", seed=7).eval(), build_model("k3-tiny", seed=3).eval()
-    save_hf(teacher, tmp_path / "teacher")
-    save_hf(student, tmp_path / "student")
-    spec = f"learner.distill.teachers=[{{checkpoint: {tmp_path / 'teacher'}, estimator: exact, engines: 0}}]"
-    r = train(tmp_path, "exact", str(tmp_path / "teacher"), spec, f"model.checkpoint={tmp_path / 'student'}",
-              "rollout.sampling.temperature=0.7")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r["returncode"] == 0, r["stdout"][-3000:] + r["stderr"][-3000:]
     summary = json.loads((tmp_path / "runs" / "exact" / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 2
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")

@@ -134,29 +134,35 @@ def test_an_episode_specs_sampling_override_makes_it_greedy_with_the_real_engine
     assert n and t.completion_ids[:n] == [int(logits[P - 1 + i].argmax()) for i in range(n)]
 
 
-@pytest.mark.slow
-def test_async_job_evaluates_at_a_known_version_and_dynamic_sampling_bounds_its_refills(tmp_path):
-    """lag 2: training episodes keep running across weight pushes, yet every token of the eval logged at
-    step s comes from version s + 1, and eval episodes are stored as eval, never trained. The
-    untrained policy earns 0 everywhere, so dynamic sampling drops at most max_refills x P groups a
-    step and then trains on what it has."""
-    import ray
-    from mlflow.tracking import MlflowClient
-
-    from k3rl.job import run_job
-    from k3rl.store import TrajectoryStore
-
-    cfg = JobConfig.load(None, [
+def _async_eval_job(out: Path) -> JobConfig:
+    return JobConfig.load(None, [
         "name=ev", "model.preset=k3-tiny", "rollout.group_size=2", "rollout.prompts_per_step=2",
         "rollout.max_policy_lag=2", "rollout.episodes_per_worker=8", "rollout.sampling.max_tokens_per_turn=16",
         "rollout.max_context_tokens=512", "rollout.dynamic_sampling=true", "rollout.dynamic_sampling_max_refills=1",
         "envs.max_turns=2", "learner.sft_steps=0", "learner.steps=3", "learner.checkpoint_every=0",
         "learner.micro_batch_tokens=2048", "learner.eval_before_training=true",
         "envs.eval.0.id=k3rl/KeyLookup-v0", "envs.eval.0.num_tasks=2", "envs.eval.0.pass_k=2",
-        "tracking.eval_every=2", "tracking.sample_episodes=0", f"tracking.runs_dir={tmp_path}/runs",
-        f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", "ray.num_cpus=4"])
-    summary = run_job(cfg, quiet=True)
-    ray.shutdown()
+        "tracking.eval_every=2", "tracking.sample_episodes=0", f"tracking.runs_dir={out}/runs",
+        f"tracking.uri=sqlite:///{out}/runs/mlflow.db", "ray.num_cpus=4"])
+
+
+# the job runs beside the suite (tests/background.py); the test asserts on what it returned and left
+BACKGROUND_JOBS = {"async_eval": _async_eval_job}
+
+
+@pytest.mark.slow
+@pytest.mark.background("async_eval")
+def test_async_job_evaluates_at_a_known_version_and_dynamic_sampling_bounds_its_refills(background_job):
+    """lag 2: training episodes keep running across weight pushes, yet every token of the eval logged at
+    step s comes from version s + 1, and eval episodes are stored as eval, never trained. The
+    untrained policy earns 0 everywhere, so dynamic sampling drops at most max_refills x P groups a
+    step and then trains on what it has."""
+    from mlflow.tracking import MlflowClient
+
+    from k3rl.store import TrajectoryStore
+
+    summary, tmp_path = background_job
+    cfg = _async_eval_job(tmp_path)
     assert summary["completed"] and sorted(summary["eval"]) == [0, 2, 3]  # before RL, every 2 steps, the last
     for step, m in summary["eval"].items():
         assert m["eval/policy_version"] == step + 1

@@ -3,7 +3,9 @@ whose learning rate destroys the format being rolled back to a policy that sampl
 
 from __future__ import annotations
 
+import collections
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -74,20 +76,8 @@ def test_restore_without_a_snapshot_says_so():
         t.restore(0.5)
 
 
-@pytest.mark.slow
-def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
-    """lr 0.05 wrecks the stored warm start's message format (examples/keylookup_warm_start) in one
-    update. The guard sees the next batch's format error rate jump and returns the learner to the
-    policy that sampled the first batch: the checkpoint after the rollback holds exactly the
-    warm-started weights (the checkpoint's KL reference, kept since the start), the one before it
-    does not."""
-    import ray
-    from mlflow.tracking import MlflowClient
-    from safetensors.torch import load_file
-
-    from k3rl.job import run_job
-
-    cfg = JobConfig.load(DEMO, [
+def _guard_config(out: Path) -> JobConfig:
+    return JobConfig.load(DEMO, [
         "learner.lr=0.05", "learner.warmup_ratio=0",
         "learner.steps=2", "learner.checkpoint_every=1", "learner.eval_before_training=false",
         "learner.guard.enabled=true", "learner.guard.baseline_steps=1", "learner.guard.patience=1",
@@ -95,15 +85,50 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
         "rollout.max_policy_lag=0", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.episodes_per_worker=16",
         "rollout.sampling.temperature=0.7", "tracking.sample_episodes=0", "envs.eval=[]",
         "learner.kl_coef=0.05",  # the checkpoint then holds the KL reference: the warm-started weights
-        f"tracking.runs_dir={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/runs/mlflow.db", "name=guard",
+        f"tracking.runs_dir={out}/runs", f"tracking.uri=sqlite:///{out}/runs/mlflow.db", "name=guard",
         "tracking.run_name=null",
     ])
+
+
+def _guard_job(out: Path) -> dict:
+    """The job with the destructive rate, the store's rows after it, then a resume to step 3."""
+    import ray
+
+    from k3rl.job import run_job
+
+    cfg = _guard_config(out)
     summary = run_job(cfg, quiet=True)
     ray.shutdown()
-    client = MlflowClient(tracking_uri=cfg.tracking.uri)
+    rows = TrajectoryStore(out / "runs" / "guard", readonly=True).read()
+    before = {t.id: t.metadata["status"] for t in rows}
+    step2 = collections.Counter(t.metadata["status"] for t in rows if t.metadata.get("step") == 2)
+    cfg3 = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"steps": 3})})
+    resumed = run_job(cfg3, resume=True, quiet=True)
+    ray.shutdown()
+    return {"summary": summary, "before": before, "step2": step2, "resumed": resumed}
 
-    def curve(name):
-        return {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name)}
+
+# the job and its resume run beside the suite (tests/background.py); the test asserts on what they left
+BACKGROUND_JOBS = {"guard": lambda out: functools.partial(_guard_job, out)}
+
+
+@pytest.mark.slow
+@pytest.mark.background("guard")
+def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(background_job):
+    """lr 0.05 wrecks the stored warm start's message format (examples/keylookup_warm_start) in one
+    update. The guard sees the next batch's format error rate jump and returns the learner to the
+    policy that sampled the first batch: the checkpoint after the rollback holds exactly the
+    warm-started weights (the checkpoint's KL reference, kept since the start), the one before it
+    does not. A resume then continues after the rollback and keeps every row."""
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    result, tmp_path = background_job
+    summary, resumed = result["summary"], result["resumed"]
+    client = MlflowClient(tracking_uri=_guard_config(tmp_path).tracking.uri)
+
+    def curve(name):  # the first job's steps (the resume logs step 3 to the same run)
+        return {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], name) if m.step <= 2}
 
     fmt = curve("episodes/format_error_rate")
     assert fmt[2] > fmt[1] + 0.2, fmt  # one update at lr 0.05 broke the format
@@ -120,19 +145,14 @@ def test_a_destructive_rate_is_rolled_back_to_the_last_good_policy(tmp_path):
     assert all(torch.equal(weights(2, "model")[k], v) for k, v in warm.items())  # rolled back exactly
     assert not all(torch.equal(weights(1, "model")[k], v) for k, v in warm.items())  # step 1 had moved it
 
-    # the store says what happened: step 2's batch is stored as rolled back, not as trained, and the
+    # the store said what happened: step 2's batch was stored as rolled back, not as trained, and the
     # checkpoint of step 2 is step 2 (the rollback counts as the learner's step)
     run_dir = tmp_path / "runs" / "guard"
-    store = TrajectoryStore(run_dir)
-    assert store.read(step=2, status="trained") == [] and len(store.read(step=2, status="rolled_back")) == 4 * 4
+    assert result["step2"]["trained"] == 0 and result["step2"]["rolled_back"] == 4 * 4, result["step2"]
     assert json.loads((run_dir / "checkpoints" / "step-000002" / "trainer.json").read_text())["step"] == 2
-    # so a resume continues after step 2 and keeps its rows: every episode stored once, none lost
-    before = {t.id: t.metadata["status"] for t in store.read()}
-    cfg3 = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"steps": 3})})
-    resumed = run_job(cfg3, resume=True, quiet=True)
-    ray.shutdown()
+    # so the resume continued after step 2 and kept its rows: every episode stored once, none lost
     assert resumed["completed"] and resumed["steps"] == 3 and len(resumed["history"]) == 1, resumed
-    after = TrajectoryStore(run_dir, readonly=True)
+    before, after = result["before"], TrajectoryStore(run_dir, readonly=True)
     ids = after.ids()
     assert len(ids) == len(set(ids)) and {i: s for i, s in before.items() if s != "unused"}.items() <= \
         {t.id: t.metadata["status"] for t in after.read()}.items()

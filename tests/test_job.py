@@ -1,5 +1,6 @@
 """The agentic RL job end to end: real Ray, the embedded K3 engine, MLflow SQLite, Parquet store."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -20,18 +21,42 @@ def _cfg(tmp_path, *extra):
         "tracking.sample_episodes=1", "ray.num_cpus=4", *extra])
 
 
-@pytest.fixture(scope="module")
-def sync_run(tmp_path_factory, module_ray):
+def _sync_run(out) -> dict:
     """A synchronous job whose rollout worker is killed after step 1, then resumed to step 5."""
     from k3rl.job import run_job
 
-    tmp = tmp_path_factory.mktemp("job")
-    cfg = _cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=3")
-    first = run_job(cfg, kill_worker_at_step=1, quiet=True)
-    resumed = run_job(_cfg(tmp, "rollout.max_policy_lag=0", "learner.steps=5"), resume=True, quiet=True)
-    return tmp, cfg, first, resumed
+    first = run_job(_cfg(out, "rollout.max_policy_lag=0", "learner.steps=3"), kill_worker_at_step=1, quiet=True)
+    resumed = run_job(_cfg(out, "rollout.max_policy_lag=0", "learner.steps=5"), resume=True, quiet=True)
+    return {"first": first, "resumed": resumed}
 
 
+def _job(out, *extra, **faults):
+    from k3rl.job import run_job
+
+    return functools.partial(run_job, _cfg(out, *extra), quiet=True, **faults)
+
+
+# the jobs run beside the suite (tests/background.py); the tests assert on what they returned and left
+BACKGROUND_JOBS = {
+    "sync_run": lambda out: functools.partial(_sync_run, out),
+    "ranks": lambda out: _job(out, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",
+                              "learner.expert_parallel=2", "rollout.max_policy_lag=0", "name=ranks"),
+    "bcast": lambda out: _job(out, "learner.steps=2", "rollout.weight_transport=nccl",
+                              "rollout.num_inference_workers=2", "rollout.max_policy_lag=0", "name=bcast"),
+    "engine_dies": lambda out: _job(out, "learner.steps=3", "rollout.weight_transport=nccl",
+                                    "rollout.num_inference_workers=2", "rollout.max_policy_lag=0",
+                                    "rollout.weight_sync_timeout_s=30", "name=engine-dies", kill_engine_at_step=1),
+}
+
+
+@pytest.fixture
+def sync_run(background_job):
+    """(folder, config, first job's summary, resumed job's summary) of the background job `sync_run`."""
+    result, out = background_job
+    return out, _cfg(out, "rollout.max_policy_lag=0", "learner.steps=3"), result["first"], result["resumed"]
+
+
+@pytest.mark.background("sync_run")
 def test_synchronous_mode_is_on_policy(sync_run):
     _, _, first, resumed = sync_run
     for m in first["history"] + resumed["history"]:
@@ -42,6 +67,7 @@ def test_synchronous_mode_is_on_policy(sync_run):
         assert m["is_ratio_max"] < 1.01
 
 
+@pytest.mark.background("sync_run")
 def test_killed_rollout_worker_and_resume_lose_and_duplicate_nothing(sync_run):
     from k3rl.store import TrajectoryStore
 
@@ -61,6 +87,7 @@ def test_killed_rollout_worker_and_resume_lose_and_duplicate_nothing(sync_run):
         assert len(groups) == 2 and all(len(set(v)) == 2 for v in groups.values()), (step, groups)
 
 
+@pytest.mark.background("sync_run")
 def test_resume_continues_the_curve_in_the_same_mlflow_run(sync_run):
     from mlflow.tracking import MlflowClient
 
@@ -76,6 +103,7 @@ def test_resume_continues_the_curve_in_the_same_mlflow_run(sync_run):
     assert ckpts == ["latest", *(f"step-{s:06d}" for s in range(1, 6))]  # no temporary directory left
 
 
+@pytest.mark.background("sync_run")
 def test_mlflow_run_has_the_metrics_params_and_artifacts(sync_run):
     from mlflow.tracking import MlflowClient
 
@@ -109,6 +137,7 @@ def _artifacts(client, run_id, path=None):
     return out
 
 
+@pytest.mark.background("sync_run")
 @pytest.mark.parametrize("step", ["2", "5"])  # 5: the last step
 def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path, step):
     tmp, cfg, _, _ = sync_run
@@ -119,18 +148,16 @@ def test_replay_cli_shows_a_stored_episode(sync_run, tmp_path, step):
     assert "<html" in html.read_text().lower()
 
 
-def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path, module_ray):
+@pytest.mark.background("ranks")
+def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(background_job):
     """learner.world_size=2: two learner ranks (Ray actors, one gloo process group on loopback)
     train one FSDP2 + expert-parallel model; the weights the engines get and the checkpoint are
     the whole model, which loads into one process."""
     import torch
 
-    from k3rl.job import run_job
     from k3rl.model import K3Config, load_hf
 
-    cfg = _cfg(tmp_path, "learner.steps=2", "learner.data_parallel=fsdp", "learner.world_size=2",
-               "learner.expert_parallel=2", "rollout.max_policy_lag=0", "name=ranks")
-    summary = run_job(cfg, quiet=True)
+    summary, tmp_path = background_job
     assert summary["completed"] and summary["steps"] == 2
     model = load_hf(tmp_path / "runs" / "ranks" / "checkpoints" / "step-000002" / "model")
     tiny = K3Config.preset("k3-tiny")
@@ -139,15 +166,12 @@ def test_learner_on_two_ranks_with_fsdp_and_expert_parallel(tmp_path, module_ray
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path, module_ray):
+@pytest.mark.background("bcast")
+def test_weights_reach_the_engines_by_a_broadcast_group(background_job):
     """rollout.weight_transport=nccl: the learner's rank 0 and two engines form a broadcast group
     (gloo between these CPU processes, NCCL between GPUs: the same code); in synchronous mode
     every token is then sampled from exactly the weights the learner trains (ratios 1)."""
-    from k3rl.job import run_job
-
-    cfg = _cfg(tmp_path, "learner.steps=2", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
-               "rollout.max_policy_lag=0", "name=bcast")
-    summary = run_job(cfg, quiet=True)
+    summary, _ = background_job
     assert summary["completed"] and summary["steps"] == 2
     from k3rl.model import K3Config, K3ForCausalLM
 
@@ -162,15 +186,12 @@ def test_weights_reach_the_engines_by_a_broadcast_group(tmp_path, module_ray):
     assert "weight_sync/bytes" not in summary["history"][-1]
 
 
-def test_an_engine_dying_before_a_broadcast_loses_nothing(tmp_path, module_ray):
+@pytest.mark.background("engine_dies")
+def test_an_engine_dying_before_a_broadcast_loses_nothing(background_job):
     """rollout.weight_transport=nccl with engine 0 killed after step 1's training: that step's
     broadcast fails, the same weights go through the object store (the dead engine is restarted
     and replayed them), the group is formed again for step 2, and every step stays on-policy."""
-    from k3rl.job import run_job
-
-    cfg = _cfg(tmp_path, "learner.steps=3", "rollout.weight_transport=nccl", "rollout.num_inference_workers=2",
-               "rollout.max_policy_lag=0", "rollout.weight_sync_timeout_s=30", "name=engine-dies")
-    summary = run_job(cfg, kill_engine_at_step=1, quiet=True)
+    summary, _ = background_job
     assert summary["completed"] and summary["steps"] == 3
     h = summary["history"]
     assert h[0]["weight_sync/fallbacks"] == 1.0 and "weight_sync/broadcast_s" not in h[0]  # the object store's

@@ -6,6 +6,7 @@ The faulty environments live in tests/faulty_envs.py, a user's module outside th
 imports it through `envs.imports`, and the Ray workers find it through `ray.runtime_env`.
 """
 
+import functools
 import os
 import signal
 import subprocess
@@ -239,17 +240,26 @@ def test_ctrl_c_during_the_warm_start_ends_the_job_without_training(tmp_path, no
     assert nothing_left("early") == {"containers": [], "bwrap": [], "ray_orphans": []}
 
 
-def test_same_seeds_lag_0_one_worker_give_identical_trajectories(tmp_path, module_ray):
+def _same_seeds(out: Path) -> None:
     from k3rl.job import run_job
+
+    for name in ("same-a", "same-b"):  # one after the other on one Ray
+        run_job(JobConfig.from_dict(_job(out, name, [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
+                                         "learner.steps=2", "rollout.max_policy_lag=0", "learner.checkpoint_every=0")),
+                quiet=True)
+
+
+# the jobs that leave nothing to look at but their results run beside the suite (tests/background.py)
+BACKGROUND_JOBS = {"same_seeds": lambda out: functools.partial(_same_seeds, out)}
+
+
+@pytest.mark.background("same_seeds")
+def test_same_seeds_lag_0_one_worker_give_identical_trajectories(background_job):
     from k3rl.store import TrajectoryStore
 
-    runs = []
-    for name in ("same-a", "same-b"):  # one after the other on one Ray
-        cfg = JobConfig.from_dict(_job(tmp_path, name, [{"id": "k3rl/KeyLookup-v0", "kwargs": {"num_keys": 2}}],
-                                       "learner.steps=2", "rollout.max_policy_lag=0", "learner.checkpoint_every=0"))
-        run_job(cfg, quiet=True)
-        store = TrajectoryStore(tmp_path / "runs" / name, readonly=True)
-        runs.append({t.id.split("-", 2)[-1]: t for t in store.read(status="trained")})
+    _, out = background_job
+    runs = [{t.id.split("-", 2)[-1]: t for t in TrajectoryStore(out / "runs" / name, readonly=True).read(status="trained")}
+            for name in ("same-a", "same-b")]
     a, b = runs
     assert a.keys() == b.keys() and len(a) == 8
     for k in a:

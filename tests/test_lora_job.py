@@ -3,27 +3,19 @@ on SQLite): only the adapters change in the learner, the engines run each new ve
 learner's log-probs equal the engines' at lag 0), the weight sync carries the adapters alone and
 the checkpoints hold them in the PEFT layout."""
 
+import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from background import k3rl_train
 
 pytestmark = pytest.mark.slow
 
 
-def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_path):
-    from mlflow.tracking import MlflowClient
-    from safetensors.torch import load_file
-
-    from k3rl.config import LoraSection
-    from k3rl.model import build_model, load_state_into
-    from k3rl.model.lora import PEFT_PREFIX, apply_lora, load_peft_adapter
-
-    runs, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/runs/mlflow.db"
+def _lora_job(out: Path):
+    runs, uri = out / "runs", f"sqlite:///{out}/runs/mlflow.db"
     sets = ["name=lora", "tracking.run_name=lora", "rollout.group_size=2", "rollout.prompts_per_step=2", "rollout.max_policy_lag=0",
             "learner.steps=2", "learner.checkpoint_every=1", "learner.sft_steps=2", "learner.sft_phases=[]", "learner.sft_episodes=4",
             "learner.sft_lr=0.05", "learner.lr=0.05", "learner.eval_before_training=false", "tracking.eval_every=0",
@@ -31,11 +23,26 @@ def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(tmp_pat
             "learner.lora.rank=4", "learner.lora.alpha=8", "learner.lora.sync=adapters",
             "learner.lora.targets=[attention,shared_experts,routed_experts,latent]",
             f"tracking.runs_dir={runs}", f"tracking.uri={uri}", "ray.num_cpus=4"]
-    args = [a for s in sets for a in ("--set", s)]
     demo = Path(__file__).resolve().parents[1] / "examples" / "demo_from_scratch.yaml"  # KeyLookup, KL on: k3-tiny
-    r = subprocess.run([sys.executable, "-m", "k3rl.cli", "train", str(demo), *args], capture_output=True, text=True,
-                       timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "200"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return functools.partial(k3rl_train, out, [str(demo), *(a for s in sets for a in ("--set", s))])
+
+
+# the job runs beside the suite (tests/background.py): `k3rl train` of the demo with LoRA
+BACKGROUND_JOBS = {"lora": _lora_job}
+
+
+@pytest.mark.background("lora")
+def test_lora_rl_job_trains_only_the_adapters_and_the_engines_merge_them(background_job):
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    from k3rl.config import LoraSection
+    from k3rl.model import build_model, load_state_into
+    from k3rl.model.lora import PEFT_PREFIX, apply_lora, load_peft_adapter
+
+    r, out = background_job
+    runs, uri = out / "runs", f"sqlite:///{out}/runs/mlflow.db"
+    assert r["returncode"] == 0, r["stdout"][-3000:] + r["stderr"][-3000:]
 
     summary = json.loads((runs / "lora" / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 2
