@@ -10,13 +10,16 @@
 #   VARIANTS="A:150:60 B:300:60" bash experiments/agent_ws_device.sh 2>&1 | tee $OUT/log
 #
 # VARIANTS: NAME:CAREFUL_STEPS:CARELESS_STEPS, run at once; EPISODES: careful demonstrations (more of them:
-# more distinct PythonTool products, so the copy generalises to held-out tasks instead of being memorised). $OUT gets policies.tgz (NAME-careful/ and
-# NAME-careless/, HF layout, fp32, config with chunk 16 again), the probes' JSON logs and the Triton cache.
+# more distinct PythonTool products, so the copy generalises to held-out tasks instead of being memorised). $OUT gets
+# NAME-careful.tgz and NAME-careless.tgz (HF layout, fp32, config with chunk 16 again), logs.tgz (the probes' JSON
+# and logs) and the Triton cache (triton-cache.tgz; TRITON_TGZ=path unpacks one first).
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
 VARIANTS=${VARIANTS:-A:150:60} EVERY=${EVERY:-20} LR=${LR:-1e-3} BUDGET=${BUDGET:-240} EPISODES=${EPISODES:-1024}
 source benchmarks/device_env.sh
+# TRITON_TGZ: a Triton cache an earlier run brought back (the compiles and autotuning of a fresh machine)
+[ -n "${TRITON_TGZ:-}" ] && [ -f "$TRITON_TGZ" ] && mkdir -p "$R/.cache" && tar xzf "$TRITON_TGZ" -C "$R/.cache"
 LA='{num_heads: 2, head_dim: 32, short_conv_kernel_size: 4, gate_lower_bound: -5.0, use_full_rank_gate: true, kda_layers: [1, 2, 3, 5, 6, 7], full_attn_layers: [4, 8], chunk_size: 64}'
 W=/tmp/ws
 mkdir -p $W
@@ -29,9 +32,14 @@ probe() {  # NAME FROM ARGS...
 probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
   probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
 tail -3 $W/warmup.log
-pack() { (cd $W && tar czf "$OUT/policies.tgz" ./*-careful ./*-careless ./*.json ./*.log 2>/dev/null); }
+# one archive a policy (files come back from $OUT at most 16 MiB each, 8 of them), one for the logs
+pack() {
+  for d in $W/*-careful $W/*-careless; do [ -d "$d" ] && (cd $W && tar czf "$OUT/$(basename "$d").tgz" "$(basename "$d")"); done
+  (cd $W && tar czf "$OUT/logs.tgz" ./*.json ./*.log 2>/dev/null)
+}
 # DEADLINE=s: pack what there is by then too (the run's time limit would otherwise lose it all)
-[ -n "${DEADLINE:-}" ] && (sleep "$DEADLINE"; pack) &
+# (its output off the pipe: a sleeping writer would hold `| tee` open to the time limit)
+[ -n "${DEADLINE:-}" ] && { (sleep "$DEADLINE"; pack) > /dev/null 2>&1 & }
 pids=()
 for v in $VARIANTS; do
   IFS=: read -r name careful careless <<< "$v"
