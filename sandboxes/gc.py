@@ -15,6 +15,7 @@ running jobs are never touched.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -173,11 +174,22 @@ def _ray_process(pid: int) -> tuple[str, str | None, bool] | None:
     return name.split()[0], found, raylet
 
 
+STARTING_S = 30.0  # a session this young may still be starting: its GCS comes up before its raylet
+
+
+def _session_age_s(session: str) -> float:
+    """Seconds since the session began, from its name (`/session_2026-12-06_04-08-20_123456_PID`, local time)."""
+    stamp = session.split("_", 1)[1].rsplit("_", 2)[0]
+    return (datetime.datetime.now() - datetime.datetime.strptime(stamp, "%Y-%m-%d_%H-%M-%S")).total_seconds()
+
+
 def orphaned_ray_processes() -> list[tuple[int, str]]:
-    """(pid, name) of every Ray process whose session has no live raylet."""
+    """(pid, name) of every Ray process whose session has no live raylet and is not just starting (a cluster
+    that another job is starting has its GCS before its raylet: a gc in that moment must not take it)."""
     procs = {int(d): info for d in os.listdir("/proc") if d.isdigit() and (info := _ray_process(int(d)))}
     live = {session for _, session, raylet in procs.values() if raylet and session}
-    return [(pid, name) for pid, (name, session, _) in procs.items() if session and session not in live]
+    return [(pid, name) for pid, (name, session, _) in procs.items()
+            if session and session not in live and _session_age_s(session) > STARTING_S]
 
 
 def gc_ray_orphans() -> list[str]:

@@ -143,6 +143,11 @@ def test_losing_the_learners_node_stops_the_job_in_time_and_resume_finishes_it(c
                "ray.placement.engines={work: 1}", "ray.placement.rollout_workers={work: 1}")
     job, out = _start(cfg)
     _wait_for_step(cfg, job, 2)
+    # step 2's metrics can reach MLflow before its checkpoint is renamed into place (a loaded host once saw only
+    # step-000001 then): the node goes once that checkpoint is there
+    ckpt, end = Path(cfg.tracking.runs_dir) / cfg.name / "checkpoints" / "step-000002", time.monotonic() + 120
+    while not ckpt.exists() and time.monotonic() < end and job.is_alive():
+        time.sleep(0.2)
     assert _where(nodes)["LearnerActor"] == ["learner"]
     lost_at = time.monotonic()
     c.remove_node(nodes["learner"], allow_graceful=False)
