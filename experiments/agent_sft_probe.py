@@ -6,6 +6,7 @@ policy that has not learned to copy guesses digits at about 0.1 while every othe
     python experiments/agent_sft_probe.py NAME --envs S,P,L --steps 300 --lr 3e-3 --batch 32 [--device cuda]
         [--set key.path=value ...] [--save DIR]     # DIR: the policy at the latest evaluation (HF, fp32)
         [--careless 0.5]                            # the oracle errs half the time (a warm start's last phase)
+        [--careless S=0.8,P=0.8,L=0.5]              # ... at a rate per env
 
 The demonstrations are examples/agent_from_scratch.yaml's oracle episodes (split train; the held-out ones of
 split test), collected once into --cache with sandbox.backend=none (the tools run unsandboxed), so they are
@@ -36,14 +37,27 @@ CONFIG = Path(__file__).resolve().parents[1] / "examples" / "agent_from_scratch.
 IDS = {"S": "k3rl/ScreenRead-v0", "P": "k3rl/PythonTool-v0", "L": "k3rl/LongHorizon-v0"}
 
 
-def demonstrations(base: JobConfig, cache: Path, split: str, n: int, careless: float = 0.0) -> list:
-    """`n` oracle episodes of split `split`, cached; `careless` > 0: the oracle errs with that probability
-    (the envs' `oracle_mistakes`), as in a warm start's last, careless phase."""
-    tag = f"-careless{careless:g}" if careless else ""
+def careless_rates(spec: str) -> dict[str, float]:
+    """--careless: "0.5" (every env) or "S=0.8,P=0.8,L=0.5" (per env) -> {env id: oracle_mistakes}."""
+    if "=" not in spec:
+        return {i: float(spec) for i in IDS.values() if float(spec)}
+    return {IDS[k.strip()]: float(v) for k, v in (p.split("=") for p in spec.split(",")) if float(v)}
+
+
+def demonstrations(base: JobConfig, cache: Path, split: str, n: int, careless: dict[str, float] | None = None) -> list:
+    """`n` oracle episodes of split `split`, cached; `careless` {env id: q}: that env's oracle errs with
+    probability q (its `oracle_mistakes`), as in a warm start's last, careless phase."""
+    careless = careless or {}
+    rates = set(careless.values())
+    tag = ("" if not careless else f"-careless{rates.pop():g}" if len(rates) == 1 and len(careless) == len(IDS)
+           else "-careless" + "_".join(f"{e.split('/')[1][0]}{q:g}" for e, q in sorted(careless.items())))
     path = cache / f"demos-{split}-{n}-seed{base.learner.seed}{tag}.pkl"
     if not path.exists():
-        kwargs = {"split": split} | ({"oracle_mistakes": careless} if careless else {})
-        demos = collect_demonstrations(phase_config(base, kwargs), f"probe-{split}", n)
+        cfg = phase_config(base, {"split": split})
+        train = [e.model_copy(update={"kwargs": e.kwargs | {"oracle_mistakes": careless[e.id]}})
+                 if e.id in careless else e for e in cfg.envs.train]
+        cfg = cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
+        demos = collect_demonstrations(cfg, f"probe-{split}", n)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pickle.dumps(demos))
         os.replace(tmp, path)
@@ -97,7 +111,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/agent_sft_probe"))
     ap.add_argument("--save", type=Path)
-    ap.add_argument("--careless", type=float, default=0.0, help="train on demonstrations whose oracle errs with this probability")
+    ap.add_argument("--careless", default="0", help="train on demonstrations whose oracle errs with this probability "
+                    "(one for every env, or per env: S=0.8,P=0.8,L=0.5)")
     ap.add_argument("--budget-s", type=float, default=0, help="stop (evaluate, save) after this many seconds of SFT")
     ap.add_argument("--profile", type=int, default=0, help="profile this many steps (after 2 warm-up steps), print, exit")
     a = ap.parse_args()
@@ -107,7 +122,7 @@ def main() -> None:
     base = JobConfig.load(CONFIG, ["sandbox.backend=none", "learner.sft_phases=[]", f"learner.sft_steps={a.steps}",
                                    f"learner.sft_lr={a.lr}", *a.set])
     keep = {IDS[e] for e in a.envs.split(",")}
-    train = [d for d in demonstrations(base, a.cache, "train", a.episodes, a.careless) if d.env_id in keep]
+    train = [d for d in demonstrations(base, a.cache, "train", a.episodes, careless_rates(a.careless)) if d.env_id in keep]
     test = demonstrations(base, a.cache, "test", 96)
     tok = make_template(base).tok
     digits = {i for i in range(base.model.k3_config().vocab_size) if tok.decode([i]).strip().isdigit()}

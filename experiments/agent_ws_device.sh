@@ -13,10 +13,12 @@
 # more distinct PythonTool products, so the copy generalises to held-out tasks instead of being memorised). $OUT gets
 # NAME-careful.tgz and NAME-careless.tgz (HF layout, fp32, config with chunk 16 again), logs.tgz (the probes' JSON
 # and logs) and the Triton cache (triton-cache.tgz; TRITON_TGZ=path unpacks one first).
+# THEN="TAG:STEPS:RATES ...": more careless phases from each variant's careless policy, at per-env rates
+# (RATES as agent_sft_probe.py's --careless, e.g. S=0.8,P=0.8,L=0.5), run at once: NAME-TAG.tgz.
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
-VARIANTS=${VARIANTS:-A:150:60} EVERY=${EVERY:-20} LR=${LR:-1e-3} BUDGET=${BUDGET:-240} EPISODES=${EPISODES:-1024}
+VARIANTS=${VARIANTS:-A:150:60} THEN=${THEN:-} EVERY=${EVERY:-20} LR=${LR:-1e-3} BUDGET=${BUDGET:-240} EPISODES=${EPISODES:-1024}
 source benchmarks/device_env.sh
 # TRITON_TGZ: a Triton cache an earlier run brought back (the compiles and autotuning of a fresh machine)
 [ -n "${TRITON_TGZ:-}" ] && [ -f "$TRITON_TGZ" ] && mkdir -p "$R/.cache" && tar xzf "$TRITON_TGZ" -C "$R/.cache"
@@ -31,30 +33,46 @@ probe() {  # NAME FROM ARGS...
 # the demonstrations once (cached in $W), before the variants share them
 probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
   probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
+for t in $THEN; do
+  IFS=: read -r tag steps rates <<< "$t"
+  probe "warmup-$tag" "$R/examples/agent_warm_start" --steps 1 --every 1 --careless "$rates" --episodes 512 >> $W/warmup.log 2>&1
+done
+rm -rf $W/warmup*/  # their policies (one SFT step) are not wanted
 tail -3 $W/warmup.log
 # one archive a policy (files come back from $OUT at most 16 MiB each, 8 of them), one for the logs
 pack() {
-  for d in $W/*-careful $W/*-careless; do [ -d "$d" ] && (cd $W && tar czf "$OUT/$(basename "$d").tgz" "$(basename "$d")"); done
+  for d in $W/*/; do d=${d%/}; [ -f "$d/config.json" ] && (cd $W && tar czf "$OUT/$(basename "$d").tgz" "$(basename "$d")"); done
   (cd $W && tar czf "$OUT/logs.tgz" ./*.json ./*.log 2>/dev/null)
 }
 # DEADLINE=s: pack what there is by then too (the run's time limit would otherwise lose it all)
 # (its output off the pipe: a sleeping writer would hold `| tee` open to the time limit)
 [ -n "${DEADLINE:-}" ] && { (sleep "$DEADLINE"; pack) > /dev/null 2>&1 & }
+then_phases() {  # NAME: THEN's phases from NAME-careless, at once
+  local pids=() tag steps rates
+  for t in $THEN; do
+    IFS=: read -r tag steps rates <<< "$t"
+    probe "$1-$tag" "$W/$1-careless" --careless "$rates" --episodes 512 --steps "$steps" --lr "$LR" \
+      --budget-s "$BUDGET" > "$W/$1-$tag.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
 pids=()
 for v in $VARIANTS; do
   IFS=: read -r name careful careless <<< "$v"
   (probe "$name-careful" "$R/examples/agent_warm_start" --steps "$careful" --lr "$LR" --budget-s "$BUDGET" \
      --episodes "$EPISODES" \
      && probe "$name-careless" "$W/$name-careful" --careless 0.5 --episodes 512 --steps "$careless" --lr "$LR" \
-          --budget-s "$BUDGET") > $W/$name.log 2>&1 &
+          --budget-s "$BUDGET" \
+     && then_phases "$name") > $W/$name.log 2>&1 &
   pids+=($!)
 done
 tail -f $W/*.log &
 tailer=$!
 wait "${pids[@]}"
 kill $tailer
-for d in $W/*-careful $W/*-careless; do  # the stored model says chunk 16, k3-tiny's own
-  sed -i 's/"chunk_size": 64/"chunk_size": 16/' "$d/config.json"
+for d in $W/*/; do  # the stored model says chunk 16, k3-tiny's own
+  [ -f "$d/config.json" ] && sed -i 's/"chunk_size": 64/"chunk_size": 16/' "$d/config.json"
 done
 pack
 (cd "$R/.cache" 2>/dev/null && tar czf "$OUT/triton-cache.tgz" triton 2>/dev/null)
