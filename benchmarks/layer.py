@@ -62,6 +62,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3rl.kernels._backend import before_compile  # noqa: E402
 from k3rl.kernels.attnres import attnres_aggregate_reference  # noqa: E402
 from k3rl.kernels.kda import output_norm_gate_reference, short_conv_reference  # noqa: E402
 from k3rl.kernels.moe import latent_experts, latent_experts_loop  # noqa: E402
@@ -364,6 +365,7 @@ def run_kind(kind, N, peak, first_n, only_levers=None, profile=False):
         undo = None
         fn = part_fn(kind, layer)
         if setup == "compile":
+            before_compile()  # the Triton kernels' host wrappers become graph breaks
             compiled = torch.compile(layer)
             fn = lambda xs, c=compiled: c(xs[:-1], xs[-1])[1]  # noqa: E731
         elif setup is not None:

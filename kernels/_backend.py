@@ -11,6 +11,7 @@ Each public op takes ``backend="auto"|"torch"|"triton"``:
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,3 +59,30 @@ def resolve_backend(backend: str, op: str, *tensors: torch.Tensor | None, has_tr
             "triton, for CPU tests); move the inputs to CUDA or use backend='torch'"
         )
     return "triton"
+
+
+# eager_only: `torch.compiler.disable` for the kernels' host wrappers, without importing torch._dynamo at
+# import time (about 1 s of every process that imports the model: Ray actors, ranks, CLI runs). Until
+# before_compile() each wrapper calls its function directly; after it, through torch.compiler.disable.
+_EAGER_ONLY: list[tuple[object, list]] = []  # (function, [what its wrapper calls])
+
+
+def eager_only(fn):
+    """Decorator: compiled callers run `fn` as it is (a graph break; its launch settings are computed on
+    the host), once before_compile() has run. Anything that torch.compiles code reaching a Triton kernel
+    calls before_compile() first (k3rl.model.model.allow_layer_recompiles does)."""
+    target = [fn]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return target[0](*args, **kwargs)
+
+    _EAGER_ONLY.append((fn, target))
+    return call
+
+
+def before_compile() -> None:
+    """Make every eager_only function a graph break for torch.compile (imports torch._dynamo)."""
+    for fn, target in _EAGER_ONLY:
+        if target[0] is fn:
+            target[0] = torch.compiler.disable(fn)

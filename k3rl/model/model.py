@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3rl.kernels._backend import before_compile
 from k3rl.kernels.varlen import host_copy
 
 from .attnres import aggregate, make_query_params, query_vector
@@ -35,8 +36,11 @@ FP32_PARAM_SUFFIXES = KDA_FP32_PARAMS + ("gate.e_score_correction_bias",)
 
 
 def allow_layer_recompiles(num_layers: int) -> None:
-    """Raise dynamo's recompile limits so that a compiled per-layer function holds a guard set for each
-    layer variant (mixer, FFN, AttnRes bank length, shapes) instead of falling back to eager at 8."""
+    """Before torch.compile of layers: make the Triton kernels' host wrappers graph breaks
+    (kernels.eager_only), and raise dynamo's recompile limits so that a compiled per-layer function holds
+    a guard set for each layer variant (mixer, FFN, AttnRes bank length, shapes) instead of falling back
+    to eager at 8."""
+    before_compile()
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, 4 * num_layers)  # alias of recompile_limit
     dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, 16 * num_layers)

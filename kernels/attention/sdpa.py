@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..varlen import document_index, pad_documents, unpad_documents
 from .reference import attention_mask
@@ -37,6 +36,9 @@ def causal_attention_sdpa(q, k, v, scale, cu_seqlens=None, kv_lengths=None):
         if S == T:
             o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
         else:  # queries are the last T positions: causal mask aligned bottom-right
+            # deferred: torch.nn.attention.bias imports torch._dynamo (about 1 s in every process that imports the model)
+            from torch.nn.attention.bias import causal_lower_right
+
             o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=causal_lower_right(T, S), scale=scale)
         return o.transpose(1, 2)
     mask = attention_mask(B, T, S, q.device, None, kv_lengths)  # [B, 1, T, S]

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 # elements per row block (rows x padded d): one row per program from d = 513 on (a launch sweep at
 # k3-small's d = 768 found one row a program faster than 8, forward and backward, at 3 to 9 sources)
 ROWS = 1024
@@ -151,7 +153,7 @@ class Aggregate(torch.autograd.Function):
         return dq_part.sum(0), None, *dsrcs
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def aggregate_triton(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
     """h = sum_i softmax_i(RMSNorm(v_i) . query) v_i by the kernels: sources of one shape [..., d], each
     fp32 / bf16 / fp16 (2 <= S <= 16, d <= MAX_D), query fp32 [d]; h in the first source's dtype, each

@@ -38,7 +38,7 @@ import torch
 import triton
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from .._backend import interpreter_on
+from .._backend import eager_only, interpreter_on
 from ..varlen import host_offsets
 from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
@@ -290,7 +290,7 @@ class ChunkKDATriton(torch.autograd.Function):
         )  # fmt: skip
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def chunk_kda_triton(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=64,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,

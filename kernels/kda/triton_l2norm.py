@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
 from .gate import L2NORM_EPS
 
 
@@ -76,7 +77,7 @@ def l2norm_scale_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, scal
     return dx
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def l2norm_scale_triton(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``scale * x / sqrt(sum x^2 + 1e-6)`` over the last dim, output in x's dtype."""
     return L2NormScale.apply(x, scale)

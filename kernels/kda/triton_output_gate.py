@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 ROWS = 4096  # elements per row block (rows x D)
 MAX_PROGRAMS = 1024  # backward programs at most, each over consecutive row blocks
 
@@ -98,7 +100,7 @@ class OutputNormGate(torch.autograd.Function):
         return do, dg, dw_part.sum(0).to(weight.dtype), None, None
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def output_norm_gate_triton(
     o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
 from .gate import L2NORM_EPS
 from .inputs import check_kda_inputs
 
@@ -82,7 +83,7 @@ def recurrent_fwd_kernel(
         tl.store(ht + i_nh * K * V + off_s, S, mask=m_s, cache_modifier=".cs" if STREAM else "")
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def fused_recurrent_kda_triton(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0,

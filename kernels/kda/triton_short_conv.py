@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 BT, BC = 32, 128  # tokens x channels per program
 # backward pass 1: blocks of DA_BT tokens, DA_NB of them a program (dw summed over them in registers)
 DA_BT, DA_NB, DA_WARPS = 32, 16, 4  # the best of a launch sweep at the k3-small micro-batch (65,536 x 768)
@@ -174,7 +176,7 @@ def short_conv_decode_kernel(x, w, left, y, tail, B, C, W: tl.constexpr, BB: tl.
 DECODE_BB = 8  # sequences a program of the decode kernel (256 x 768: 32 x 6 programs)
 
 
-@torch.compiler.disable
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def short_conv_decode(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode step's short conv without autograd: x [B, 1, C], weight [C, 1, W] (W >= 2), left
     [B, W-1, C] -> (y [B, 1, C], the next left context [B, W-1, C]), both in x's dtype, one kernel."""
@@ -235,7 +237,7 @@ class ShortConvSiLU(torch.autograd.Function):
         return dx, dw, None, None
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def short_conv_triton(
     x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None, left: torch.Tensor | None = None
 ) -> torch.Tensor:

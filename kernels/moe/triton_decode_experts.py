@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
 from ..situ.triton_situ import _tanh
 
 # kernel 1: at most BLOCK_F1 rows of W1/W3 per program, l columns per step of the reduction loop
@@ -120,7 +121,7 @@ def _check(z, idx, p, w1, w3, w2):
         raise ValueError(f"{name}: all inputs must be on one device")
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def decode_experts_triton(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) -> torch.Tensor:
     """y [N, l] in z's dtype: sum_j p[t, j] W2[e] SiTU-GLU(W1[e] z_t, W3[e] z_t), e = idx[t, j] (module doc).
     z [N, l], idx [N, k] int64/int32 (in [0, E): not checked, that would sync), p [N, k] float,

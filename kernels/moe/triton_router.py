@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 
 @triton.jit
 def route_topk_kernel(l_ptr, b_ptr, p_ptr, i_ptr, E, scaling, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -32,7 +34,7 @@ def route_topk_kernel(l_ptr, b_ptr, p_ptr, i_ptr, E, scaling, TOP_K: tl.constexp
     tl.store(i_ptr + t * TOP_K + j, idx, mask=j < TOP_K)
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     N, E = logits.shape

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 BN = 4  # tokens a program
 
 
@@ -117,11 +119,11 @@ class RouteCombine(torch.autograd.Function):
         return dY, None, dw.to(ctx.w_dtype), None
 
 
-@torch.compiler.disable  # launch settings are computed on the host
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def route_dispatch_triton(z: torch.Tensor, pos: torch.Tensor, M: int) -> torch.Tensor:
     return RouteDispatch.apply(z, pos, M)
 
 
-@torch.compiler.disable
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def route_combine_triton(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return RouteCombine.apply(Y, pos, w, dtype)

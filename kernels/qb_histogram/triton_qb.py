@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 
 @triton.jit(do_not_specialize=["m"])  # counts of tokens: one compile for any length (kernels/__init__.py)
 def qb_hist_kernel(
@@ -37,7 +39,7 @@ def qb_hist_kernel(
     tl.atomic_add(hist + cols[None, :] * BINS + b, tl.full([BM, BN], 1, tl.int32), mask=ok)
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def qb_histogram_triton(r, lo, width, bins, token_mask=None):
     m, n = r.shape
     hist = torch.zeros(n, bins, dtype=torch.int32, device=r.device)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 ROWS = 4096  # elements per row block (rows x padded d), forward
 # backward: smaller blocks and more programs than the forward (faster at the k3-small micro-batch,
 # [65536, 768] bf16, in a launch sweep)
@@ -98,7 +100,7 @@ class RMSNormFn(torch.autograd.Function):
         return dx, dw_part.sum(0).to(weight.dtype), None
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x's rows (fp32 statistic) times weight, in x's dtype, by the kernels."""
     return RMSNormFn.apply(x, weight, eps)

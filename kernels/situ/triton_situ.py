@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import eager_only
+
 BLOCK = 2048
 
 
@@ -72,6 +74,6 @@ class SiTUGLUTriton(torch.autograd.Function):
         return dg, du, None, None
 
 
-@torch.compiler.disable  # compiled callers run it as it is (launch settings are computed on the host)
+@eager_only  # compiled callers run it as it is (launch settings are computed on the host)
 def situ_glu_triton(gate, up, beta_gate=4.0, beta_up=25.0):
     return SiTUGLUTriton.apply(gate, up, float(beta_gate), float(beta_up))
