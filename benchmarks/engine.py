@@ -41,7 +41,7 @@ import types
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after an installed k3rl: spawned children must not find the bare k3rl/ first
 
 
 def import_engine_alone() -> None:

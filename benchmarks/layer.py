@@ -60,7 +60,7 @@ import warnings
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed k3rl: spawned children must not find the bare k3rl/ first
 
 from k3rl.kernels._backend import before_compile  # noqa: E402
 from k3rl.kernels.attnres import attnres_aggregate_reference  # noqa: E402

@@ -42,7 +42,7 @@ from collections import Counter
 import torch
 
 if importlib.util.find_spec("k3rl") is None:  # not installed: the source tree (an installed k3rl wins,
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # as on the GPU image)
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after an installed k3rl (as on the GPU image)
 
 from k3rl.config import LearnerSection  # noqa: E402
 from k3rl.learner.optim import param_groups  # noqa: E402

@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after an installed k3rl: spawned children must not find the bare k3rl/ first
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

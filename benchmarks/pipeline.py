@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after an installed k3rl: spawned children must not find the bare k3rl/ first
 
 
 def run(lag: int, args, root: Path) -> dict:

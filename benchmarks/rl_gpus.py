@@ -36,7 +36,7 @@ from pathlib import Path
 for k, v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ[k] = v
 if importlib.util.find_spec("k3rl") is None:  # a checkout without an install (not the device's installed layout)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # after an installed k3rl: spawned children must not find the bare k3rl/ first
 
 LAYOUTS = {
     "1gpu": ["learner.gpus=0.5", "rollout.gpus_per_inference_worker=0.5", "rollout.weight_transport=cuda_ipc"],

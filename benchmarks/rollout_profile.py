@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 if importlib.util.find_spec("k3rl") is None:  # a checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import torch
 
