@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from k3rl.config.job import JobConfig
+from k3rl.config.learner import SftPhase
 from k3rl.learner.trainer import Trainer
 from k3rl.model.checkpoint import save_hf
 from k3rl.rollout.episode import make_template
@@ -53,10 +54,9 @@ def demonstrations(base: JobConfig, cache: Path, split: str, n: int, careless: d
            else "-careless" + "_".join(f"{e.split('/')[1][0]}{q:g}" for e, q in sorted(careless.items())))
     path = cache / f"demos-{split}-{n}-seed{base.learner.seed}{tag}.pkl"
     if not path.exists():
-        cfg = phase_config(base, {"split": split})
-        train = [e.model_copy(update={"kwargs": e.kwargs | {"oracle_mistakes": careless[e.id]}})
-                 if e.id in careless else e for e in cfg.envs.train]
-        cfg = cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
+        phase = SftPhase(from_step=0, env_kwargs={"split": split},
+                         env_kwargs_by_env={e: {"oracle_mistakes": q} for e, q in careless.items()})
+        cfg = phase_config(base, phase)
         demos = collect_demonstrations(cfg, f"probe-{split}", n)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(pickle.dumps(demos))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from k3rl.chat import ChatTemplate
 from k3rl.config import ConfigError, JobConfig
+from k3rl.config.learner import SftPhase
 from k3rl.envs.base import ToolEnv, registered_entry_point
 from k3rl.envs.registration import import_env_modules
 from k3rl.model import K3Config
@@ -60,7 +61,7 @@ def preflight(cfg: JobConfig) -> None:
             for i, phase in enumerate(cfg.learner.sft_phases):  # its kwargs reach the env: a typo fails here
                 if phase.envs is not None and e.id not in phase.envs:
                     continue
-                kwargs = {**e.kwargs, **phase.env_kwargs}
+                kwargs = phase.kwargs_for(e.id, e.kwargs)
                 try:
                     _check_oracle(EpisodeSpec(id=f"preflight-{e.id}-phase{i}", env_id=e.id, seed=spec.seed,
                                               env_kwargs=kwargs), cfg, template)
@@ -238,11 +239,11 @@ def collect_demonstrations(cfg: JobConfig, run_name: str, n: int) -> list[Trajec
     return run_sync(collect())
 
 
-def phase_config(cfg: JobConfig, env_kwargs: dict, envs: list[str] | None = None) -> JobConfig:
-    """`cfg` with `env_kwargs` merged into every envs.train entry's kwargs, and only the entries named in
-    `envs` (all when None): an SFT phase's demonstrations."""
-    train = [e.model_copy(update={"kwargs": {**e.kwargs, **env_kwargs}}) for e in cfg.envs.train
-             if envs is None or e.id in envs]
+def phase_config(cfg: JobConfig, phase: SftPhase) -> JobConfig:
+    """`cfg` with the phase's env kwargs merged into every envs.train entry's kwargs, and only the entries
+    named in its `envs` (all when None): an SFT phase's demonstrations."""
+    train = [e.model_copy(update={"kwargs": phase.kwargs_for(e.id, e.kwargs)}) for e in cfg.envs.train
+             if phase.envs is None or e.id in phase.envs]
     return cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"train": train})})
 
 
@@ -252,7 +253,7 @@ def collect_demonstration_sets(cfg: JobConfig, run_name: str, n: int) -> list[li
     set, which is then empty."""
     phases = cfg.learner.sft_phases
     first = [] if phases and phases[0].from_step == 0 else collect_demonstrations(cfg, run_name, n)
-    return [first, *(collect_demonstrations(phase_config(cfg, p.env_kwargs, p.envs), run_name, n) for p in phases)]
+    return [first, *(collect_demonstrations(phase_config(cfg, p), run_name, n) for p in phases)]
 
 
 def demonstration_spec(cfg: JobConfig, run_name: str, i: int) -> EpisodeSpec:

@@ -134,7 +134,7 @@ def test_sft_phases_start_in_order_inside_the_warm_start():
     assert "learner.sft_phases.0.from_step: 100 must be below sft_steps=50" in msg
     msg = refusal("learner.sft_steps=50", f"learner.sft_phases=[{phase % 20}, {phase % 10}]")
     assert "learner.sft_phases.1.from_step: 10 must be below sft_steps=50 and above the phase before it" in msg
-    assert "learner.sft_phases.0: changes nothing: set env_kwargs, envs or lr" in refusal(
+    assert "learner.sft_phases.0: changes nothing: set env_kwargs, env_kwargs_by_env, envs or lr" in refusal(
         "learner.sft_steps=5", "learner.sft_phases=[{from_step: 2}]")
     # a curriculum: a first phase at step 0 on some of envs.train, then all of them at a restarted rate
     two = "envs.train=[{id: k3rl/KeyLookup-v0}, {id: k3rl/ScreenRead-v0}]"
@@ -146,6 +146,21 @@ def test_sft_phases_start_in_order_inside_the_warm_start():
             "k3rl/ScreenRead-v0)") in msg
     msg = refusal("learner.sft_steps=50", "learner.sft_phases=[{from_step: 10, lr: 0.001}, {from_step: 0, lr: 0.002}]")
     assert "learner.sft_phases.1.from_step: 0 must be below sft_steps=50 and above the phase before it" in msg
+
+
+def test_an_sft_phase_sets_kwargs_per_env():
+    """env_kwargs for every env, env_kwargs_by_env after it for one; phase_config gives each env its own."""
+    from k3rl.rollout.job_start import phase_config
+
+    two = "envs.train=[{id: k3rl/KeyLookup-v0, kwargs: {a: 1}}, {id: k3rl/ScreenRead-v0}]"
+    phase = "{from_step: 10, env_kwargs: {oracle_mistakes: 0.5}, env_kwargs_by_env: {k3rl/ScreenRead-v0: %s}}"
+    cfg = JobConfig.load(None, [two, "learner.sft_steps=50", f"learner.sft_phases=[{phase % '{oracle_mistakes: 0.8}'}]"])
+    kwargs = {e.id: e.kwargs for e in phase_config(cfg, cfg.learner.sft_phases[0]).envs.train}
+    assert kwargs == {"k3rl/KeyLookup-v0": {"a": 1, "oracle_mistakes": 0.5}, "k3rl/ScreenRead-v0": {"oracle_mistakes": 0.8}}
+    assert {e.id: e.kwargs for e in cfg.envs.train}["k3rl/KeyLookup-v0"] == {"a": 1}  # the job's own envs unchanged
+    msg = refusal(two, "learner.sft_steps=50", "learner.sft_phases=[{from_step: 1, env_kwargs_by_env: {k3rl/Nope-v0: {}}}]")
+    assert ("learner.sft_phases.0.env_kwargs_by_env: 'k3rl/Nope-v0' is not in envs.train (k3rl/KeyLookup-v0, "
+            "k3rl/ScreenRead-v0)") in msg
 
 
 def test_fsdp_with_a_kl_reference_after_an_sft_warm_start_is_accepted():

@@ -163,9 +163,11 @@ class JobConfig(_Section):
 
     def _sft_phase_problems(self) -> list[tuple[str, str]]:
         ids = [e.id for e in self.envs.train]
-        return [(f"learner.sft_phases.{i}.envs", f"{env!r} is not in envs.train ({', '.join(ids)}); a phase trains on "
-                                                 f"demonstrations of envs.train's entries")
-                for i, p in enumerate(self.learner.sft_phases) for env in (p.envs or []) if env not in ids]
+        why = f"is not in envs.train ({', '.join(ids)}); a phase trains on demonstrations of envs.train's entries"
+        return [(f"learner.sft_phases.{i}.{field}", f"{env!r} {why}")
+                for i, p in enumerate(self.learner.sft_phases)
+                for field, named in (("envs", p.envs or []), ("env_kwargs_by_env", p.env_kwargs_by_env))
+                for env in named if env not in ids]
 
     def _sandbox_problems(self) -> list[tuple[str, str]]:
         if self.sandbox.image and self.sandbox.backend in ("bwrap", "none"):

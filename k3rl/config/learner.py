@@ -163,9 +163,17 @@ class SftPhase(_Section):
                                              "for the first phase, which then replaces the all-envs start")
     env_kwargs: dict[str, Any] = Field(default_factory=dict,
                                        description="merged into every envs.train entry's kwargs for these demonstrations")
+    env_kwargs_by_env: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per envs.train id, merged into that env's kwargs after env_kwargs (e.g. "
+                                          "a careless demonstrator more often in one env: {k3rl/PythonTool-v0: "
+                                          "{oracle_mistakes: 0.8}})")
     envs: list[str] | None = Field(None, min_length=1, description="the envs.train ids whose demonstrations this "
                                                                     "phase trains on; None = all of them")
     lr: float | None = Field(None, gt=0, description="restart the SFT rate's cosine at this peak from from_step on")
+
+    def kwargs_for(self, env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The kwargs of env `env_id` (whose own are `kwargs`) in this phase's demonstrations."""
+        return {**kwargs, **self.env_kwargs, **self.env_kwargs_by_env.get(env_id, {})}
 
 
 class LearnerSection(_Section):
@@ -285,8 +293,9 @@ class LearnerSection(_Section):
                 problems.append((f"sft_phases.{i}.from_step", f"{start} must be below sft_steps={self.sft_steps} and "
                                                               f"above the phase before it; phases start in order, "
                                                               f"each inside the warm start"))
-            if not (phase.env_kwargs or phase.envs or phase.lr):
-                problems.append((f"sft_phases.{i}", "changes nothing: set env_kwargs, envs or lr (or remove it)"))
+            if not (phase.env_kwargs or phase.env_kwargs_by_env or phase.envs or phase.lr):
+                problems.append((f"sft_phases.{i}", "changes nothing: set env_kwargs, env_kwargs_by_env, envs or lr "
+                                                    "(or remove it)"))
         _refuse(problems)
         return self
 
