@@ -271,3 +271,12 @@ def test_a_relative_checkpoint_in_a_config_file_is_read_beside_the_file(tmp_path
     # the demo's stored warm start, from any working directory
     demo = JobConfig.load(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml")
     assert Path(demo.model.checkpoint, "config.json").is_file() and demo.learner.sft_steps == 0
+
+
+def test_envs_cycle_takes_each_env_as_often_as_its_weight():
+    three = ("envs.train=[{id: k3rl/ScreenRead-v0, weight: 2}, {id: k3rl/PythonTool-v0}, {id: k3rl/LongHorizon-v0}]")
+    cfg = JobConfig.load(None, [three, "envs.mix=cycle"])
+    ids = [cfg.envs.env_of_group(i, None).id.split("/")[1][:6] for i in range(8)]
+    assert ids == ["Screen", "Python", "LongHo", "Screen"] * 2
+    msg = refusal("envs.train=[{id: k3rl/ScreenRead-v0, weight: 1.5}, {id: k3rl/PythonTool-v0}]", "envs.mix=cycle")
+    assert "envs.train.0.weight: 1.5 with envs.mix: cycle, which takes each env as many times a round as its weight" in msg

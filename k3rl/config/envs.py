@@ -40,8 +40,9 @@ class EnvsSection(_Section):
     train: list[EnvSpec] = Field(default_factory=lambda: [EnvSpec(id="k3rl/KeyLookup-v0")], min_length=1)
     mix: Literal["sample", "cycle"] = Field(
         "sample", description="how a group's env is chosen from envs.train: sample (at random by weight) or cycle "
-                              "(group i takes env i mod len(train): every env in every step of a multiple of "
-                              "len(train) prompts; weights must be 1)")
+                              "(in turn, each env as many times a round as its whole-number weight: with weights "
+                              "2, 1, 1 groups cycle A B C A; every env in every step of a multiple of the round's "
+                              "length of prompts)")
     eval: list[EvalSpec] = Field(
         default_factory=list, description="held-out evaluation: before RL and every tracking.eval_every steps")
     eval_pass_k: int = Field(4, ge=1, description="k of pass@k for the envs.eval specs that do not set pass_k")
@@ -64,15 +65,21 @@ class EnvsSection(_Section):
     def env_of_group(self, index: int, rng) -> EnvSpec:
         """The training env of prompt group `index` (`rng`: the group's own random stream)."""
         if self.mix == "cycle":
-            return self.train[index % len(self.train)]
+            rounds = self.cycle()
+            return rounds[index % len(rounds)]
         return rng.choices(self.train, weights=[e.weight for e in self.train])[0]
+
+    def cycle(self) -> list[EnvSpec]:
+        """envs.mix cycle's round: pass r takes every env whose weight is over r (weights 2, 1, 1: A B C A)."""
+        return [e for r in range(int(max(e.weight for e in self.train))) for e in self.train if e.weight > r]
 
     @model_validator(mode="after")
     def _cycle_weights(self):
         if self.mix == "cycle":
-            _refuse([(f"train.{i}.weight", f"{e.weight} with envs.mix: cycle, which gives every env the same share; "
-                                            f"set the weight to 1, or use envs.mix: sample")
-                     for i, e in enumerate(self.train) if e.weight != 1.0])
+            _refuse([(f"train.{i}.weight", f"{e.weight} with envs.mix: cycle, which takes each env as many times a "
+                                            f"round as its weight; use a whole number (1, 2, ...), or envs.mix: "
+                                            f"sample")
+                     for i, e in enumerate(self.train) if e.weight != int(e.weight) or e.weight < 1])
         return self
 
     def eval_sizes(self, spec: EvalSpec) -> tuple[int, int]:
