@@ -4,7 +4,8 @@ import time
 
 import torch
 
-from k3rl.model import K3Config, K3ForCausalLM, quantile_balance
+from k3rl.model import K3Config, K3ForCausalLM
+from k3rl.model.quantile_balance import quantile_balance
 
 torch.manual_seed(0)
 torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))

@@ -22,8 +22,10 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after an installed 
 
 import torch  # noqa: E402
 
-from k3rl.model import quantile_balance  # noqa: E402
-from k3rl.model.quantile_balance import routing_cutoffs  # noqa: E402
+from k3rl.model.quantile_balance import (
+    quantile_balance,  # noqa: E402
+    routing_cutoffs,  # noqa: E402
+)
 
 
 def skewed_scores(m: int, n: int, spread: float, seed: int = 0) -> torch.Tensor:

@@ -1,13 +1,32 @@
 """Rollouts: the embedded K3 inference engine, the vLLM adapter, the Ray inference pool,
-the episode loop, rollout workers and the trajectory buffer."""
+the episode loop, rollout workers and the trajectory buffer.
 
-from .buffer import TrajectoryBuffer
-from .engine import EmbeddedEngine, EngineLoad, GenerationResult, InferenceEngine
-from .episode import EpisodeSpec, run_episode
-from .pool import EngineSpec, InferencePool, PoolActor
-from .vllm_adapter import VLLMEngine
+The names below are imported on first use, so importing one submodule does not pull in the others: a
+Ray actor of the trajectory buffer or the pool's router imports neither torch nor the engine.
+"""
 
-__all__ = [
-    "EmbeddedEngine", "EngineLoad", "EngineSpec", "EpisodeSpec", "GenerationResult", "InferenceEngine",
-    "InferencePool", "PoolActor", "TrajectoryBuffer", "VLLMEngine", "run_episode",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TrajectoryBuffer": "buffer",
+    "EmbeddedEngine": "engine",
+    "EngineLoad": "engine",
+    "GenerationResult": "engine",
+    "InferenceEngine": "engine",
+    "EpisodeSpec": "episode",
+    "run_episode": "episode",
+    "EngineSpec": "pool",
+    "InferencePool": "pool",
+    "PoolActor": "pool",
+    "VLLMEngine": "vllm_adapter",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import sys
 import time
 import uuid
 from typing import Any
-
-import torch
 
 from k3rl.config import JobConfig
 from k3rl.envs.registration import import_env_modules
@@ -39,8 +39,11 @@ __all__ = ["RolloutWorker", "make_env", "make_template", "sandbox_limits"]
 
 class RolloutWorker:
     def __init__(self, cfg: dict[str, Any], pool: Any, buffer: Any, index: int = 0) -> None:
-
-        torch.set_num_threads(1)
+        # one thread for whatever torch an env uses (the worker itself needs none: it imports no torch)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
+        else:
+            os.environ["OMP_NUM_THREADS"] = "1"
         self.cfg = JobConfig.model_validate(cfg)
         import_env_modules(self.cfg.envs.imports)  # a user's envs register themselves in this process too
         self.pool = pool

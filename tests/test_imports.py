@@ -282,3 +282,25 @@ def test_the_command_line_starts_without_torch_ray_or_mlflow(tmp_path):
                          env={**os.environ, "PYTHONPATH": ""})
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_actors_that_need_no_model_import_no_torch(tmp_path):
+    """A rollout worker and the trajectory buffer (Ray actors of every job) validate the job's config, build
+    its chat template and step its envs without torch or the model (about 1-2 s of each actor's start); the
+    model's package imports no torch._dynamo (about 1 s of every process that imports it)."""
+    probe = ("import sys\n"
+             "from k3rl.config import JobConfig\n"
+             "import k3rl.rollout.worker, k3rl.rollout.buffer\n"
+             "from k3rl.rollout.episode import EpisodeSpec, make_env, make_template\n"
+             "cfg = JobConfig.load('examples/agent.yaml', ['sandbox.backend=none'])\n"
+             "template = make_template(cfg)\n"
+             "for e in cfg.envs.train:\n"
+             "    make_env(EpisodeSpec(id='x', env_id=e.id, seed=1, group_id='g', env_kwargs=e.kwargs), cfg,\n"
+             "             template).reset(seed=1)\n"
+             "print(sorted(m for m in ('torch', 'k3rl.model.model') if m in sys.modules))\n"
+             "import k3rl.model, k3rl.rollout.engine, k3rl.learner.actor\n"
+             "k3rl.model.K3ForCausalLM, k3rl.rollout.engine.EmbeddedEngine\n"
+             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-2:] == ["[]", "[]"], run.stdout

@@ -22,8 +22,8 @@ class ModelSection(_Section):
     def k3_config(self):
         """The K3Config this section describes (preset + overrides), validated: the one combination
         of the two (`k3rl.model.model_config`) that the learner and the engines build from."""
-        # lazy: keeps torch (seconds) out of the CLI's start-up
-        from k3rl.model import model_config
+        # lazy: k3rl.model.config is pydantic only, but k3rl.config must not import the model package
+        from k3rl.model.config import model_config
 
         try:
             return model_config(self.preset, self.overrides)
@@ -31,8 +31,8 @@ class ModelSection(_Section):
             raise ConfigError(_format(e, prefix="model.overrides")) from None
 
     def _k3_config_or_problems(self) -> tuple[Any, list[tuple[str, str]]]:
-        # lazy: keeps torch (seconds) out of the CLI's start-up
-        from k3rl.model import K3Config
+        # lazy: k3rl.model.config is pydantic only, but k3rl.config must not import the model package
+        from k3rl.model.config import K3Config
 
         try:
             return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.overrides}), []

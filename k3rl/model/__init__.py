@@ -2,36 +2,32 @@
 Block AttnRes, Stable LatentMoE with Quantile Balancing, MoonViT-V2, incremental decoding, checkpoints in the
 release's layout (its names, MXFP4 experts: docs/model.md §12)."""
 
-from . import mxfp4
-from .cache import K3Cache
-from .checkpoint import CheckpointMismatchError, load_state_into, save_hf
-from .config import K3Config, LinearAttnConfig, VisionConfig
-from .factory import build_model, load_hf, model_config
-from .load_plan import plan_loading
-from .model import K3ForCausalLM
-from .params import count_parameters, count_vision_parameters
-from .quantile_balance import bias_from_histogram, quantile_balance, required_bias_histogram
-from .vision_preprocess import MediaBatch, preprocess_media
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointMismatchError",
-    "K3Cache",
-    "K3Config",
-    "K3ForCausalLM",
-    "LinearAttnConfig",
-    "MediaBatch",
-    "VisionConfig",
-    "bias_from_histogram",
-    "build_model",
-    "count_parameters",
-    "count_vision_parameters",
-    "load_hf",
-    "load_state_into",
-    "model_config",
-    "mxfp4",
-    "plan_loading",
-    "preprocess_media",
-    "quantile_balance",
-    "required_bias_histogram",
-    "save_hf",
-]
+import importlib
+
+# name -> submodule; imported on first use, so that `k3rl.model.config` (pydantic only: what a JobConfig
+# validates against) does not pull in torch and the model in processes that never build one (rollout
+# workers, the trajectory buffer, the CLI). The function quantile_balance is imported from its module
+# k3rl.model.quantile_balance: a lazy package attribute of that name would be the module once imported.
+_EXPORTS = {
+    "mxfp4": None,
+    "K3Cache": "cache",
+    "CheckpointMismatchError": "checkpoint", "load_state_into": "checkpoint", "save_hf": "checkpoint",
+    "K3Config": "config", "LinearAttnConfig": "config", "VisionConfig": "config",
+    "build_model": "factory", "load_hf": "factory", "model_config": "config",
+    "plan_loading": "load_plan",
+    "K3ForCausalLM": "model",
+    "count_parameters": "params", "count_vision_parameters": "params",
+    "bias_from_histogram": "quantile_balance", "required_bias_histogram": "quantile_balance",
+    "MediaBatch": "vision_preprocess", "preprocess_media": "vision_preprocess",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name] or name}")
+        return module if _EXPORTS[name] is None else getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

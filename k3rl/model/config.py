@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -354,3 +354,16 @@ def _k3_tiny() -> K3Config:
 
 
 _PRESETS = {"k3": _k3, "k3-small": _k3_small, "k3-tiny": _k3_tiny}
+
+
+def model_config(preset_or_config: str | K3Config, overrides: dict[str, Any] | None = None) -> K3Config:
+    """The K3Config of a preset name (or a config) with `overrides` replacing its fields, validated."""
+    config = K3Config.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    if not isinstance(config, K3Config):
+        raise TypeError(f"build a model from a preset name or a K3Config, got {type(preset_or_config).__name__}")
+    if overrides:
+        unknown = sorted(set(overrides) - set(K3Config.model_fields))
+        if unknown:
+            raise ValueError(f"model overrides {unknown} are not K3Config fields; see K3Config for the names")
+        config = K3Config.model_validate({**config.model_dump(), **overrides})
+    return config

@@ -18,21 +18,8 @@ import torch
 
 from . import state_dict_adapter as adapter
 from .checkpoint import CheckpointMismatchError, load_state_into, stored_tensors
-from .config import K3Config
+from .config import K3Config, model_config  # noqa: F401  (model_config: k3rl.model.factory.model_config, as before)
 from .model import K3ForCausalLM
-
-
-def model_config(preset_or_config: str | K3Config, overrides: dict[str, Any] | None = None) -> K3Config:
-    """The K3Config of a preset name (or a config) with `overrides` replacing its fields, validated."""
-    config = K3Config.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
-    if not isinstance(config, K3Config):
-        raise TypeError(f"build a model from a preset name or a K3Config, got {type(preset_or_config).__name__}")
-    if overrides:
-        unknown = sorted(set(overrides) - set(K3Config.model_fields))
-        if unknown:
-            raise ValueError(f"model overrides {unknown} are not K3Config fields; see K3Config for the names")
-        config = K3Config.model_validate({**config.model_dump(), **overrides})
-    return config
 
 
 def as_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -19,7 +19,18 @@ A request inside the engine is a `Seq` (seq.py); `sampling.py` is the sampling a
 the sampler and the decode step.
 """
 
+from __future__ import annotations
+
 from .contract import EngineLoad, FinishReason, GenerationResult, InferenceEngine
-from .embedded import EmbeddedEngine
 
 __all__ = ["EmbeddedEngine", "EngineLoad", "FinishReason", "GenerationResult", "InferenceEngine"]
+
+
+def __getattr__(name: str):
+    """EmbeddedEngine on first use: the contract's types come without torch and the model (a rollout
+    worker's episode loop needs GenerationResult, not the engine)."""
+    if name == "EmbeddedEngine":
+        from .embedded import EmbeddedEngine  # deferred: imports torch and the model
+
+        return EmbeddedEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,6 @@
 """kernels.eager_only: the Triton kernels' host wrappers are graph breaks for torch.compile (as
-torch.compiler.disable makes them), and importing the model no longer imports torch._dynamo."""
-
-import subprocess
-import sys
+torch.compiler.disable makes them); that importing the model imports no torch._dynamo is
+tests/test_imports.py's."""
 
 import torch
 
@@ -27,9 +25,3 @@ def test_an_eager_only_function_is_a_graph_break_under_compile_and_computes_the_
     compiled = torch.compile(caller, backend="eager", fullgraph=False)
     torch.testing.assert_close(compiled(x), caller(x))
 
-
-def test_importing_the_model_and_the_actors_does_not_import_dynamo():
-    code = ("import sys, k3rl.model, k3rl.learner.actor, k3rl.rollout.worker, k3rl.rollout.engine; "
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", f"torch._dynamo is imported again at import time (about 1 s a process): {out}"

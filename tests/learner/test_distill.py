@@ -164,7 +164,7 @@ def test_clip_bounds_each_tokens_log_ratio():
 
 
 def test_discount_sums_the_later_sampled_tokens_log_ratios():
-    from learner.distill import returns_to_go
+    from k3rl.learner.distill import returns_to_go
 
     r = torch.tensor([1.0, 2.0, 9.0, 4.0])
     mask = torch.tensor([1.0, 1.0, 0.0, 1.0])  # position 2 is tool output: no r, not a step of the discount

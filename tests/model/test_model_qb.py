@@ -7,8 +7,8 @@ import pytest
 import torch
 from k3_model_helpers import make_tiny
 
-from k3rl.model import bias_from_histogram, quantile_balance, required_bias_histogram
-from k3rl.model.quantile_balance import histogram_range, routing_cutoffs
+from k3rl.model import bias_from_histogram, required_bias_histogram
+from k3rl.model.quantile_balance import histogram_range, quantile_balance, routing_cutoffs
 
 # §6.4: rows t1..t8, columns E1..E4, b = 0, k = 1, q = 2
 EXAMPLE = torch.tensor(
