@@ -107,6 +107,7 @@ class SandboxPool:
         self._rate = StartRateLimiter(starts_per_s)
         self._idle: collections.deque[Sandbox] = collections.deque()
         self._leased: set[Sandbox] = set()
+        self._resetting: set[Sandbox] = set()  # released, being reset in the background before they are idle
         self._uses: dict[str, int] = {}
         self._live = 0  # idle + leased + starting + resetting
         self._cond: asyncio.Condition | None = None
@@ -155,6 +156,7 @@ class SandboxPool:
             self._all.clear()
         self._idle.clear()
         self._leased.clear()
+        self._resetting.clear()
         await asyncio.gather(*(sb.aclose() for sb in everything), return_exceptions=True)
         if self._cond is not None:
             async with self._cond:
@@ -211,6 +213,7 @@ class SandboxPool:
             self.stats.recreated += 1
             await self._discard(sb)
             return
+        self._resetting.add(sb)
         self._spawn(self._reset_and_return(sb))
 
     @contextlib.asynccontextmanager
@@ -236,7 +239,8 @@ class SandboxPool:
         return self._live
 
     def sandbox_ids(self) -> list[str]:
-        return [sb.id for sb in list(self._idle) + list(self._leased)]
+        """The pool's sandboxes: idle, leased, and released ones still being reset."""
+        return list(dict.fromkeys(sb.id for sb in [*self._idle, *self._leased, *self._resetting]))
 
     # ---- internals -----------------------------------------------------------------------------
     async def _take_or_reserve(self) -> Sandbox | None:
@@ -305,14 +309,17 @@ class SandboxPool:
 
     async def _reset_and_return(self, sb: Sandbox) -> None:
         try:
-            await sb.areset()
-            self.stats.resets += 1
-        except SandboxError as exc:
-            log.warning("sandbox pool: reset of %s failed (%s), recreating it", sb.id, exc)
-            self.stats.recreated += 1
-            await self._discard(sb)
-            return
-        await self._put_idle(sb)
+            try:
+                await sb.areset()
+                self.stats.resets += 1
+            except SandboxError as exc:
+                log.warning("sandbox pool: reset of %s failed (%s), recreating it", sb.id, exc)
+                self.stats.recreated += 1
+                await self._discard(sb)
+                return
+            await self._put_idle(sb)
+        finally:  # idle, discarded or (close) cancelled: no longer being reset
+            self._resetting.discard(sb)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

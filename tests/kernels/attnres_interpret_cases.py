@@ -140,6 +140,9 @@ def test_model_with_the_kernel_matches_the_reference_path(monkeypatch):
         runs[backend] = [logits] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
     names = ["logits"] + [n for n, p in model.named_parameters() if p.grad is not None]
     assert any("res_proj" in n for n in names) and any("res_norm" in n for n in names)
-    # fp32 sums in another order, carried through 8 layers: a bound at each tensor's scale
+    # fp32 sums in another order, carried through 8 layers: a bound at each tensor's scale. The reference
+    # path run twice agrees bit for bit; kernel against reference, the worst tensors were within 1e-4 on one
+    # machine and 1.2e-4 to 1.9e-4 (4 gradients, A_log's the largest) on another (the CPU's reductions
+    # round differently); a wrong kernel errs at the scale of the tensor itself
     for name, a, b in zip(names, runs["triton"], runs["torch"], strict=True):
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), f"{name}: max error {(a - b).abs().max().item()}"
+        assert (a - b).abs().max() <= 5e-4 * b.abs().max(), f"{name}: max error {(a - b).abs().max().item()}"
