@@ -7,7 +7,7 @@ The names below are imported on first use, so importing one submodule does not p
 
 from __future__ import annotations
 
-import importlib
+from k3rl.lazy import lazy_getattr
 
 _EXPORTS = {
     "PerHeadMuon": "optim",
@@ -23,8 +23,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

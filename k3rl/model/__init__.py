@@ -4,7 +4,7 @@ release's layout (its names, MXFP4 experts: docs/model.md §12)."""
 
 from __future__ import annotations
 
-import importlib
+from k3rl.lazy import lazy_getattr
 
 # name -> submodule; imported on first use, so that `k3rl.model.config` (pydantic only: what a JobConfig
 # validates against) does not pull in torch and the model in processes that never build one (rollout
@@ -25,9 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name] or name}")
-        return module if _EXPORTS[name] is None else getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
