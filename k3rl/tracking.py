@@ -16,6 +16,7 @@ import math
 import os
 import posixpath
 import re
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import mlflow
 from matplotlib.figure import Figure
 from mlflow.entities import Param, RunTag
 from mlflow.exceptions import MlflowException
@@ -115,9 +117,46 @@ def mlflow_client(uri: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.exists() or path.stat().st_size == 0:
+            _copy_schema(path)
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # opens the store: creates / migrates the schema
     return client
+
+
+def _schema_template() -> Path:
+    """An empty MLflow SQLite database with this MLflow version's schema, made once per machine under
+    `$K3RL_CACHE_DIR` (default ~/.cache/k3rl). Creating a database runs MLflow's migrations, about a second
+    each time; a copy of this file takes milliseconds. The template holds no experiment: MLflow adds its
+    default one (id 0, artifacts beside the new file) when it opens the copy, as it does a new database."""
+    cache = Path(os.environ.get("K3RL_CACHE_DIR") or Path.home() / ".cache" / "k3rl")
+    template = cache / f"mlflow-{mlflow.__version__}-schema.db"
+    if template.exists():
+        return template
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f".{template.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not template.exists():
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                db = Path(tmp) / "schema.db"
+                MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments(max_results=1)
+                with sqlite3.connect(db) as con:  # no default experiment: its artifact path would be the template's
+                    con.execute("DELETE FROM experiments")
+                con.close()
+                os.replace(db, template)
+    return template
+
+
+def _copy_schema(path: Path) -> None:
+    """Start the new database `path` as a copy of the schema template; on any failure leave it to MLflow,
+    which creates the schema itself."""
+    try:
+        template = _schema_template()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(template.read_bytes())
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - a read-only home or a full cache disk: MLflow makes the schema itself
+        log.debug("no MLflow schema template (%s): the store creates its schema", e)
 
 
 def find_run(client, name_or_id: str, experiment: str | None = None):

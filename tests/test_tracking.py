@@ -7,7 +7,9 @@ import base64
 import contextlib
 import io
 import math
+import os
 import re
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -209,6 +211,42 @@ def test_sqlite_directory_is_created(tmp_path, monkeypatch):
             "default"]
 
 
+def _schema(db: Path) -> list[str]:
+    """Every table's and index's definition, its lines sorted: MLflow's migrations write the same schema with
+    indexes, and constraints within a table, in an order that varies from run to run."""
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        return sorted(sorted(line.strip().rstrip(",").strip() for line in sql.replace("(", "(\n").splitlines())
+                      for (sql,) in con.execute("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL"))
+
+
+def test_a_new_store_is_a_copy_of_the_schema_template_that_mlflow_would_have_made(tmp_path, monkeypatch):
+    """A new SQLite store starts as a copy of a cached, empty database of this MLflow version's schema (a copy
+    takes milliseconds, MLflow's migrations about a second). The copy must be what MLflow itself makes: the
+    same tables and indexes, the same schema version, and its default experiment beside the new store, not
+    the template's. A cache that cannot be written leaves MLflow to make the schema."""
+    monkeypatch.setenv("K3RL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    Tracker(f"sqlite:///{tmp_path}/a/mlflow.db", experiment="e", run_name="r").finish()
+    (template,) = (tmp_path / "cache").glob("mlflow-*-schema.db")
+    MlflowClient(f"sqlite:///{tmp_path}/own/mlflow.db").search_experiments()  # MLflow alone, no template
+    copied, own = tmp_path / "a" / "mlflow.db", tmp_path / "own" / "mlflow.db"
+    assert _schema(copied) == _schema(own) == _schema(template)
+    version = "SELECT version_num FROM alembic_version"
+    with contextlib.closing(sqlite3.connect(copied)) as a, contextlib.closing(sqlite3.connect(own)) as b:
+        assert a.execute(version).fetchall() == b.execute(version).fetchall()
+    client = MlflowClient(f"sqlite:///{copied}")
+    assert client.get_experiment("0").artifact_location == MlflowClient(f"sqlite:///{own}").get_experiment(
+        "0").artifact_location
+    assert [r.info.run_name for r in client.search_runs([client.get_experiment_by_name("e").experiment_id])] == ["r"]
+    with contextlib.closing(sqlite3.connect(template)) as t:
+        assert t.execute("SELECT COUNT(*) FROM experiments").fetchone() == (0,)  # nothing of the first store in it
+
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("K3RL_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    Tracker(f"sqlite:///{tmp_path}/b/mlflow.db", experiment="e", run_name="r2").finish()
+    assert _schema(tmp_path / "b" / "mlflow.db") == _schema(own)
+
+
 @pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path):
     """Three processes open one new SQLite store at the same moment (three demo seeds started together):
@@ -224,8 +262,10 @@ def test_jobs_starting_together_on_a_new_sqlite_store_all_get_their_run(tmp_path
             "print('ready', flush=True)\n"
             f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.001)\n"
             f"t = Tracker({uri!r}, experiment='together', run_name='r' + sys.argv[1]); t.finish()\n")
+    # an empty schema cache too: the three also race to make the schema template (k3rl.tracking._schema_template)
+    env = {**os.environ, "K3RL_CACHE_DIR": str(tmp_path / "cache")}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(3)]
+                              text=True, env=env) for i in range(3)]
     for p in procs:  # every process imported mlflow and waits on the file
         assert p.stdout.readline() == "ready\n", p.communicate(timeout=120)[1][-1500:]
     go.touch()
