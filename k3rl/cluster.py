@@ -25,6 +25,12 @@ from k3rl.config import JobConfig
 FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_", "K3RL_LEARNER_THREADS")
 
 
+# A local Ray without its dashboard: nothing reads Ray's own metrics and task events, and a driver that ran the
+# job from a thread other than its main one waited at ray.shutdown() for their last flushes, about 5 s each (the
+# core worker's task-event buffer, then OpenTelemetry's metrics). Set before ray.init(): its processes inherit them.
+QUIET_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
+
+
 def _forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
@@ -50,6 +56,8 @@ def init_ray(cfg: JobConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, **common)
     else:  # address="local": always a fresh local Ray, never a cluster that happens to run here
+        if not cfg.ray.include_dashboard:
+            os.environ.update({k: v for k, v in QUIET_RAY_ENV.items() if k not in os.environ})
         ray.init(address="local", num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=cfg.ray.include_dashboard, **common)
 

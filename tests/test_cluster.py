@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from ray_head import ray_head
 
-from k3rl.cluster import free_port
+from k3rl.cluster import QUIET_RAY_ENV, free_port
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.registration import check_env_ids, import_env_modules
 
@@ -127,7 +127,7 @@ def make_env_in_a_ray_actor(modules: list[str], env_id: str) -> dict:
         env = gymnasium.make(env_id)
         episode = run_oracle_episode(env, seed=3)
         return {"class": type(env.unwrapped).__name__, "reward": episode.reward,
-                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RAY_AUTH_MODE", "K3RL_TEST_VAR")}}
+                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RAY_AUTH_MODE", "K3RL_TEST_VAR", *QUIET_RAY_ENV)}}
 
     return ray.get(make.remote(modules, env_id), timeout=300)
 
@@ -150,7 +150,9 @@ def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_pa
     finally:
         ray.shutdown()
     assert got["class"] == "Reverse" and got["reward"] == 1.0
-    assert got["env"] == {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "K3RL_TEST_VAR": "from-config"}
+    # and a local Ray without its dashboard exports no metrics or task events (k3rl.cluster.QUIET_RAY_ENV)
+    assert got["env"] == {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "K3RL_TEST_VAR": "from-config",
+                          "RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
 
 
 @pytest.mark.slow

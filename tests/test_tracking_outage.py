@@ -198,8 +198,10 @@ def test_the_job_finishes_through_a_tracking_server_that_dies_and_comes_back(ser
             break
         time.sleep(0.5)
     server.kill()
-    while job.is_alive() and not seen_spool:  # the job goes on, spooling its metrics
+    while not seen_spool:  # the job goes on, spooling its metrics (or has just ended, its last ones spooled)
         seen_spool = (run_dir / "tracking_spool.jsonl").exists()
+        if not job.is_alive():
+            break
         time.sleep(0.2)
     server.start()
     job.join(timeout=600)
