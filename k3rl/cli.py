@@ -216,14 +216,17 @@ def ui(
     console.print(f"MLflow UI on http://127.0.0.1:{port}  ({' '.join(cmd)})")
     console.print("sample episodes: the experiment's Traces tab (a span per turn and tool call), "
                   "and episodes/*.html among a run's artifacts")
-    raise typer.Exit(run_until_stopped(cmd))
+    # without MLflow's job runner (a second process and a consumer of 10 workers, for its GenAI jobs, which
+    # a view of k3rl's runs does not use): they slowed the UI's start and stop. The user's own setting wins.
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+    raise typer.Exit(run_until_stopped(cmd, env=env))
 
 
 class _Stopped(Exception):
     pass
 
 
-def run_until_stopped(cmd: list[str], grace_s: float = 10.0) -> int:
+def run_until_stopped(cmd: list[str], grace_s: float = 10.0, env: dict[str, str] | None = None) -> int:
     """Run `cmd` in a process group of its own until it exits, or until this process gets SIGINT,
     SIGTERM or SIGHUP: then the whole group (the server and every worker it forked) gets SIGTERM,
     and SIGKILL after `grace_s`. Returns the exit code (128 + signal when stopped)."""
@@ -233,7 +236,7 @@ def run_until_stopped(cmd: list[str], grace_s: float = 10.0) -> int:
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     proc = None
     try:
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, start_new_session=True, env=env)
         return proc.wait()
     except _Stopped as e:
         return 128 + e.args[0]

@@ -25,6 +25,8 @@ def test_stopping_k3rl_ui_stops_the_mlflow_server_it_started(tmp_path, sig):
     ui, port, started = start_ui(f"sqlite:///{tmp_path}/mlflow.db", tmp_path)
     try:
         assert started, "k3rl ui should run the server as a child process"
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in alive(started)]
+        assert not any("huey" in c or "_job_runner" in c for c in commands), commands  # no MLflow job runner
         ui.send_signal(sig)  # to k3rl ui alone, as `kill` or a service manager would (not its process group)
         assert ui.wait(timeout=60) == 128 + sig
         assert alive(started, within_s=30) == set(), "a process of the MLflow server survived"

@@ -35,7 +35,8 @@ class MlflowServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root / 'm.db'}",
              "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"], stdout=log, stderr=log, start_new_session=True)
+             "--port", str(self.port), "--workers", "1"], stdout=log, stderr=log, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # as `k3rl ui` runs it
         end = time.monotonic() + 90
         while time.monotonic() < end:
             try:
