@@ -25,10 +25,14 @@ from k3rl.config import JobConfig
 FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_", "K3RL_LEARNER_THREADS")
 
 
-# A local Ray without its dashboard: nothing reads Ray's own metrics and task events, and a driver that ran the
-# job from a thread other than its main one waited at ray.shutdown() for their last flushes, about 5 s each (the
-# core worker's task-event buffer, then OpenTelemetry's metrics). Set before ray.init(): its processes inherit them.
-QUIET_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
+# A local Ray for a job, set before ray.init() (its processes inherit them; a user's own values win):
+# - no idle workers started for the first driver: the job's actors start their own, with the job's runtime_env,
+#   and the two started ahead (5 s of CPU each on 2 cores) stayed idle for the whole job;
+LOCAL_RAY_ENV = {"RAY_prestart_worker_first_driver": "0"}
+# - without a dashboard, nothing reads Ray's own metrics and task events, and a driver that ran the job from a
+#   thread other than its main one waited at ray.shutdown() for their last flushes, about 5 s each (the core
+#   worker's task-event buffer, then OpenTelemetry's metrics).
+NO_DASHBOARD_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
 
 
 def _forwarded_env() -> dict[str, str]:
@@ -56,8 +60,8 @@ def init_ray(cfg: JobConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, **common)
     else:  # address="local": always a fresh local Ray, never a cluster that happens to run here
-        if not cfg.ray.include_dashboard:
-            os.environ.update({k: v for k, v in QUIET_RAY_ENV.items() if k not in os.environ})
+        quiet = {**LOCAL_RAY_ENV, **({} if cfg.ray.include_dashboard else NO_DASHBOARD_RAY_ENV)}
+        os.environ.update({k: v for k, v in quiet.items() if k not in os.environ})
         ray.init(address="local", num_cpus=cfg.ray.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=cfg.ray.include_dashboard, **common)
 

@@ -6,6 +6,12 @@ import pytest
 # route to a public address which one). Off, as on macOS: every node and client of the tests' Ray clusters on
 # loopback (set before anything imports ray; the CLI's jobs inherit it)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# what k3rl.cluster.init_ray sets for a job's local Ray, for the tests' other Rays too (ray.init of the actor tests,
+# `ray start --head` clusters): no idle workers started ahead, no metrics or task events for a dashboard
+from k3rl.cluster import LOCAL_RAY_ENV, NO_DASHBOARD_RAY_ENV  # noqa: E402
+
+for _k, _v in {**LOCAL_RAY_ENV, **NO_DASHBOARD_RAY_ENV}.items():
+    os.environ.setdefault(_k, _v)
 
 
 @pytest.fixture(scope="module")

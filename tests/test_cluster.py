@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from ray_head import ray_head
 
-from k3rl.cluster import QUIET_RAY_ENV, free_port
+from k3rl.cluster import LOCAL_RAY_ENV, NO_DASHBOARD_RAY_ENV, free_port
 from k3rl.config import ConfigError, JobConfig
 from k3rl.envs.registration import check_env_ids, import_env_modules
 
@@ -127,16 +127,20 @@ def make_env_in_a_ray_actor(modules: list[str], env_id: str) -> dict:
         env = gymnasium.make(env_id)
         episode = run_oracle_episode(env, seed=3)
         return {"class": type(env.unwrapped).__name__, "reward": episode.reward,
-                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RAY_AUTH_MODE", "K3RL_TEST_VAR", *QUIET_RAY_ENV)}}
+                "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RAY_AUTH_MODE", "K3RL_TEST_VAR", *LOCAL_RAY_ENV,
+                                                      *NO_DASHBOARD_RAY_ENV)}}
 
     return ray.get(make.remote(modules, env_id), timeout=300)
 
 
 @pytest.mark.slow
-def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_path):
+def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_path, monkeypatch):
     import ray
 
     from k3rl.cluster import init_ray
+
+    for key in (*LOCAL_RAY_ENV, *NO_DASHBOARD_RAY_ENV):  # set for every test by conftest.py: init_ray must set them
+        monkeypatch.delenv(key, raising=False)
 
     code = tmp_path / "project"
     code.mkdir()
@@ -150,9 +154,10 @@ def test_a_local_job_ships_the_users_module_to_its_workers_by_working_dir(tmp_pa
     finally:
         ray.shutdown()
     assert got["class"] == "Reverse" and got["reward"] == 1.0
-    # and a local Ray without its dashboard exports no metrics or task events (k3rl.cluster.QUIET_RAY_ENV)
+    # and a local Ray starts no idle workers ahead and, without its dashboard, exports no metrics or task events
     assert got["env"] == {"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", "K3RL_TEST_VAR": "from-config",
-                          "RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
+                          "RAY_prestart_worker_first_driver": "0", "RAY_enable_metrics_collection": "0",
+                          "RAY_enable_core_worker_task_event_to_gcs": "0"}
 
 
 @pytest.mark.slow
