@@ -27,11 +27,11 @@ FORWARDED_ENV_PREFIXES = ("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_", "TORCH_NCCL_",
 
 # A local Ray for a job, set before ray.init() (its processes inherit them; a user's own values win):
 # - no idle workers started for the first driver: the job's actors start their own, with the job's runtime_env,
-#   and the two started ahead (5 s of CPU each on 2 cores) stayed idle for the whole job;
+#   and the ones started ahead stayed idle for the whole job, having cost a Python start each;
 LOCAL_RAY_ENV = {"RAY_prestart_worker_first_driver": "0"}
 # - without a dashboard, nothing reads Ray's own metrics and task events, and a driver that ran the job from a
-#   thread other than its main one waited at ray.shutdown() for their last flushes, about 5 s each (the core
-#   worker's task-event buffer, then OpenTelemetry's metrics).
+#   thread other than its main one waited at ray.shutdown() for their last flushes to time out (the core worker's
+#   task-event buffer, then OpenTelemetry's metrics).
 NO_DASHBOARD_RAY_ENV = {"RAY_enable_metrics_collection": "0", "RAY_enable_core_worker_task_event_to_gcs": "0"}
 
 

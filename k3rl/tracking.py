@@ -126,8 +126,8 @@ def mlflow_client(uri: str):
 
 def _schema_template() -> Path:
     """An empty MLflow SQLite database with this MLflow version's schema, made once per machine under
-    `$K3RL_CACHE_DIR` (default ~/.cache/k3rl). Creating a database runs MLflow's migrations, about a second
-    each time; a copy of this file takes milliseconds. The template holds no experiment: MLflow adds its
+    `$K3RL_CACHE_DIR` (default ~/.cache/k3rl). Creating a database runs all of MLflow's schema migrations;
+    copying this file does not. The template holds no experiment: MLflow adds its
     default one (id 0, artifacts beside the new file) when it opens the copy, as it does a new database."""
     cache = Path(os.environ.get("K3RL_CACHE_DIR") or Path.home() / ".cache" / "k3rl")
     template = cache / f"mlflow-{mlflow.__version__}-schema.db"
