@@ -50,7 +50,7 @@ test: setup
 test-fast: venv
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-# what make test leaves out: the agent job's gain test (25-47 minutes)
+# what make test leaves out: the agent job's gain test (about 20 minutes on 2 idle cores)
 test-learning: setup
 	K3RL_LEARNING_TESTS=1 $(PY) -m pytest tests/test_agent_learning.py $(PYTEST_ARGS)
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The agentic warm start's last two SFT phases on the GPU, from the stored warm start: careful
+# The agentic warm start's last SFT phases on the GPU, from the CPU phases' policy ($FROM): careful
 # demonstrations of all three envs, then careless ones (oracle_mistakes 0.5: ScreenRead shows the other
 # panel, PythonTool adds instead of multiplying, LongHorizon keeps no notes and drops the first code from
 # its summaries), so RL starts from a policy that copies but chooses badly. k3-tiny runs with KDA chunk 64,
@@ -8,6 +8,14 @@
 #
 #   device `run`, carry [".whl", ".whl_rl", ".cache/triton"]:
 #   VARIANTS="A:150:60 B:300:60" bash experiments/agent_ws_device.sh 2>&1 | tee $OUT/log
+#
+# examples/agent_warm_start is made this way (one H100, 2026-12-06, 340 s), then cast to bf16 with
+# `python -m k3rl.examples.make_warm_start A-p65 examples/agent_warm_start`:
+#   VARIANTS="A:80:50" THEN="p65:24:S=0.5,P=0.65,L=0.5" EPISODES=1024 EVERY=40 BUDGET=120 DEADLINE=550 \
+#     bash experiments/agent_ws_device.sh
+#
+# FROM: the policy the phases start from (default experiments/agent_sft600: the first 600 SFT steps of
+# examples/agent_from_scratch.yaml, made on the CPU).
 #
 # VARIANTS: NAME:CAREFUL_STEPS:CARELESS_STEPS, run at once; EPISODES: careful demonstrations (more of them:
 # more distinct PythonTool products, so the copy generalises to held-out tasks instead of being memorised). $OUT gets
@@ -18,6 +26,7 @@
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
+FROM=${FROM:-$R/experiments/agent_sft600}
 VARIANTS=${VARIANTS:-A:150:60} THEN=${THEN:-} EVERY=${EVERY:-20} LR=${LR:-1e-3} BUDGET=${BUDGET:-240} EPISODES=${EPISODES:-1024}
 source benchmarks/device_env.sh
 # TRITON_TGZ: a Triton cache an earlier run brought back (the compiles and autotuning of a fresh machine)
@@ -31,11 +40,11 @@ probe() {  # NAME FROM ARGS...
      --set "model.overrides={linear_attn_config: $LA}" --set "model.checkpoint=$from" --save "$W/$name" "$@")
 }
 # the demonstrations once (cached in $W), before the variants share them
-probe warmup "$R/examples/agent_warm_start" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
-  probe warmup2 "$R/examples/agent_warm_start" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
+probe warmup "$FROM" --steps 1 --every 1 --episodes "$EPISODES" > $W/warmup.log 2>&1 && \
+  probe warmup2 "$FROM" --steps 1 --every 1 --careless 0.5 --episodes 512 >> $W/warmup.log 2>&1
 for t in $THEN; do
   IFS=: read -r tag steps rates <<< "$t"
-  probe "warmup-$tag" "$R/examples/agent_warm_start" --steps 1 --every 1 --careless "$rates" --episodes 512 >> $W/warmup.log 2>&1
+  probe "warmup-$tag" "$FROM" --steps 1 --every 1 --careless "$rates" --episodes 512 >> $W/warmup.log 2>&1
 done
 rm -rf $W/warmup*/  # their policies (one SFT step) are not wanted
 tail -3 $W/warmup.log
@@ -60,7 +69,7 @@ then_phases() {  # NAME: THEN's phases from NAME-careless, at once
 pids=()
 for v in $VARIANTS; do
   IFS=: read -r name careful careless <<< "$v"
-  (probe "$name-careful" "$R/examples/agent_warm_start" --steps "$careful" --lr "$LR" --budget-s "$BUDGET" \
+  (probe "$name-careful" "$FROM" --steps "$careful" --lr "$LR" --budget-s "$BUDGET" \
      --episodes "$EPISODES" \
      && probe "$name-careless" "$W/$name-careful" --careless 0.5 --episodes 512 --steps "$careless" --lr "$LR" \
           --budget-s "$BUDGET" \
