@@ -376,7 +376,7 @@ class TrajectoryStore:
 
     def _read_part_column(self, path: Path, column: str) -> list:
         try:
-            with pq.ParquetFile(path) as f:  # 2-3x faster than read_table for one small file
+            with pq.ParquetFile(path) as f:  # lighter than read_table for one small file
                 return f.read(columns=[column]).column(column).to_pylist()
         except (pa.ArrowInvalid, OSError) as e:
             raise StoreError(f"cannot read trajectory part {path}: {e}") from e
