@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -108,11 +109,20 @@ def test_the_rlimit_fallback_counts_the_threads_the_kernel_counts():
     from k3rl.sandboxes.bwrap_backend import tasks_of_uid
 
     code = "import threading, time\nfor _ in range(24): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\nprint(1, flush=True); time.sleep(30)"
-    before = tasks_of_uid(os.getuid())
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline().strip() == b"1"
-        assert tasks_of_uid(os.getuid()) - before >= 25  # the process and its 24 threads
-    finally:
-        proc.kill()
-        proc.wait()
+    counts = []
+    for _ in range(10):  # the uid's other tasks must hold still around the count (a fork bomb burning out did not)
+        before = tasks_of_uid(os.getuid())
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline().strip() == b"1"
+            during = tasks_of_uid(os.getuid())
+        finally:
+            proc.kill()
+            proc.wait()
+        after = tasks_of_uid(os.getuid())
+        counts.append((before, during, after))
+        if before == after:
+            assert during - before >= 25, counts  # the process and its 24 threads
+            return
+        time.sleep(1)
+    pytest.fail(f"the uid's other tasks never held still around a count (before, during, after): {counts}")
