@@ -16,6 +16,7 @@ import math
 import os
 import posixpath
 import re
+import shutil
 import sqlite3
 import tempfile
 import time
@@ -150,12 +151,12 @@ def _schema_template() -> Path:
 def _copy_schema(path: Path) -> None:
     """Start the new database `path` as a copy of the schema template; on any failure leave it to MLflow,
     which creates the schema itself."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        template = _schema_template()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(template.read_bytes())
+        shutil.copyfile(_schema_template(), tmp)
         os.replace(tmp, path)
     except Exception as e:  # noqa: BLE001 - a read-only home or a full cache disk: MLflow makes the schema itself
+        tmp.unlink(missing_ok=True)
         log.debug("no MLflow schema template (%s): the store creates its schema", e)
 
 
