@@ -147,6 +147,10 @@ class Sandbox(ABC):
         """Backends that watch the cgroup from the host return its oom_kill counter here."""
         return None
 
+    def _exec_limits(self, timeout: float) -> dict:
+        """Limits the agent applies to one command itself (a backend without cgroups: CPU seconds)."""
+        return {}
+
     # ---- contract ------------------------------------------------------------------------
     def _call(
         self, mode: str, args: dict, stdin: bytes | None = None, timeout: float = 30.0
@@ -159,7 +163,7 @@ class Sandbox(ABC):
             kind, message = header["error"], f"sandbox {self.id}: {header['message']}"
             if kind == "escape":
                 raise PathEscapeError(message)
-            if kind in ("notfound", "isdir", "toolarge"):
+            if kind in ("notfound", "isdir", "toolarge", "nospace"):
                 raise SandboxFileError(message)
             raise SandboxError(message)
         return header, payload
@@ -188,6 +192,7 @@ class Sandbox(ABC):
             "timeout": timeout,
             "cap": self.limits.output_bytes,
             "oom_file": self._oom_file(),
+            **self._exec_limits(timeout),
         }
         oom_before = self._host_oom_count()
         header, payload = self._call("exec", args, stdin=stdin, timeout=timeout)

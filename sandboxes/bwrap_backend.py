@@ -9,13 +9,18 @@ capabilities. As with Docker, files, /tmp and background processes persist acros
 an exec costs no process start on the host. When the host is root, bwrap runs
 as `nobody` on the host (via setpriv), so the sandbox has no host privileges at all.
 Without writable cgroups the limits fall back to rlimits (prlimit: address space, process
-count), and `oom_killed` can no longer be observed (an allocation fails instead).
+count; each process of a call gets `cpus x timeout` CPU seconds instead of a CPU share), and
+`oom_killed` can no longer be observed (an allocation fails instead).
+Disk: /tmp is a tmpfs capped at `tmp_mb`, as Docker's. /work stays a host folder, so its files
+outlive the agent's processes; no file may grow past `workdir_mb` (RLIMIT_FSIZE), and after each
+call a /work over `workdir_mb` loses its newest files until it fits, which the call's stderr says.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 import shlex
@@ -25,6 +30,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .agent_channel import AgentLost, PipeAgentChannel
@@ -34,7 +40,14 @@ from .docker_backend import SANDBOX_ENV
 from .image import SANDBOX_UID, TMP_SEED_DIR, rootfs_dir
 from .paths import WORK_DIR
 from .seccomp import filter_program
-from .types import BackendUnavailableError, SandboxDeadError, SandboxError, SandboxLimits
+from .types import (
+    BackendUnavailableError,
+    ExecResult,
+    SandboxDeadError,
+    SandboxError,
+    SandboxFileError,
+    SandboxLimits,
+)
 
 NOBODY = 65534
 SHARED_PIDS = 24  # without cgroups: how many sandboxes' `pids` the uid's one process budget holds
@@ -64,12 +77,37 @@ def bwrap_available() -> bool:
 
 
 @functools.cache
+def _bwrap_help(exe: str) -> str:
+    try:
+        return subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    except OSError:
+        return ""
+
+
 def _supports_disable_userns(exe: str) -> bool:
     """bwrap >= 0.8 can forbid new user namespaces inside (a large kernel attack surface)."""
-    try:
-        return "--disable-userns" in subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
-    except OSError:
-        return False
+    return "--disable-userns" in _bwrap_help(exe)
+
+
+def _supports_tmpfs_size(exe: str) -> bool:
+    """bwrap >= 0.8 can cap a tmpfs's size (`--size BYTES --tmpfs DEST`)."""
+    return "--size" in _bwrap_help(exe)
+
+
+def disk_usage(root: Path) -> tuple[int, list[tuple[float, Path]]]:
+    """(bytes a tree occupies on disk, its files as (mtime, path)); symlinks are not followed."""
+    total, files = 0, []
+    for sub, dirs, names in os.walk(root):
+        for name in dirs + names:
+            path = Path(sub) / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if name in names:
+                files.append((st.st_mtime, path))
+    return total, files
 
 
 def tasks_of_uid(uid: int) -> int:
@@ -136,13 +174,15 @@ class BwrapSandbox(Sandbox):
                     {"host": socketlib.gethostname(), "pid": os.getpid(), "job": self.job, "sandbox": self.id}
                 )
             )
-            for sub in ("work", "tmp"):
+            # /tmp: a tmpfs capped at tmp_mb (as Docker's), seeded by the agent; a host dir on an older bwrap
+            self._tmpfs = _supports_tmpfs_size(self.bwrap)
+            for sub in ("work",) if self._tmpfs else ("work", "tmp"):
                 (self.base / sub).mkdir()
             seed = self.rootfs / TMP_SEED_DIR.lstrip("/") if self.rootfs else None
-            if seed is not None and seed.is_dir():  # matplotlib font cache etc. (see image.TMP_SEED_DIR)
+            if not self._tmpfs and seed is not None and seed.is_dir():  # matplotlib font cache etc.
                 shutil.copytree(seed, self.base / "tmp", dirs_exist_ok=True, symlinks=True)
             if self._drop_to_nobody:
-                for sub in ("work", "tmp"):
+                for sub in ("work",) if self._tmpfs else ("work", "tmp"):
                     for path in [self.base / sub, *(self.base / sub).rglob("*")]:
                         os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
             os.chmod(self.base, 0o711)
@@ -178,6 +218,52 @@ class BwrapSandbox(Sandbox):
     def is_alive(self) -> bool:
         return not self._closed and (self.base / "work").is_dir()
 
+    def _exec_limits(self, timeout: float) -> dict:
+        # without cgroups no CPU share holds: each process of a call gets cpus x timeout CPU seconds (RLIMIT_CPU)
+        return {} if self.cgroup is not None else {"cpu_s": math.ceil(self.limits.cpus * timeout) + 1}
+
+    # /work is a host folder (its files outlive the agent's processes): a file is capped at workdir_mb by
+    # RLIMIT_FSIZE, and the whole folder after each call, when the newest files go until it fits (Docker's
+    # tmpfs would have refused their writes: ENOSPC)
+    def exec(self, cmd, timeout=None, stdin=None, env=None, workdir=None) -> ExecResult:
+        result = super().exec(cmd, timeout=timeout, stdin=stdin, env=env, workdir=workdir)
+        full = self._enforce_workdir_quota()
+        if full:
+            result = replace(result, exit_code=result.exit_code or 1, stderr=result.stderr + full)
+        return result
+
+    def write_file(self, path: str, data: bytes | str) -> None:
+        size = len(data.encode() if isinstance(data, str) else data)
+        used, _ = disk_usage(self.base / "work")
+        if used + size > self.limits.workdir_mb << 20:
+            raise SandboxFileError(
+                f"write_file({path!r}): no space left in /work: it holds {used / 2**20:.1f} MB of its "
+                f"{self.limits.workdir_mb} MB (sandbox workdir_mb) and the file is {size / 2**20:.1f} MB"
+            )
+        super().write_file(path, data)
+
+    def _enforce_workdir_quota(self) -> str:
+        """'' while /work fits its quota; else the newest files are removed until it does, and a note says which."""
+        quota, work = self.limits.workdir_mb << 20, self.base / "work"
+        used, files = disk_usage(work)
+        if used <= quota:
+            return ""
+        before, removed = used, []
+        for _, path in sorted(files, reverse=True):
+            if used <= quota:
+                break
+            try:
+                size = path.lstat().st_blocks * 512
+                path.unlink()
+            except OSError:
+                continue
+            used -= size
+            removed.append(str(path.relative_to(work)))
+        log.warning("bwrap sandbox %s: /work held %d bytes, over its quota; removed %s", self.id, before, removed)
+        shown = ", ".join(removed[:10]) + (f" and {len(removed) - 10} more" if len(removed) > 10 else "")
+        return (f"\n[k3rl: No space left on device: /work held {before / 2**20:.1f} MB, over its "
+                f"{self.limits.workdir_mb} MB (sandbox workdir_mb); the newest files were removed to fit: {shown}]\n")
+
     def _argv(self, inner: list[str]) -> list[str]:
         argv = [
             self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--unshare-user",
@@ -185,11 +271,15 @@ class BwrapSandbox(Sandbox):
             *(["--disable-userns"] if _supports_disable_userns(self.bwrap) else []),
             *_root_binds(self.rootfs),
             "--dev", "/dev", "--proc", "/proc",
-            "--bind", str(self.base / "work"), WORK_DIR, "--bind", str(self.base / "tmp"), "/tmp",
+            "--bind", str(self.base / "work"), WORK_DIR,
+            *(["--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"] if self._tmpfs
+              else ["--bind", str(self.base / "tmp"), "/tmp"]),
             "--chdir", WORK_DIR, "--clearenv",
         ]  # fmt: skip
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
+        if self._tmpfs:
+            argv += ["--setenv", "K3RL_SEED_TMP", "1"]
         if self.cgroup is None:  # RLIMIT_AS counts address space: glibc's per-thread arenas (64 MiB each,
             argv += ["--setenv", "MALLOC_ARENA_MAX", "2"]  # reserved) used it up before memory did
         if self.seccomp is not None:  # the shell prefix below opens it as fd 3; bwrap loads it before the command
@@ -200,6 +290,8 @@ class BwrapSandbox(Sandbox):
         # a shell prefix (still as the caller) joins the cgroup, or sets rlimits, then execs bwrap
         if self.cgroup is not None:
             prefix = "".join(f"echo $$ > {shlex.quote(p)} || exit 125; " for p in self.cgroup.join_paths())
+            if shutil.which("prlimit"):  # no file larger than /work's quota (the whole folder: after each call)
+                argv = ["prlimit", f"--fsize={self.limits.workdir_mb << 20}", "--", *argv]
         else:
             prefix = ""
             argv = [*self._rlimit_argv(), *argv]
@@ -221,7 +313,8 @@ class BwrapSandbox(Sandbox):
         # RLIMIT_NPROC is per uid, and every sandbox of a job runs as one uid: sandboxes started later raise
         # the count an earlier one's limit is checked against. So the budget is shared by up to SHARED_PIDS
         # sandboxes' worth of tasks: a fork bomb stops there, not at this sandbox's own `pids`.
-        return ["prlimit", f"--as={memory}", f"--nproc={running + SHARED_PIDS * self.limits.pids}", "--"]
+        return ["prlimit", f"--as={memory}", f"--nproc={running + SHARED_PIDS * self.limits.pids}",
+                f"--fsize={self.limits.workdir_mb << 20}", "--"]
 
     def _start_agent(self) -> PipeAgentChannel:
         with self._agent_lock:

@@ -32,6 +32,7 @@ When its stdin closes (the host closed the sandbox, or the host process died) th
 sandbox (`end_sandbox`), so a crashed job leaves no running container behind.
 """
 
+import errno
 import json
 import os
 import selectors
@@ -117,6 +118,9 @@ def kill_tree(pgid, tag):
 # The command's shell first makes itself (and so the command) the OOM killer's first choice,
 # not this helper; done in sh rather than a preexec_fn, which is unsafe in a threaded process.
 SHELL_PREFIX = 'echo 1000 > /proc/self/oom_score_adj 2>/dev/null; exec /bin/sh -c "$1"'
+# Without cgroups (bubblewrap as a user) a call's CPU is capped in seconds instead of in share: each
+# process of the command may use `cpu_s` seconds of CPU (RLIMIT_CPU: SIGXCPU then, SIGKILL a second later).
+CPU_PREFIX = 'prlimit --pid $$ --cpu={cpu_s}:{hard} || exit 126; '
 
 
 def feed(pipe, data):
@@ -151,8 +155,10 @@ def do_exec(args, data):
     before = oom_count(args.get("oom_file"))
     start = time.monotonic()
     try:
+        cpu_s = int(args.get("cpu_s") or 0)
+        prefix = CPU_PREFIX.format(cpu_s=cpu_s, hard=cpu_s + 1) if cpu_s else ""
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", SHELL_PREFIX, "k3rl", args["cmd"]],
+            ["/bin/sh", "-c", prefix + SHELL_PREFIX, "k3rl", args["cmd"]],
             cwd=real,
             env=env,
             stdin=subprocess.DEVNULL if data is None else subprocess.PIPE,
@@ -285,8 +291,10 @@ def do_spawn(args, data):
     tag = args["id"]
     real, env = workdir_and_env(args, tag)
     try:
+        cpu_s = int(args.get("cpu_s") or 0)
+        prefix = CPU_PREFIX.format(cpu_s=cpu_s, hard=cpu_s + 1) if cpu_s else ""
         proc = subprocess.Popen(
-            ["/bin/sh", "-c", SHELL_PREFIX, "k3rl", args["cmd"]],
+            ["/bin/sh", "-c", prefix + SHELL_PREFIX, "k3rl", args["cmd"]],
             cwd=real, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
         )
@@ -362,8 +370,13 @@ def do_write(args, data):
         fail("isdir", f"{path!r} is a directory")
     except OSError as exc:
         fail("other", f"cannot write {path!r}: {exc}")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError as exc:  # a full /work (ENOSPC, EFBIG): what did not fit is not left half-written
+        os.unlink(path)
+        fail("nospace" if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "other",
+             f"cannot write {path!r} ({len(data)} bytes): {exc.strerror} (the sandbox's workdir_mb is its room)")
     return reply({"written": len(data)})
 
 
@@ -413,10 +426,15 @@ def do_reset(args, data):
             empty_dir(root)
         except OSError as exc:
             fail("other", f"could not empty {root}: {exc}")
+    seed_tmp()
+    return reply({"reset": True})
+
+
+def seed_tmp():
+    """Copy the image's /tmp seed into /tmp (a fresh tmpfs, or one a reset emptied)."""
     if os.path.isdir(TMP_SEED):
         for name in os.listdir(TMP_SEED):
             shutil.copytree(os.path.join(TMP_SEED, name), os.path.join("/tmp", name), dirs_exist_ok=True)
-    return reply({"reset": True})
 
 
 HANDLERS = {
@@ -465,6 +483,11 @@ def end_sandbox():
 def serve():
     """Agent loop: framed requests on stdin, one thread each, framed replies on stdout."""
     inp, out, lock = sys.stdin.buffer, sys.stdout.buffer, threading.Lock()
+    if os.environ.pop("K3RL_SEED_TMP", None):  # bubblewrap: /tmp is a fresh tmpfs of this agent's namespace
+        try:
+            seed_tmp()
+        except OSError:
+            pass
 
     def answer(req_id, meta, data):
         body = handle(meta["mode"], meta["args"], data)

@@ -169,6 +169,45 @@ def test_memory_bomb_is_oom_killed(backend):
         assert box.exec("echo still here").stdout == "still here\n"
 
 
+def test_tmp_is_capped_at_tmp_mb(sb):
+    # /tmp is a tmpfs of tmp_mb (64 MB here) on both backends: a larger write fails, nothing spills to the host
+    r = sb.exec("head -c 80M /dev/zero > /tmp/big; echo rc=$?; du -sm /tmp/big", timeout=30)
+    assert "No space left on device" in r.stderr and "rc=1" in r.stdout, r
+    assert int(r.stdout.split()[-2]) <= 64, r
+    assert sb.exec("rm /tmp/big && echo ok > /tmp/small && cat /tmp/small").stdout == "ok\n"
+
+
+def work_kib(sb) -> int:
+    return int(sb.exec("du -sk /work").stdout.split()[0])
+
+
+def test_work_dir_is_capped_at_workdir_mb(sb):
+    # one file larger than the quota fails as it is written (Docker: ENOSPC; bubblewrap: RLIMIT_FSIZE)
+    r = sb.exec("head -c 80M /dev/zero > big", timeout=30)
+    assert r.exit_code != 0 and work_kib(sb) <= 65 << 10, r
+    # files that fit one by one but not together: the call fails, and /work ends within its quota
+    # (Docker: the last write gets ENOSPC; bubblewrap: the newest files are removed after the call, and said so)
+    r = sb.exec("rm -f big; for f in a b c; do head -c 30M /dev/zero > $f || exit 1; done", timeout=30)
+    assert r.exit_code != 0, r
+    assert "No space left on device" in r.stderr, r
+    assert work_kib(sb) <= 65 << 10
+    assert sb.exec("ls a b").exit_code == 0  # what fitted is kept
+    with pytest.raises(SandboxFileError, match="workdir_mb|No space left"):
+        sb.write_file("d", b"x" * (40 << 20))
+    sb.exec("rm -f a b c")
+    sb.write_file("d", b"x" * (40 << 20))  # room again once the files are gone
+
+
+def test_cpu_seconds_are_capped_without_cgroups(backend):
+    with open_sandbox(backend, job=JOB, limits=SMALL.with_(cpus=0.25)) as box:
+        if backend == "docker" or box.cgroup is not None:
+            pytest.skip("a CPU share holds here (Docker / cgroups); the seconds cap is bubblewrap's fallback")
+        # 0.25 CPUs x a 6 s call: each process may use ceil(1.5) + 1 = 3 s of CPU, then SIGXCPU (exit 152)
+        r = box.exec("python3 -c 'while True: pass'", timeout=6)
+        assert r.exit_code == 128 + signal.SIGXCPU and not r.timed_out, r
+        assert r.duration_s < 6
+
+
 def test_large_output_is_truncated_and_marked(sb):
     cap = sb.limits.output_bytes
     r = sb.exec(
