@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import random
@@ -56,6 +58,22 @@ MANIFEST = "complete.json"  # written last into a checkpoint: {file: size}; a co
 
 class CheckpointError(RuntimeError):
     """A run whose checkpoints cannot be resumed."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim). Each step's batch has other
+    shapes, so its freed CPU tensors leave holes below live blocks that free() cannot return: resident
+    memory would keep the largest step's high-water mark, and a soak could not tell it from a leak."""
+    libc = _libc()
+    return bool(libc is not None and hasattr(libc, "malloc_trim") and libc.malloc_trim(0))
 
 
 def seal_checkpoint(directory: str | Path) -> None:
@@ -191,7 +209,9 @@ class LearnerActor:
         return out
 
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        return self.trainer.train_step(trajectories)
+        metrics = self.trainer.train_step(trajectories)
+        trim_heap()
+        return metrics
 
     def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
         return self.trainer.logprobs(trajectories)

@@ -204,3 +204,26 @@ def test_resume_skips_a_torn_checkpoint_with_a_warning_and_a_save_replaces_it(tm
     with pytest.raises(CheckpointError, match=r"no checkpoint of .* is complete \(step-000003: .*step-000001: "
                                               r"trainer.json has 1 bytes.*Start a new run"):
         latest_checkpoint(tmp_path)
+
+
+def test_trim_heap_returns_freed_blocks_below_live_ones():
+    # 160 MB in 64 KiB blocks (under glibc's mmap threshold: on the heap), all freed but the last, which
+    # pins the heap's top: free() alone keeps them resident, malloc_trim gives them back
+    import psutil
+
+    from k3rl.learner.actor import _libc, trim_heap
+
+    if _libc() is None or not hasattr(_libc(), "malloc_trim"):
+        pytest.skip("not glibc")
+    me = psutil.Process()
+    trim_heap()
+    blocks = [bytearray(64 << 10) for _ in range(2560)]
+    pin = blocks.pop()
+    held = me.memory_info().rss
+    del blocks
+    kept = me.memory_info().rss
+    assert trim_heap()
+    after = me.memory_info().rss
+    assert held - kept < 40 << 20, (held, kept)  # free() alone gave little back
+    assert kept - after > 100 << 20, (kept, after)
+    del pin
