@@ -14,7 +14,7 @@
 set -uo pipefail
 R=$PWD
 : "${OUT:?OUT must name the folder the results go to}"
-BUDGET=${BUDGET:-470}
+BUDGET=${BUDGET:-520}
 JOBS=${JOBS:-small tiny}   # JOBS=small runs the k3-small job alone
 source benchmarks/device_env.sh
 (cd /tmp && python3 -c "import k3rl.job, k3rl.examples, ray, mlflow, gymnasium; print('imports ok')")
@@ -23,7 +23,8 @@ rm -rf /tmp/agent_small /tmp/agent_tiny
 pids=()
 if [[ " $JOBS " == *" small "* ]]; then
 python3 experiments/learn_gpu.py --config experiments/agent_gpu.yaml --out /tmp/agent_small --name agent-small \
-  --vary learner.seed=0 --budget-s "$BUDGET" --grace-s 40 "$@" > /tmp/small.log 2>&1 &
+  --vary learner.seed=0 --budget-s "$BUDGET" --grace-s 40 --set learner.micro_batch_tokens=32768 "$@" \
+  > /tmp/small.log 2>&1 &
 pids+=($!)
 fi
 if [[ " $JOBS " == *" tiny "* ]]; then
