@@ -235,7 +235,7 @@ class Job:
             tracker.log_artifact_file(str(run_dir / "config.yaml"))
 
         r = cfg.rollout
-        spec = EngineSpec(kind=r.engine, preset=cfg.model.preset, overrides=cfg.model.overrides,
+        spec = EngineSpec(kind=r.engine, preset=cfg.model.preset, overrides=cfg.model.k3_overrides,
                           checkpoint=cfg.model.checkpoint, dtype=cfg.model.dtype, seed=cfg.model.seed,
                           device="cuda" if r.gpus_per_inference_worker > 0 else "cpu",
                           engine_kwargs={"max_num_seqs": r.max_batch_sequences,

@@ -192,7 +192,7 @@ class Trainer:
     def from_job(cls, job, device: str | torch.device | None = None) -> Trainer:
         """Build the model of `job.model` (preset + overrides, optional HF checkpoint) and its trainer.
         The master weights are fp32 whatever `job.model.dtype` (the engines' dtype) is."""
-        model = build_model(job.model.preset, job.model.overrides, seed=job.model.seed,
+        model = build_model(job.model.preset, job.model.k3_overrides, seed=job.model.seed,
                             checkpoint=job.model.checkpoint or None)
         return cls(model, job.learner, device=device, temperature=job.rollout.sampling.policy_temperature)
 

@@ -84,6 +84,10 @@ class JobConfig(_Section):
             problems.append(("learner.expert_parallel", f"learner.expert_parallel={ep} must divide the model's "
                                                         f"num_experts={k3.num_experts}"))
         problems += self._moon_ep_problems(k3.num_experts)
+        if k3.expert_precision == "mxfp4" and ep > 1:  # the sharded expert paths run the bf16 GEMMs
+            problems.append(("learner.expert_parallel", f"learner.expert_parallel={ep} shards the routed experts, and "
+                                                        "the sharded paths have no MXFP4 yet; keep it 1 with "
+                                                        "model.expert_precision 'mxfp4'"))
         if self.model.tokenizer == "byte" and k3.vocab_size < ByteTokenizer.vocab_size:
             problems.append(("model.overrides.vocab_size", f"{k3.vocab_size} is smaller than the byte tokenizer's "
                                                            f"{ByteTokenizer.vocab_size} ids; raise it, or set "

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
-from .base import ConfigError, _format, _Section
+from .base import ConfigError, _format, _refuse, _Section
 
 
 class ModelSection(_Section):
@@ -18,6 +18,23 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     thinking: bool = Field(False, description="thinking mode of the chat template")
     seed: int = 0
+    expert_precision: Literal["bf16", "mxfp4"] = Field(
+        "bf16", description="the routed experts' GEMMs in the engines and the learner alike: 'bf16' as the weights "
+                            "are, or 'mxfp4', K3's precision recipe: MXFP4 weights (E2M1, one E8M0 scale per 32) and "
+                            "MXFP8 activations (E4M3, one E8M0 scale per 32); the learner trains its fp32 master "
+                            "weights through the quantisation with a straight-through estimator")
+
+    @field_validator("overrides")
+    @classmethod
+    def _precision_not_in_overrides(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        if "expert_precision" in overrides:
+            _refuse([("expert_precision", "set model.expert_precision instead (the engines and the learner read it)")])
+        return overrides
+
+    @property
+    def k3_overrides(self) -> dict[str, Any]:
+        """The K3Config fields this section replaces in the preset: `overrides` and `expert_precision`."""
+        return {**self.overrides, "expert_precision": self.expert_precision}
 
     def k3_config(self):
         """The K3Config this section describes (preset + overrides), validated: the one combination
@@ -26,7 +43,7 @@ class ModelSection(_Section):
         from k3rl.model.config import model_config
 
         try:
-            return model_config(self.preset, self.overrides)
+            return model_config(self.preset, self.k3_overrides)
         except ValidationError as e:
             raise ConfigError(_format(e, prefix="model.overrides")) from None
 
@@ -35,7 +52,7 @@ class ModelSection(_Section):
         from k3rl.model.config import K3Config
 
         try:
-            return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.overrides}), []
+            return K3Config.model_validate({**K3Config.preset(self.preset).model_dump(), **self.k3_overrides}), []
         except ValidationError as e:
             return None, [(f"overrides.{'.'.join(str(p) for p in err['loc'])}".rstrip("."),
                            err["msg"].removeprefix("Value error, ") if err["type"] != "extra_forbidden" else "not a K3Config field")

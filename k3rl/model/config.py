@@ -150,6 +150,9 @@ class K3Config(_Strict):
     qb_frozen: bool = True  # Quantile Balancing frozen: the RL default (§6.1)
     gradient_checkpointing: bool = False
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    # the routed experts' GEMMs: "bf16" as the weights are, or "mxfp4": K3's precision recipe (§9.8),
+    # MXFP4 weights with MXFP8 activations, both blocks of 32 along the contraction (model/mx.py)
+    expert_precision: Literal["bf16", "mxfp4"] = "bf16"
 
     @model_validator(mode="after")
     def _check(self) -> K3Config:
@@ -173,6 +176,10 @@ class K3Config(_Strict):
             raise ValueError("MoE: moe_layer_freq must be 1 (every layer after the dense ones is MoE)")
         if not 0 < self.num_experts_per_token < self.num_experts:
             raise ValueError("MoE: need 0 < num_experts_per_token < num_experts (QB uses the (k+1)-th score)")
+        if self.expert_precision == "mxfp4" and (self.routed_expert_hidden_size % 32 or self.moe_intermediate_size % 32):
+            raise ValueError("expert_precision 'mxfp4' quantises in blocks of 32: routed_expert_hidden_size "
+                             f"({self.routed_expert_hidden_size}) and moe_intermediate_size "
+                             f"({self.moe_intermediate_size}) must be multiples of 32")
         if not 0 <= self.first_k_dense_replace <= L:
             raise ValueError("first_k_dense_replace must lie in [0, num_hidden_layers]")
         if self.attn_res_block_size < 1:

@@ -92,9 +92,11 @@ def load_hf(directory: str | Path, device: str | torch.device = "cpu", dtype: to
     return build_model(config, dtype=dtype, device=device, checkpoint=directory)
 
 
-# K3Config fields that do not change the weights or what they compute: the preset's values are kept
-# whatever the checkpoint's config.json says (the release's has none of them)
-RUNTIME_FIELDS = {"qb_num_bins", "qb_frozen", "gradient_checkpointing", "kernel_backend", "max_position_embeddings",
+# K3Config fields that do not change the weights or what they compute, or that are the run's choice
+# (expert_precision: the same weights, read in MXFP4 or not): the preset's values are kept whatever the
+# checkpoint's config.json says (the release's has none of them)
+RUNTIME_FIELDS = {"qb_num_bins", "qb_frozen", "gradient_checkpointing", "kernel_backend", "expert_precision",
+                  "max_position_embeddings",
                   "linear_attn_config.chunk_size", "vision_config.vt_attention", "vision_config.in_patch_limit",
                   "vision_config.patch_limit_on_one_side", "vision_config.video_in_patch_limit"}
 
