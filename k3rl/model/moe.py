@@ -6,6 +6,12 @@
     z  = x W_down^T                          [N, l], once per token before dispatch
     u  = sum_{e in T} p_e W2_e SiTU-GLU(W1_e z, W3_e z)                (the kernels op; fp32 combine)
     y  = W_shared_down SiTU-GLU(W_sg x, W_su x)  +  W_up RMSNorm(u)
+
+Under `expert_precision: mxfp4` (K3's QAT recipe, §9.8) every routed-expert GEMM reads MXFP4 weights
+and MXFP8 activations, each in blocks of 32 along the GEMM's contraction dimension (mx.py):
+    h_e = fq8(SiTU-GLU(fq8(z) fq4(W1_e)^T, fq8(z) fq4(W3_e)^T)) fq4(W2_e)^T
+(z and W1_e, W3_e along l; the SiTU-GLU output and W2_e along f), with straight-through gradients
+to the master weights and activations. The router, shared experts and projections stay as they are.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3rl.kernels.moe import latent_experts
+from k3rl.kernels.moe import latent_experts, latent_experts_loop
 
 from .common import RMSNorm, SiTUGLUMLP, autocast_dtype, fp32_island, matmul_input
 from .config import K3Config
+from .mx import fake_mxfp4, fake_mxfp8
 from .quantile_balance import QuantileBalancer
 
 
@@ -87,13 +94,20 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, lat, f))
         self.beta_gate, self.beta_up = config.activation_situ_beta, config.activation_situ_linear_beta
         self.backend = config.kernel_backend
+        self.precision = config.expert_precision
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The learner's forward and the engine's (prefill and decode) under both precisions."""
         w1, w3, w2 = self.w1, self.w3, self.w2
+        if self.precision == "mxfp4":  # quantise the master weights before any cast (MXFP4 is exact in bf16)
+            w1, w3, w2 = fake_mxfp4(w1), fake_mxfp4(w3), fake_mxfp4(w2)
         if (dt := autocast_dtype(z)) is not None:  # the op is not an autocast op: cast like one
             z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
         elif z.dtype != w1.dtype:
             z = z.to(w1.dtype)
+        if self.precision == "mxfp4":  # the reference path (plain PyTorch, any device): MXFP8 z and SiTU-GLU output
+            return latent_experts_loop(fake_mxfp8(z), idx, p, w1, w3, w2, self.beta_gate, self.beta_up,
+                                       act_quant=fake_mxfp8)
         return latent_experts(z, idx, p, w1, w3, w2, self.beta_gate, self.beta_up, backend=self.backend)
 
 

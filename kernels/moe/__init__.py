@@ -107,8 +107,9 @@ def route_combine(Y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, dtype: to
     return route_combine_reference(Y, pos, w, dtype)
 
 
-def latent_experts_loop(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=25.0):
-    """Reference: for every expert with tokens, ``h = w2 @ situ_glu(w1 z, w3 z)``, then combine."""
+def latent_experts_loop(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, beta_up=25.0, act_quant=None):
+    """Reference: for every expert with tokens, ``h = w2 @ situ_glu(w1 z, w3 z)``, then combine.
+    ``act_quant`` (optional) maps the SiTU-GLU output before the down GEMM (MXFP8 activations, k3rl/model/mx.py)."""
     N = z.shape[0]
     E = w1.shape[0]
     order, token_of_route, counts = permute_by_expert(topk_idx, E)
@@ -120,7 +121,7 @@ def latent_experts_loop(z, topk_idx, topk_weight, w1, w3, w2, beta_gate=4.0, bet
             continue
         xe = x[start : start + c]
         h = situ_glu(xe @ w1[e].T, xe @ w3[e].T, beta_gate, beta_up, backend="torch")
-        ys.append(h @ w2[e].T)
+        ys.append((h if act_quant is None else act_quant(h)) @ w2[e].T)
         start += c
     y = torch.cat(ys) if ys else z.new_zeros(0, z.shape[1])
     return combine(y, order, token_of_route, topk_weight, N, z.dtype)
