@@ -23,7 +23,7 @@ def weight_update(trainer, version: int, dtype: torch.dtype | None, bucket_bytes
         state = trainer.full_state_dict()
     if trainer.model_config is not None and getattr(trainer.model_config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    hf = to_hf(state, experts=experts or getattr(trainer.model, "routed_experts_format", "dense"))
+    hf = to_hf(state, experts=experts or default_expert_format(trainer))
     if dtype is not None:
         hf = {
             k: (v.to(dtype) if v.is_floating_point() and not k.endswith(FP32_PARAM_SUFFIXES) else v)
@@ -31,6 +31,16 @@ def weight_update(trainer, version: int, dtype: torch.dtype | None, bucket_bytes
         }
     hf = {k: (v.detach().cpu() if to_cpu else v.detach()).contiguous() for k, v in hf.items()}
     return WeightUpdate.from_state_dict(version, hf, bucket_bytes=bucket_bytes)
+
+
+def default_expert_format(trainer) -> str:
+    """How a weight sync sends the routed experts by default: "mxfp4" when the model computes with
+    MXFP4 experts (`expert_precision: mxfp4`; the engines then hold exactly the values the learner's
+    forward quantises to, never a bf16 rounding of the masters rounded again, in 4.25 bits a value),
+    else as the model's weights came (`model.routed_experts_format`, "mxfp4" from the release)."""
+    if getattr(trainer.model_config, "expert_precision", "bf16") == "mxfp4":
+        return "mxfp4"
+    return getattr(trainer.model, "routed_experts_format", "dense")
 
 
 def _adapters_update(trainer, version: int, bucket_bytes: int, to_cpu: bool) -> WeightUpdate:

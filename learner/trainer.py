@@ -519,9 +519,10 @@ class Trainer:
         `dtype` casts floating tensors except the fp32 allow-list (docs/model.md §1.5). `experts`:
         "mxfp4" sends the routed experts quantised as the release stores them (weight_packed +
         weight_scale, 4.25 bits a value), "dense" as the model holds them (cast to `dtype`); by
-        default, as the model's weights came (`model.routed_experts_format`: "mxfp4" when the
-        learner and the engines started from the release), so the engines keep holding what they
-        started with. `to_cpu=False` keeps the tensors where the model is (for a GPU-to-GPU broadcast
+        default "mxfp4" under `model.expert_precision: mxfp4` (the values the learner's forward
+        quantises its master weights to), else as the model's weights came (`model.routed_experts_format`:
+        "mxfp4" when the learner and the engines started from the release), so the engines keep holding
+        what they started with. `to_cpu=False` keeps the tensors where the model is (for a GPU-to-GPU broadcast
         or CUDA IPC). Under FSDP this is collective: call it on every rank (each gets the same update).
         With LoRA: `sync: merged` sends W + (alpha / r) B A for every weight, `sync: adapters` only the
         adapters (learner/export.py; `dtype` and `experts` do not apply)."""

@@ -16,6 +16,7 @@ from k3rl.model import K3Config, K3ForCausalLM, build_model, mx
 from k3rl.model.moe import RoutedExperts
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.engine.decode import _routed_experts
+from k3rl.rollout.engine.weights import VersionedWeights
 from k3rl.types import SamplingParams, Trajectory
 
 
@@ -141,3 +142,23 @@ def test_the_engine_and_the_learner_compute_the_same_model_under_mxfp4():
     assert d.median() < 2e-6 and (d > 1e-4).float().mean() < 0.05 and d.max() < 2e-3
     assert diff(plain).median() > 100 * d.median()
 
+
+def test_the_weight_sync_sends_mxfp4_experts_under_mxfp4_precision():
+    """The default weight update of an mxfp4 learner carries the routed experts as the release stores them
+    (weight_packed + weight_scale); a bf16 engine that applies it holds exactly the values the learner's
+    forward quantises its fp32 master weights to. A bf16 learner keeps sending them dense."""
+    cfg = JobConfig.load(None, ["model.expert_precision=mxfp4", "learner.steps=1"])
+    trainer = Trainer.from_job(cfg)
+    update = trainer.export_weights(1, dtype=torch.bfloat16)  # the engines' dtype in a GPU job
+    sent = update.state_dict()
+    experts = [n for n in sent if ".experts." in n]
+    assert experts and all(n.endswith((".weight_packed", ".weight_scale")) for n in experts)
+    assert all(sent[n].dtype == torch.uint8 for n in experts)
+    engine = build_model(cfg.model.preset, cfg.model.k3_overrides, dtype="bfloat16", seed=1)
+    VersionedWeights(engine).apply(update)
+    for theirs, ours in zip(engine.model.layers[1:], trainer.model.model.layers[1:], strict=True):
+        for name in ("w1", "w2", "w3"):
+            held, master = getattr(theirs.mlp.experts, name), getattr(ours.mlp.experts, name).detach()
+            assert held.dtype == torch.bfloat16 and torch.equal(held.float(), mx.fake_mxfp4(master))
+    dense = Trainer.from_job(JobConfig.load(None, ["learner.steps=1"])).export_weights(1).state_dict()
+    assert all(n.endswith(".weight") for n in dense if ".experts." in n)
