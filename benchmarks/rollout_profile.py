@@ -84,8 +84,12 @@ def main() -> None:
     ap.add_argument("--prefill-trace", action="store_true",
                     help="after the rounds, one prefill forward (a 91-token prompt, a fresh cache) traced: its host "
                          "waits by source line, and its launches and host-to-device copies under torch.profiler")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run, seconds (Python's default: 0.005)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     from k3rl.rollout.engine import EmbeddedEngine
     from k3rl.rollout.episode import EpisodeSpec, job_sampling, make_env, make_template, run_episode
