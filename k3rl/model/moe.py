@@ -24,6 +24,7 @@ from torch import nn
 
 from k3rl.kernels.moe import latent_experts, latent_experts_loop
 
+from . import mxfp4
 from .common import RMSNorm, SiTUGLUMLP, autocast_dtype, fp32_island, matmul_input
 from .config import K3Config
 from .mx import fake_mxfp4, fake_mxfp8
@@ -83,8 +84,11 @@ class RoutedExperts(nn.Module):
     """`mlp.experts`: E SiTU-GLU experts in the latent width, stored stacked.
 
     w1 (gate), w3 (up) [E, f, l]; w2 (down) [E, l, f]. The checkpoint adapter splits them
-    into the official per-expert `experts.{e}.w{1,2,3}.weight` tensors.
+    into the official per-expert `experts.{e}.w{1,2,3}.weight` tensors. An engine under
+    expert_precision mxfp4 holds them as MXFP4 bytes instead (`hold_mxfp4_`).
     """
+
+    NAMES = ("w1", "w3", "w2")
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -95,11 +99,44 @@ class RoutedExperts(nn.Module):
         self.beta_gate, self.beta_up = config.activation_situ_beta, config.activation_situ_linear_beta
         self.backend = config.kernel_backend
         self.precision = config.expert_precision
+        self.held_dtype: torch.dtype | None = None  # set by hold_mxfp4_: the dtype the held values are read in
+
+    @torch.no_grad()
+    def hold_mxfp4_(self, read_dtype: torch.dtype | None = None) -> None:
+        """An engine's storage under expert_precision mxfp4: each matrix w as MXFP4 bytes, buffers `{w}_packed`
+        [E, rows, n/2] and `{w}_scale` [E, rows, n/32] (4.25 bits a value, mxfp4.py), in place of the dense
+        parameter; the forward reads their values in `read_dtype` (default: the parameter's), `dense_weight`
+        and `store_` read and write them."""
+        if self.precision != "mxfp4":
+            raise ValueError(f"routed experts hold MXFP4 bytes under expert_precision 'mxfp4', not {self.precision!r}")
+        self.held_dtype = read_dtype or self.w1.dtype
+        for name in self.NAMES:
+            packed, scale = mxfp4.quantize(getattr(self, name))
+            delattr(self, name)
+            self.register_buffer(f"{name}_packed", packed)
+            self.register_buffer(f"{name}_scale", scale)
+
+    def dense_weight(self, name: str, values: bool = True) -> torch.Tensor:
+        """w1, w3 or w2 as a dense tensor: the parameter, or the values of the held MXFP4 bytes (exact;
+        with values=False an empty meta tensor of their shape and dtype)."""
+        if self.held_dtype is None:
+            return getattr(self, name)
+        packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        if not values:
+            return torch.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=self.held_dtype, device="meta")
+        return mxfp4.dequantize(packed, scale, self.held_dtype)
+
+    @torch.no_grad()
+    def store_(self, name: str, value: torch.Tensor) -> None:
+        """Write a dense [E, rows, n] value into the held MXFP4 bytes of w1, w3 or w2 (quantised)."""
+        packed, scale = mxfp4.quantize(value)
+        getattr(self, f"{name}_packed").copy_(packed)
+        getattr(self, f"{name}_scale").copy_(scale)
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The learner's forward and the engine's (prefill and decode) under both precisions."""
-        w1, w3, w2 = self.w1, self.w3, self.w2
-        if self.precision == "mxfp4":  # quantise the master weights before any cast (MXFP4 is exact in bf16)
+        w1, w3, w2 = (self.dense_weight(name) for name in self.NAMES)
+        if self.precision == "mxfp4" and self.held_dtype is None:  # the masters, before any cast (MXFP4 is exact in bf16)
             w1, w3, w2 = fake_mxfp4(w1), fake_mxfp4(w3), fake_mxfp4(w2)
         if (dt := autocast_dtype(z)) is not None:  # the op is not an autocast op: cast like one
             z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)

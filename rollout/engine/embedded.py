@@ -27,6 +27,8 @@ from collections import deque
 import torch
 
 from k3rl.model import build_model, preprocess_media
+from k3rl.model.factory import as_dtype, model_config
+from k3rl.model.moe import RoutedExperts
 from k3rl.tokenizer import ByteTokenizer
 from k3rl.types import SamplingParams, WeightUpdate
 
@@ -159,8 +161,19 @@ class EmbeddedEngine(InferenceEngine):
                     checkpoint: str | None = None, overrides: dict | None = None, **kw) -> EmbeddedEngine:
         """An engine on `build_model(preset, overrides, ...)`: the learner's architecture and seeded
         init, or the weights of an HF-layout `checkpoint` directory (the release, its MXFP4 experts
-        dequantised to `dtype`, or what `save_hf` wrote)."""
-        return cls(build_model(preset, overrides, dtype=dtype, device=device, seed=seed, checkpoint=checkpoint), **kw)
+        dequantised to `dtype`, or what `save_hf` wrote). Under expert_precision mxfp4 the engine holds its
+        routed experts as MXFP4 bytes (`RoutedExperts.hold_mxfp4_`), as a weight sync sends them."""
+        held = model_config(preset, overrides).expert_precision == "mxfp4"
+        # held experts are quantised from the fp32 init, as the learner's masters are (version 0 agrees)
+        first = "float32" if held and checkpoint is None else dtype
+        model = build_model(preset, overrides, dtype=first, device=device, seed=seed, checkpoint=checkpoint)
+        if held:
+            for module in model.modules():
+                if isinstance(module, RoutedExperts):
+                    module.hold_mxfp4_(read_dtype=as_dtype(dtype))
+        if first != dtype:
+            model.to_param_dtype(as_dtype(dtype))
+        return cls(model, **kw)
 
     # ----- contract ----------------------------------------------------------------------------
     @property

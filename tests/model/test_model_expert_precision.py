@@ -16,8 +16,7 @@ from k3rl.model import K3Config, K3ForCausalLM, build_model, mx
 from k3rl.model.moe import RoutedExperts
 from k3rl.rollout.engine import EmbeddedEngine
 from k3rl.rollout.engine.decode import _routed_experts
-from k3rl.rollout.engine.weights import VersionedWeights
-from k3rl.types import SamplingParams, Trajectory
+from k3rl.types import SamplingParams, Trajectory, WeightUpdate
 
 
 def _refusal(*overrides: str) -> str:
@@ -143,10 +142,11 @@ def test_the_engine_and_the_learner_compute_the_same_model_under_mxfp4():
     assert diff(plain).median() > 100 * d.median()
 
 
-def test_the_weight_sync_sends_mxfp4_experts_under_mxfp4_precision():
+def test_the_weight_sync_sends_mxfp4_experts_and_the_engine_holds_them_as_mxfp4():
     """The default weight update of an mxfp4 learner carries the routed experts as the release stores them
-    (weight_packed + weight_scale); a bf16 engine that applies it holds exactly the values the learner's
-    forward quantises its fp32 master weights to. A bf16 learner keeps sending them dense."""
+    (weight_packed + weight_scale); an engine under mxfp4 holds them as those bytes (no dense expert weights)
+    and its values are exactly those the learner's forward quantises its fp32 master weights to, in a bf16
+    engine too; a partial update changes only the experts it carries. A bf16 learner sends them dense."""
     cfg = JobConfig.load(None, ["model.expert_precision=mxfp4", "learner.steps=1"])
     trainer = Trainer.from_job(cfg)
     update = trainer.export_weights(1, dtype=torch.bfloat16)  # the engines' dtype in a GPU job
@@ -154,11 +154,36 @@ def test_the_weight_sync_sends_mxfp4_experts_under_mxfp4_precision():
     experts = [n for n in sent if ".experts." in n]
     assert experts and all(n.endswith((".weight_packed", ".weight_scale")) for n in experts)
     assert all(sent[n].dtype == torch.uint8 for n in experts)
-    engine = build_model(cfg.model.preset, cfg.model.k3_overrides, dtype="bfloat16", seed=1)
-    VersionedWeights(engine).apply(update)
-    for theirs, ours in zip(engine.model.layers[1:], trainer.model.model.layers[1:], strict=True):
-        for name in ("w1", "w2", "w3"):
-            held, master = getattr(theirs.mlp.experts, name), getattr(ours.mlp.experts, name).detach()
-            assert held.dtype == torch.bfloat16 and torch.equal(held.float(), mx.fake_mxfp4(master))
+    def same_experts(engine) -> bool:
+        for theirs, ours in zip(engine.model.model.layers[1:], trainer.model.model.layers[1:], strict=True):
+            for name in ("w1", "w2", "w3"):
+                value, master = theirs.mlp.experts.dense_weight(name), getattr(ours.mlp.experts, name).detach()
+                assert value.dtype == torch.bfloat16
+                if not torch.equal(value.float(), mx.fake_mxfp4(master)):
+                    return False
+        return True
+
+    # version 0: the same seeded init, its experts quantised from fp32 as the learner's masters are
+    with EmbeddedEngine.from_preset(cfg.model.preset, overrides=cfg.model.k3_overrides, dtype="bfloat16",
+                                    seed=cfg.model.seed, max_num_seqs=2) as engine:
+        assert same_experts(engine)
+    with EmbeddedEngine.from_preset(cfg.model.preset, overrides=cfg.model.k3_overrides, dtype="bfloat16", seed=1,
+                                    max_num_seqs=2) as engine:
+        names = dict(engine.model.named_parameters())
+        assert not [n for n in names if ".experts." in n]  # no dense expert weights in the engine
+        held = engine.model.model.layers[1].mlp.experts
+        assert held.w1_packed.dtype == torch.uint8 and held.w1_packed.shape == (8, 64, 32)
+        assert not same_experts(engine)
+        engine.update_weights(update)
+        assert same_experts(engine)
+        # a partial update: expert 3 of layer 1's w1 only, its scales one up (every value doubled)
+        before = held.dense_weight("w1").clone()
+        prefix = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
+        bump = {f"{prefix}.weight_packed": sent[f"{prefix}.weight_packed"],
+                f"{prefix}.weight_scale": sent[f"{prefix}.weight_scale"] + 1}
+        engine.update_weights(WeightUpdate.from_state_dict(2, bump, full=False))
+        after = held.dense_weight("w1")
+        assert torch.equal(after[3], 2 * before[3]) and torch.equal(after[:3], before[:3])
+        assert torch.equal(after[4:], before[4:])
     dense = Trainer.from_job(JobConfig.load(None, ["learner.steps=1"])).export_weights(1).state_dict()
     assert all(n.endswith(".weight") for n in dense if ".experts." in n)
