@@ -135,7 +135,12 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The learner's forward and the engine's (prefill and decode) under both precisions."""
-        w1, w3, w2 = (self.dense_weight(name) for name in self.NAMES)
+        if self.held_dtype is not None:  # held MXFP4 bytes: the values of the experts this batch routes to only
+            used, idx = torch.unique(idx, return_inverse=True)  # sorted: the experts run in the same order
+            w1, w3, w2 = (mxfp4.dequantize(getattr(self, f"{n}_packed")[used], getattr(self, f"{n}_scale")[used],
+                                           self.held_dtype) for n in self.NAMES)
+        else:
+            w1, w3, w2 = self.w1, self.w3, self.w2
         if self.precision == "mxfp4" and self.held_dtype is None:  # the masters, before any cast (MXFP4 is exact in bf16)
             w1, w3, w2 = fake_mxfp4(w1), fake_mxfp4(w3), fake_mxfp4(w2)
         if (dt := autocast_dtype(z)) is not None:  # the op is not an autocast op: cast like one

@@ -115,9 +115,11 @@ def test_the_engine_and_the_learner_compute_the_same_model_under_mxfp4():
         engine.update_weights(trainer.export_weights(1, experts="mxfp4"))
         engine_moe = [layer.mlp.experts for layer in engine.model.model.layers if layer.is_moe]
         _, z, idx, p = _routed(trainer.model.config)
+        few = torch.tensor([[1, 5], [6, 1], [5, 6], [6, 5], [1, 6], [5, 1], [1, 5]])  # the engine reads 3 experts
         with torch.no_grad():
             for theirs, ours in zip(engine_moe, learner_moe, strict=True):
                 assert torch.equal(_routed_experts(theirs, z, idx, p), ours(z, idx, p))
+                assert torch.equal(_routed_experts(theirs, z, few, p), ours(z, few, p))
         for s in range(3):
             prompt = list(range(40 + s, 72 + s))
             r = engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=48, seed=s))
