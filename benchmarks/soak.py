@@ -11,7 +11,8 @@ of step `--kill-after` and a few more steps the driver gets SIGKILL; `k3rl sandb
 * the bytes in Ray's object store (the raylet's store stats, through the cluster's GCS; no driver attaches).
 
 It reports, per job segment (before the kill, after the resume), each role's RSS growth from the warm-up
-window (the `--warmup` steps after the segment's first) to its last `--window` steps; the step time's trend
+window (the `--warmup` steps after the segment's first) to its last `--window` steps, floor to floor (the
+lowest sample of each window: what a process holds between steps), and its peak; the step time's trend
 (a least-squares slope over the steps after warm-up, as a share of the median step per 100 steps); the object
 store's growth; and the store: every trained episode stored once, each step trained on P whole groups.
 
@@ -130,12 +131,14 @@ def step_times(uri: str, run_name: str) -> list[dict]:
 
 
 def growth(samples: list[dict], key, start: float, end: float, last_from: float) -> float | None:
-    """mean over the samples from `last_from` on / mean over [start, end) - 1."""
+    """min over the samples from `last_from` on / min over [start, end) - 1: the floor, what a process holds
+    between its steps. A leak raises the floor; a step's transient peak (the learner's activations, freed and,
+    since the learner trims its heap after each step, given back) does not, and the samples catch it at random."""
     early = [v for s in samples if start <= s["t"] < end and (v := key(s)) is not None]
     late = [v for s in samples if s["t"] >= last_from and (v := key(s)) is not None]
     if not early or not late:
         return None
-    return statistics.mean(late) / max(statistics.mean(early), 1.0) - 1
+    return min(late) / max(min(early), 1.0) - 1
 
 
 def trend_per_100(steps: list[dict]) -> float:
@@ -159,8 +162,9 @@ def analyse(samples: list[dict], steps: list[dict], kill_step: int, warmup: int,
         out["segments"].append({
             "steps": [seg[0]["step"], seg[-1]["step"]],
             "rss_growth": {r: growth(mine, lambda s, r=r: s["rss"].get(r), start, end, last_from) for r in roles},
-            "rss_mb_end": {r: statistics.mean(s["rss"][r] for s in mine if s["t"] >= last_from and r in s["rss"]) / 2**20
+            "rss_mb_end": {r: min(s["rss"][r] for s in mine if s["t"] >= last_from and r in s["rss"]) / 2**20
                            for r in roles if any(s["t"] >= last_from and r in s["rss"] for s in mine)},
+            "rss_mb_peak": {r: max(s["rss"].get(r) or 0 for s in mine) / 2**20 for r in roles},
             "object_store_growth": growth(mine, lambda s: s["object_store"], start, end, last_from),
             "object_store_mb_end": max((s["object_store"] or 0 for s in mine if s["t"] >= last_from), default=0) / 2**20,
             "step_trend_per_100": trend_per_100(seg[warmup:]),
