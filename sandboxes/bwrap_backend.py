@@ -9,8 +9,9 @@ capabilities. As with Docker, files, /tmp and background processes persist acros
 an exec costs no process start on the host. When the host is root, bwrap runs
 as `nobody` on the host (via setpriv), so the sandbox has no host privileges at all.
 Without writable cgroups the limits fall back to rlimits (prlimit: address space, process
-count; each process of a call gets `cpus x timeout` CPU seconds instead of a CPU share), and
-`oom_killed` can no longer be observed (an allocation fails instead).
+count; each process of a call gets `cpus x timeout` CPU seconds instead of a CPU share), and the
+host watches the sandbox's resident memory during each call (`memory_watch`): past `memory_mb` the
+call's processes are killed and the result says `oom_killed`, as under a cgroup.
 Disk: /tmp is a tmpfs capped at `tmp_mb`, as Docker's. /work stays a host folder, so its files
 outlive the agent's processes; no file may grow past `workdir_mb` (RLIMIT_FSIZE), and after each
 call a /work over `workdir_mb` loses its newest files until it fits, which the call's stderr says.
@@ -18,6 +19,7 @@ call a /work over `workdir_mb` loses its newest files until it fits, which the c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -38,6 +40,7 @@ from .base import AGENT_ARGV, Sandbox, agent_preamble, log
 from .cgroups import SandboxCgroup
 from .docker_backend import SANDBOX_ENV
 from .image import SANDBOX_UID, TMP_SEED_DIR, rootfs_dir
+from .memory_watch import MemoryWatch
 from .paths import WORK_DIR
 from .seccomp import filter_program
 from .types import (
@@ -226,7 +229,14 @@ class BwrapSandbox(Sandbox):
     # RLIMIT_FSIZE, and the whole folder after each call, when the newest files go until it fits (Docker's
     # tmpfs would have refused their writes: ENOSPC)
     def exec(self, cmd, timeout=None, stdin=None, env=None, workdir=None) -> ExecResult:
-        result = super().exec(cmd, timeout=timeout, stdin=stdin, env=env, workdir=workdir)
+        if self.cgroup is None and self.host_pid is None:
+            self._start_agent()  # the watch below needs the sandbox's processes to exist
+        watch = (MemoryWatch(self.host_pid, self.limits.memory_mb << 20) if self.cgroup is None and self.host_pid
+                 else contextlib.nullcontext())
+        with watch:
+            result = super().exec(cmd, timeout=timeout, stdin=stdin, env=env, workdir=workdir)
+        if isinstance(watch, MemoryWatch) and watch.killed:  # the sandbox's memory, not one process's
+            result = replace(result, oom_killed=True)
         full = self._enforce_workdir_quota()
         if full:
             result = replace(result, exit_code=result.exit_code or 1, stderr=result.stderr + full)

@@ -162,10 +162,21 @@ def test_memory_bomb_is_oom_killed(backend):
     with open_sandbox(backend, job=JOB, limits=SMALL.with_(memory_mb=128)) as box:
         if backend == "bwrap" and box.cgroup is None:
             pytest.skip(
-                "no writable cgroups on this host: bwrap limits memory by rlimit, OOM kills are not observable"
+                "no writable cgroups on this host: one process past memory_mb fails its allocation (RLIMIT_AS) "
+                "before anything is killed; the sandbox-wide kill: test_memory_is_capped_for_the_whole_sandbox"
             )
         r = box.exec("python3 -c 'x = \"x\" * (1 << 30); print(len(x))'", timeout=30)
         assert r.oom_killed and r.exit_code == 137 and not r.timed_out
+        assert box.exec("echo still here").stdout == "still here\n"
+
+
+def test_memory_is_capped_for_the_whole_sandbox(backend):
+    # three processes of 60 MB each, each under the limit, together over it: Docker's and bubblewrap's cgroup
+    # OOM killer, or without cgroups the host's watch over the sandbox's resident memory, ends the call
+    with open_sandbox(backend, job=JOB, limits=SMALL.with_(memory_mb=128)) as box:
+        r = box.exec("for i in 1 2 3; do python3 -c 'import time; x = b\"x\" * (60 << 20); time.sleep(3)' & done; "
+                     "wait", timeout=15)
+        assert r.oom_killed and not r.timed_out, r
         assert box.exec("echo still here").stdout == "still here\n"
 
 
