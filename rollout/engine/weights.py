@@ -8,7 +8,7 @@ import torch
 
 from k3rl.model.lora import is_adapter_update, lora_targets, merge_adapters
 from k3rl.model.moe import RoutedExperts
-from k3rl.model.state_dict_adapter import from_hf, to_hf
+from k3rl.model.state_dict_adapter import from_hf, resolve, to_hf
 from k3rl.types import WeightUpdate
 
 
@@ -30,14 +30,15 @@ class VersionedWeights:
         merged = self._merge_lora_adapters(update)
         new_base, update = merged is update and update.full, merged
         held = held_experts(self.model)
-        # experts held as MXFP4 bytes are matched as their dense weights: their values when a partial
-        # update may leave some of them as they are, else only their shape and dtype
-        expected = {**self.model.state_dict(),
-                    **{key: m.dense_weight(w, values=not update.full) for key, (m, w) in held.items()}}
+        # MXFP4 experts into experts held as MXFP4 bytes: copied as they come; any other update of those is
+        # matched as their dense weights (their values when a partial update keeps some, else shape and dtype)
+        hf, byte_rows, filled = _held_bytes(update.state_dict(), held, update.version, update.full)
+        expected = {**self.model.state_dict(), **{key: m.dense_weight(w, values=not update.full)
+                                                  for key, (m, w) in held.items() if key not in filled}}
         # a partial update may carry some experts of a layer (the others keep their values); a
         # full one must carry all of them, so nothing is filled in and the gaps are reported.
         # Experts come as `.weight` or as MXFP4 `.weight_packed` + `.weight_scale` (dequantised here)
-        state, unexpected = from_hf(update.state_dict(), expected, fill_missing_experts=not update.full)
+        state, unexpected = from_hf(hf, expected, fill_missing_experts=not update.full)
         if unexpected:
             raise ValueError(f"weight update v{update.version} has {len(unexpected)} names the model does not have, "
                              f"e.g. {unexpected[:3]}; send official HF names (state_dict_adapter.to_hf)")
@@ -51,10 +52,12 @@ class VersionedWeights:
                 raise ValueError(f"weight update v{update.version} is marked full but lacks {len(missing)} tensors, "
                                  f"e.g. {missing[:3]}; send them or set full=False")
         # validated: now copy everything (nothing runs in between, so the switch is atomic)
+        for row, t in byte_rows:
+            row.copy_(t)
         for name, t in state.items():
             if name in held:
                 module, w = held[name]
-                module.store_(w, t.to(module.held_dtype))  # MXFP4 values come back to the same values
+                module.store_(w, t)  # quantised as it came (MXFP4 values come back to themselves)
             else:
                 expected[name].copy_(t.to(device=expected[name].device, dtype=expected[name].dtype))
         self.version = update.version
@@ -76,6 +79,33 @@ class VersionedWeights:
             self.lora_base = {n: weights[n].clone() for n in lora_targets(adapters) if n in weights}
         merged = merge_adapters(self.lora_base, adapters)
         return WeightUpdate.from_state_dict(update.version, merged, full=False, transport=update.transport)
+
+
+def _held_bytes(hf: dict[str, torch.Tensor], held: dict, version: int, full: bool):
+    """Split off the update's MXFP4 pieces (`weight_packed`, `weight_scale`) of expert matrices the engine
+    holds as MXFP4 bytes, checked: (the rest of the update, [(buffer row, bytes to copy into it)], the held
+    keys they fill). Every expert they name must come whole, and under a full update every expert."""
+    rest, rows, got = {}, [], {}
+    for name, t in hf.items():
+        target = resolve(name)
+        if target is None or target.key not in held or target.part == "weight":
+            rest[name] = t
+            continue
+        module, w = held[target.key]
+        buf = getattr(module, f"{w}_{target.part.removeprefix('weight_')}")
+        if target.expert >= buf.shape[0] or tuple(t.shape) != tuple(buf.shape[1:]) or t.dtype != torch.uint8:
+            raise ValueError(f"weight update v{version}: {name} is {t.dtype} {tuple(t.shape)}; the engine holds "
+                             f"{target.part} as uint8 {tuple(buf.shape[1:])} for each of {buf.shape[0]} experts")
+        rows.append((buf[target.expert], t))
+        got.setdefault(target.key, set()).add((target.expert, target.part))
+    for key, parts in got.items():
+        experts = range(held[key][0].w1_packed.shape[0]) if full else {e for e, _ in parts}
+        lacking = sorted({(e, p) for e in experts for p in ("weight_packed", "weight_scale")} - parts)
+        if lacking:
+            raise ValueError(f"weight update v{version} lacks {len(lacking)} MXFP4 pieces of {key}, e.g. "
+                             f"(expert, part) {lacking[:3]}; send weight_packed and weight_scale of "
+                             f"{'every expert' if full else 'each expert it carries'}")
+    return rest, rows, set(got)
 
 
 def held_experts(model) -> dict[str, tuple[RoutedExperts, str]]:

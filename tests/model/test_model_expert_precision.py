@@ -178,15 +178,23 @@ def test_the_weight_sync_sends_mxfp4_experts_and_the_engine_holds_them_as_mxfp4(
         assert not same_experts(engine)
         engine.update_weights(update)
         assert same_experts(engine)
+        prefix = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
+        assert torch.equal(held.w1_packed[3], sent[f"{prefix}.weight_packed"])  # the bytes, copied as they came
+        assert torch.equal(held.w1_scale[3], sent[f"{prefix}.weight_scale"])
         # a partial update: expert 3 of layer 1's w1 only, its scales one up (every value doubled)
         before = held.dense_weight("w1").clone()
-        prefix = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
         bump = {f"{prefix}.weight_packed": sent[f"{prefix}.weight_packed"],
                 f"{prefix}.weight_scale": sent[f"{prefix}.weight_scale"] + 1}
         engine.update_weights(WeightUpdate.from_state_dict(2, bump, full=False))
         after = held.dense_weight("w1")
         assert torch.equal(after[3], 2 * before[3]) and torch.equal(after[:3], before[:3])
         assert torch.equal(after[4:], before[4:])
+        with pytest.raises(ValueError, match=r"lacks 1 MXFP4 pieces of model.layers.1.mlp.experts.w1"):
+            only_codes = {f"{prefix}.weight_packed": bump[f"{prefix}.weight_packed"]}
+            engine.update_weights(WeightUpdate.from_state_dict(3, only_codes, full=False))
+        # dense fp32 experts (a sync with experts="dense") are stored quantised: the same values again
+        engine.update_weights(trainer.export_weights(3, experts="dense"))
+        assert same_experts(engine)
     dense = Trainer.from_job(JobConfig.load(None, ["learner.steps=1"])).export_weights(1).state_dict()
     assert all(n.endswith(".weight") for n in dense if ".experts." in n)
 
