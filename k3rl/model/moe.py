@@ -135,14 +135,14 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The learner's forward and the engine's (prefill and decode) under both precisions."""
-        if self.held_dtype is not None:  # held MXFP4 bytes: the values of the experts this batch routes to only
+        if self.held_dtype is not None:  # an engine's MXFP4 bytes: the values of the experts this batch uses
             used, idx = torch.unique(idx, return_inverse=True)  # sorted: the experts run in the same order
             w1, w3, w2 = (mxfp4.dequantize(getattr(self, f"{n}_packed")[used], getattr(self, f"{n}_scale")[used],
                                            self.held_dtype) for n in self.NAMES)
+        elif self.precision == "mxfp4":  # the learner's masters, quantised before any cast (MXFP4 is exact in bf16)
+            w1, w3, w2 = fake_mxfp4(self.w1), fake_mxfp4(self.w3), fake_mxfp4(self.w2)
         else:
             w1, w3, w2 = self.w1, self.w3, self.w2
-        if self.precision == "mxfp4" and self.held_dtype is None:  # the masters, before any cast (MXFP4 is exact in bf16)
-            w1, w3, w2 = fake_mxfp4(w1), fake_mxfp4(w3), fake_mxfp4(w2)
         if (dt := autocast_dtype(z)) is not None:  # the op is not an autocast op: cast like one
             z, w1, w3, w2 = z.to(dt), w1.to(dt), w3.to(dt), w2.to(dt)
         elif z.dtype != w1.dtype:
