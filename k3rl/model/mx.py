@@ -12,7 +12,9 @@ contraction (last) dimension shares one E8M0 scale; each value is an FP8 E4M3 el
     value  element = x / 2^X rounded to the nearest E4M3 value, ties to the even mantissa, saturating
            to +-448 (so amax / 2^X in [256, 512) lands at 256..448)
 
-Dequantising is exact in fp32 and bf16, and quantising dequantised values gives the same bytes back.
+Dequantising is exact in fp32, and in bf16 for scale bytes >= 3 (X >= -124: an element's last bit,
+2^(X-9), stays above 2^-133, where bf16's subnormals end); quantising dequantised values gives the
+same bytes back.
 
 `fake_mxfp8` / `fake_mxfp4` are what the routed experts run on under `expert_precision: mxfp4`
 (moe.py), in the learner and in the engine alike: the quantised values in the forward and, in the

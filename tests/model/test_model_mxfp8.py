@@ -107,6 +107,11 @@ def test_round_trip_error_bound_and_idempotence():
     assert torch.equal(again[0].view(torch.uint8), elements.view(torch.uint8)) and torch.equal(again[1], scale)
     assert torch.equal(mx.mxfp8_dequantize(elements, scale, torch.bfloat16).float(), back)
     assert torch.equal(_round_trip(back.bfloat16()), back)
+    # bf16 holds every element down to a scale byte of 3 (3 * 2^-9 * 2^-124 needs bf16's last subnormals)
+    e = torch.full((1, 32), 3 * 2.0**-9).to(torch.float8_e4m3fn)
+    for byte, exact in ((3, True), (2, False)):
+        s = torch.tensor([[byte]], dtype=torch.uint8)
+        assert torch.equal(mx.mxfp8_dequantize(e, s, torch.bfloat16).float(), mx.mxfp8_dequantize(e, s, torch.float32)) == exact
 
 
 def test_fake_quantisation_keeps_dtype_and_passes_gradients_straight_through():
