@@ -311,6 +311,29 @@ def envs_check(env_id: Annotated[str, typer.Argument(metavar="ENV_ID", help="e.g
     raise typer.Exit(check_env_command(env_id, seed=seed, console=console))
 
 
+@app.command()
+def plan(
+    preset: Annotated[str, typer.Option(help="model preset: k3, k3-small, k3-tiny")] = "k3",
+    gpu: Annotated[str, typer.Option(help="GPU kind: h100, h200, b200")] = "h200",
+    gpus: Annotated[int, typer.Option(help="GPUs in all (learner and rollout fleet)")] = 256,
+    context: Annotated[int, typer.Option(help="tokens a sequence (prompt, tool results, generation)")] = 131072,
+    group_size: Annotated[int, typer.Option(help="samples a prompt (GRPO group)")] = 8,
+    prompts_per_step: Annotated[int, typer.Option(help="prompts a training step")] = 32,
+    expert_precision: Annotated[str, typer.Option(help="the engines' routed experts: bf16 or mxfp4")] = "mxfp4",
+) -> None:
+    """A K3 RL job on N GPUs on paper: layout, memory per rank, step time, weight sync, decode rate, fit."""
+    # lazy: the planner reads the model's config module; only `plan` needs it
+    from k3rl.plan import PlanError, plan_job, print_plan
+
+    try:
+        result = plan_job(preset=preset, gpu=gpu, gpus=gpus, context=context, group_size=group_size,
+                          prompts_per_step=prompts_per_step, expert_precision=expert_precision)
+    except (PlanError, ValueError) as e:
+        _refused(ConfigError(str(e)))
+    print_plan(result, console)
+    raise typer.Exit(0 if result.fits else 1)
+
+
 def _mount_sandbox() -> None:
     try:  # the sandbox CLI needs the docker SDK; without it the other commands still work
         from k3rl.sandboxes.cli import app as sandbox_app
