@@ -315,6 +315,7 @@ class RolloutLayout(BaseModel):
     memory_gib: dict[str, float]
     decode_step_ms: float
     decode_tok_s: float  # the whole fleet
+    prefill_s: float  # a step's prefill (tool results and prompts)
     rollout_s: float  # a step's generation and prefill
     sync_s: float
 
@@ -341,7 +342,7 @@ def rollout_layout(m: ModelShape, gpu: GPU, gpus: int, g: int, context: int, seq
     sync = weight_sync_seconds(m, gpu, tp, g, across_nodes=gpus > gpu.gpus_per_node)
     memory = {"weights": weights / GiB, "decode state": batch * per_seq / GiB}
     return RolloutLayout(gpus=gpus, instance_gpus=g, tp=tp, ep=g, instances=instances, batch=batch,
-                         memory_gib=memory, decode_step_ms=step * 1e3, decode_tok_s=fleet, rollout_s=rollout,
+                         memory_gib=memory, decode_step_ms=step * 1e3, decode_tok_s=fleet, prefill_s=prefill, rollout_s=rollout,
                          sync_s=sync)
 
 
@@ -388,7 +389,7 @@ def plan_job(preset: str = "k3", gpu: str = "h200", gpus: int = 256, context: in
         # the fleet: the fastest instance size that holds a sequence (the engines' memory is the learner's
         # while colocated, its state being on the host then)
         rolls = [rollout_layout(m, kind, rg, g, context, sequences) for g in _divisors(rg) if E % g == 0]
-        roll = min(rolls, key=lambda r: (r.batch < 1, r.rollout_s))
+        roll = min(rolls, key=lambda r: (r.batch < 1, -r.instance_gpus if r.batch < 1 else 0, r.rollout_s))
         eps = [e for e in _divisors(lg) if E % e == 0]
         cps = [p for p in _divisors(lg) if p & (p - 1) == 0 and p <= 64]
         for ep, cp, seqs, ckpt, host in product(eps, cps, (1, 2, 4, 8), (False, True), (False, True)):
@@ -464,6 +465,8 @@ def _suggestions(problems, lay, roll, m, gpu, gpus, precision) -> list[str]:
 
 
 def _ms_or_s(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "-"
     return f"{seconds * 1e3:,.1f} ms" if seconds < 1 else f"{seconds:,.1f} s"
 
 
@@ -512,6 +515,7 @@ def print_plan(plan: Plan, console: Console) -> None:
     t.add_row("[bold]learner step[/]", f"[bold]{_ms_or_s(sum(lay.step_s.values()))}[/]")
     t.add_row("rollout: decode step (an engine)", f"{roll.decode_step_ms:,.1f} ms")
     t.add_row("rollout: decode rate (the fleet)", f"{roll.decode_tok_s:,.0f} tok/s")
+    t.add_row("rollout: prefill (3/4 of the tokens)", _ms_or_s(roll.prefill_s))
     t.add_row("[bold]rollout (decode + prefill)[/]", f"[bold]{_ms_or_s(roll.rollout_s)}[/]")
     t.add_row("weight sync", _ms_or_s(roll.sync_s))
     how = "rollout + learner + sync + state to the host and back" if lay.colocated else "max(rollout, learner) + sync"
