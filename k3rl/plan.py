@@ -451,7 +451,8 @@ def _suggestions(problems, lay, roll, m, gpu, gpus, precision) -> list[str]:
             out.append("activation checkpointing (learner.activation_checkpointing: true)")
         if lay.seqs_per_micro_batch > 1:
             out.append("fewer sequences per micro-batch")
-        out.append(f"more context parallel (KCP {lay.cp * 2})")
+        if lay.cp * 2 <= lay.gpus:
+            out.append(f"more context parallel (KCP {lay.cp * 2})")
     if lay.memory_gib["gathered layers (FSDP prefetch)"] > 0.1 * gpu.memory_gib:
         out.append(f"more EP (now {lay.ep}): fewer experts gathered a layer")
     if roll.batch < 1:
