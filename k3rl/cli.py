@@ -222,6 +222,48 @@ def ui(
     raise typer.Exit(run_until_stopped(cmd, env=env))
 
 
+@app.command()
+def serve(
+    checkpoint: Annotated[Path, typer.Argument(help="an HF-layout checkpoint directory (a run's, the release, "
+                                                    "examples/keylookup_warm_start)")],
+    preset: Annotated[str, typer.Option(help="the K3 preset the checkpoint was trained as")] = "k3-tiny",
+    tokenizer: Annotated[str, typer.Option(help="'byte', or a directory with the checkpoint's tokenizer")] = "byte",
+    thinking: Annotated[bool, typer.Option(help="the chat template's thinking mode")] = False,
+    device: Annotated[str, typer.Option()] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option(help="default: float32 on CPU, bfloat16 on CUDA")] = None,
+    max_context: Annotated[int, typer.Option(help="prompt + completion tokens a request may hold")] = 8192,
+    host: Annotated[str, typer.Option(help="where to listen (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+) -> None:
+    """Serve a checkpoint with the OpenAI-compatible chat-completions endpoint the rollouts use
+    (POST http://HOST:PORT/v1/chat/completions): evaluate a trained policy with any agent harness."""
+    if not checkpoint.is_dir():
+        err.print(f"[bold red]error:[/] {checkpoint} is not a checkpoint directory (config.json + safetensors)")
+        raise typer.Exit(2)
+    # lazy: torch and the web stack take seconds to import; only `serve` needs them
+    import uvicorn
+
+    # lazy, as above: the engine's modules import torch
+    from k3rl.rollout.engine import EmbeddedEngine
+    from k3rl.rollout.episode import make_template
+    from k3rl.rollout.openai_endpoint import ChatEndpoint, make_app
+
+    try:
+        cfg = JobConfig.load(None, [f"model.preset={preset}", f"model.tokenizer={tokenizer}",
+                                    f"model.thinking={str(thinking).lower()}"])
+    except ConfigError as e:
+        _refused(e)
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    engine = EmbeddedEngine.from_preset(preset, checkpoint=str(checkpoint), device=device, dtype=dtype,
+                                        max_model_len=max_context)
+    endpoint = ChatEndpoint(engine.agenerate, make_template(cfg), model=checkpoint.name, max_context_tokens=max_context)
+    console.print(f"serving {checkpoint} ({preset}, {device}, {dtype}) on http://{host}:{port}/v1  (Ctrl-C stops)")
+    try:
+        uvicorn.run(make_app(endpoint), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
+
+
 class _Stopped(Exception):
     pass
 
