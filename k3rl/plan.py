@@ -244,12 +244,16 @@ def learner_layout(m: ModelShape, gpu: GPU, gpus: int, ep: int, cp: int, seqs: i
     mbs = math.ceil(math.ceil(sequences / dp) / seqs)
     tokens_rank = mbs * T
     compute = compute_seconds(m, gpu, tokens_rank, context) * (4 / 3 if ckpt else 1)
-    # EP dispatch + combine, forward and backward: 4 x k x l x 2 B a token and MoE layer, over the EP group
-    a2a = _link_seconds(tokens_rank * m.n_moe * 4 * c.num_experts_per_token * c.routed_expert_hidden_size * 2, ep, gpu)
+    # EP dispatch + combine, forward and backward: 4 x k x l x 2 B a token and MoE layer, over the EP group;
+    # checkpointing runs the forward's pair again (x 3/2), and KCP's exchanges likewise
+    again = 1.5 if ckpt else 1.0
+    a2a = again * _link_seconds(tokens_rank * m.n_moe * 4 * c.num_experts_per_token * c.routed_expert_hidden_size * 2,
+                                ep, gpu)
     # KCP: per KDA layer one all-gather of [M | S~] ([H, K, K + V] fp32) forward, its reduce backward
     la = c.linear_attn_config
     kcp = _link_seconds(mbs * m.n_kda * 2 * cp * la.num_heads * la.head_dim * 2 * la.head_dim * 4, cp, gpu)
     kcp += _link_seconds(mbs * m.n_mla * 2 * seqs * context * (c.kv_lora_rank + c.qk_rope_head_dim) * 2, cp, gpu)
+    kcp *= again
     # FSDP: per micro-batch every layer gathered twice (forward, backward) in bf16 and its gradients
     # reduce-scattered in fp32: 8 B a parameter a rank gathers; overlaps compute. Non-expert tensors over
     # all W ranks; a rank's E/ep experts over the W/ep replicas of its EP group (EP groups fill nodes first,
