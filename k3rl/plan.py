@@ -70,6 +70,9 @@ CALIBRATION = {
     # launch-bound (the fixed time a layer), a batch-256 step moves its bytes at 18% of the HBM peak
     "decode_fixed_us_per_layer": 132.0,
     "decode_bandwidth_efficiency": 0.182,
+    # "Full-width layers": a KDA + LatentMoE layer's shard at 8K tokens, 49.0% MFU (2026-12-02): at K3's
+    # width the compute takes at least the FLOPs at this MFU (learner_layout)
+    "layer_mfu": 0.490,
     # "Weight sync": NCCL broadcast 344 GB/s between two H200s (NV18, 450 GB/s a direction)
     "sync_efficiency": 344 / 450,
 }
@@ -208,6 +211,8 @@ class LearnerLayout(BaseModel):
     colocated: bool
     memory_gib: dict[str, float]
     step_s: dict[str, float]
+    compute_model_s: float  # the compute by the three-term model
+    compute_at_layer_mfu_s: float  # the compute at the measured full-width layer's MFU
 
     @property
     def total_gib(self) -> float:
@@ -243,7 +248,13 @@ def learner_layout(m: ModelShape, gpu: GPU, gpus: int, ep: int, cp: int, seqs: i
     dp = gpus // cp
     mbs = math.ceil(math.ceil(sequences / dp) / seqs)
     tokens_rank = mbs * T
-    compute = compute_seconds(m, gpu, tokens_rank, context) * (4 / 3 if ckpt else 1)
+    # compute: the larger of the three-term model (GEMMs, KDA kernel, element-wise; what width does to
+    # efficiency, k3-small's 14% MFU) and the FLOPs at the full-width layer shard's measured MFU (its ceiling
+    # at K3's width: the three-term model reads 22% under that layer's measured time)
+    model_s = compute_seconds(m, gpu, tokens_rank, context) * (4 / 3 if ckpt else 1)
+    at_mfu = (m.flops_per_token(context) * tokens_rank * (4 / 3 if ckpt else 1)
+              / (gpu.bf16_tflops * 1e12 * CALIBRATION["layer_mfu"]))
+    compute = max(model_s, at_mfu) if m.c.hidden_size >= 7168 else model_s
     # EP dispatch + combine, forward and backward: 4 x k x l x 2 B a token and MoE layer, over the EP group;
     # checkpointing runs the forward's pair again (x 3/2), and KCP's exchanges likewise
     again = 1.5 if ckpt else 1.0
@@ -271,7 +282,8 @@ def learner_layout(m: ModelShape, gpu: GPU, gpus: int, ep: int, cp: int, seqs: i
     step = {"compute (fwd + bwd)": compute, "EP all-to-all": a2a, "KCP exchange": kcp,
             "FSDP (exposed)": fsdp, "optimizer": opt}
     return LearnerLayout(gpus=gpus, ep=ep, cp=cp, fsdp=gpus, seqs_per_micro_batch=seqs, checkpointing=ckpt,
-                         optimizer_on_host=host_opt, colocated=colocated, memory_gib=memory, step_s=step)
+                         optimizer_on_host=host_opt, colocated=colocated, memory_gib=memory, step_s=step,
+                         compute_model_s=model_s, compute_at_layer_mfu_s=at_mfu)
 
 
 def decode_step_seconds(m: ModelShape, gpu: GPU, batch: int, mean_context: float, tp: int = 1, ep: int = 1) -> float:
@@ -517,6 +529,10 @@ def print_plan(plan: Plan, console: Console) -> None:
     t.add_column("time", justify="right")
     for part, s in lay.step_s.items():
         t.add_row(f"learner: {part}", _ms_or_s(s))
+        if part.startswith("compute"):  # the larger of the two (at K3's width), each shown
+            t.add_row("  three-term model (GEMMs, KDA kernel, element-wise)", _ms_or_s(lay.compute_model_s))
+            t.add_row(f"  FLOPs at the full-width layer's measured {CALIBRATION['layer_mfu']:.0%} MFU",
+                      _ms_or_s(lay.compute_at_layer_mfu_s))
     t.add_row("[bold]learner step[/]", f"[bold]{_ms_or_s(sum(lay.step_s.values()))}[/]")
     t.add_row("rollout: decode step (an engine)", f"{roll.decode_step_ms:,.1f} ms")
     t.add_row("rollout: decode rate (the fleet)", f"{roll.decode_tok_s:,.0f} tok/s")
