@@ -394,7 +394,10 @@ def plan_job(preset: str = "k3", gpu: str = "h200", gpus: int = 256, context: in
         raise PlanError("gpus, context, group size and prompts per step must be positive")
     if gpus > kind.gpus_per_node and gpus % kind.gpus_per_node:
         raise PlanError(f"{gpus} GPUs is not a whole number of {kind.gpus_per_node}-GPU nodes")
-    m = ModelShape(K3Config.preset(preset), expert_precision)
+    try:
+        m = ModelShape(K3Config.preset(preset), expert_precision)
+    except ValueError as e:  # an unknown preset: K3Config names the known ones
+        raise PlanError(str(e)) from None
     E = m.c.num_experts
     sequences = group_size * prompts_per_step
     candidates = []
@@ -421,11 +424,10 @@ def plan_job(preset: str = "k3", gpu: str = "h200", gpus: int = 256, context: in
 
 
 def _host_gib(lay: LearnerLayout, m: ModelShape) -> float:
-    """Host memory a GPU's share takes: the optimizer state on the host (8 B a parameter), and under
-    colocation the GPU's learner state while the engines run."""
-    per = (8 if lay.optimizer_on_host else 0) + (lay.memory_gib["parameters + gradients + optimizer"] * GiB * lay.gpus
-                                                 / m.total if lay.colocated else 0)
-    return per * m.total / lay.gpus / GiB
+    """Host memory a GPU's share takes: its shard of the optimizer state when that lives on the host
+    (8 B a parameter: fp32 masters and momentum) and, colocated, its GPU learner state while the engines run."""
+    on_host = 8 * m.total / lay.gpus / GiB if lay.optimizer_on_host else 0.0
+    return on_host + (lay.memory_gib["parameters + gradients + optimizer"] if lay.colocated else 0.0)
 
 
 def _problems(lay: LearnerLayout, roll: RolloutLayout, cap: float, gpu: GPU, m: ModelShape) -> list[str]:
@@ -452,7 +454,7 @@ def _score(lr: tuple[LearnerLayout, RolloutLayout], m: ModelShape, gpu: GPU) -> 
     lay, roll = lr
     over = (max(0.0, lay.total_gib - gpu.memory_gib * USABLE) + (1e3 if roll.batch < 1 else 0.0)
             + max(0.0, _host_gib(lay, m) - gpu.host_gib_per_gpu))
-    return (over > 0, over, _step_seconds(lay, roll, m, gpu))
+    return (over > 0, over, _step_seconds(lay, roll, m, gpu), -lay.seqs_per_micro_batch)  # ties: fuller micro-batches
 
 
 def _suggestions(problems, lay, roll, m, gpu, gpus, precision) -> list[str]:
