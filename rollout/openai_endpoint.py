@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k3rl.chat import ChatTemplate, ParsedAssistant, ToolCallParseError, order_tool_results
 from k3rl.messages import Message, RawToolCall
-from k3rl.types import SamplingParams
+from k3rl.types import SamplingParams, Trajectory, Turn
 
 Generate = Callable[..., Awaitable[Any]]  # (token_ids, sampling, images=...) -> GenerationResult
 # fields an OpenAI client sends back on an assistant message it got, which carry nothing to render
@@ -100,6 +100,7 @@ class ChatEndpoint:
                                                                             default_max_tokens)
         self.calls: list[RecordedCall] = []
         self.truncated = False
+        self.divergences = 0  # answers sent back whose rendering differs from the sampled ids (which were kept)
 
     # -- a request -----------------------------------------------------------------------------------
     def parse(self, body: Any) -> ChatRequest:
@@ -135,7 +136,28 @@ class ChatEndpoint:
                           or p.replace("reasoning_", "thinking ") in text), "messages")
             raise EndpointError(text, param=param) from None
         images = [png for m in order_tool_results(list(messages)) for png in m.images]
-        return rendered.ids, images
+        return self._splice(rendered.ids), images
+
+    def _splice(self, ids: list[int]) -> list[int]:
+        """The recorded ids win: a prompt that goes on from the last call's context with that call's answer
+        re-rendered from its text (the harness sent the message back) gets the sampled ids in its place.
+
+            ids = last.prompt_ids + body + rest,  body = up to the first [end_of_msg] after the prompt
+              ->  last.prompt_ids + last.completion_ids + rest       (divergences += 1 when body differs)
+
+        Only a complete answer (ended by its stop token) is spliced; anything else is left as rendered, and
+        the trajectory gets a new segment there (`trajectory_from_calls`)."""
+        last = self.calls[-1] if self.calls else None
+        eom = self.template.stop_token_id
+        if last is None or last.finish_reason != "stop" or not last.completion_ids or last.completion_ids[-1] != eom:
+            return ids
+        base = last.prompt_ids
+        if ids[: len(base)] != base or eom not in ids[len(base):]:
+            return ids
+        end = ids.index(eom, len(base)) + 1
+        if ids[len(base):end] != last.completion_ids:
+            self.divergences += 1
+        return base + last.completion_ids + ids[end:]
 
     def sampling(self, req: ChatRequest, prompt_len: int) -> SamplingParams:
         room = self.max_context_tokens - prompt_len
@@ -274,3 +296,47 @@ def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, ready_s: float 
             raise RuntimeError(f"the chat endpoint did not start on {host}:{port}")
         time.sleep(0.02)
     return server, f"http://{host}:{port}/v1"
+
+
+def trajectory_from_calls(calls: list[RecordedCall], env_id: str, **fields: Any) -> Trajectory:
+    """One episode's calls as a token-exact trajectory. A call whose prompt goes on from the previous call's
+    prompt + answer continues its segment (the tokens in between, tool results and the next generation
+    prefix, are not trained); any other call (the harness compacted or rewrote its history, a sub-agent)
+    starts a new segment, trained on its own tokens, as `rollout.context` segments are. Only sampled ids
+    carry loss, each with its recorded log-prob and policy version."""
+    if not calls:
+        raise ValueError("an episode with no model calls has nothing to train on")
+    first = calls[0]
+    traj = Trajectory(env_id=env_id, prompt_ids=list(first.prompt_ids),
+                      turns=[Turn(role="user", images=list(first.images), start=0, end=len(first.prompt_ids))],
+                      **fields)
+    context: list[int] = []
+    seen_images = 0
+    for k, call in enumerate(calls):
+        if k == 0:
+            seen_images = len(call.images)
+        elif call.prompt_ids[: len(context)] == context:  # goes on: what was added since, untrained
+            start, end = traj.append(call.prompt_ids[len(context):], generated=False)
+            traj.turns.append(Turn(role="tool", images=list(call.images[seen_images:]), start=start, end=end,
+                                   segment=len(traj.segment_starts)))
+            seen_images = len(call.images)
+        else:  # a rewritten history: a segment of its own
+            traj.segment_starts.append(len(traj.token_ids))
+            start, end = traj.append(list(call.prompt_ids), generated=False)
+            traj.turns.append(Turn(role="user", images=list(call.images), start=start, end=end,
+                                   segment=len(traj.segment_starts)))
+            seen_images = len(call.images)
+        start = len(traj.token_ids)
+        i = 0
+        while i < len(call.completion_ids):  # a run of tokens sampled under one policy version
+            j = i
+            while j < len(call.completion_ids) and call.versions[j] == call.versions[i]:
+                j += 1
+            traj.append(call.completion_ids[i:j], generated=True, logprobs=call.logprobs[i:j],
+                        version=call.versions[i])
+            i = j
+        traj.turns.append(Turn(role="assistant", start=start, end=len(traj.token_ids),
+                               segment=len(traj.segment_starts)))
+        context = list(call.prompt_ids) + list(call.completion_ids)
+    traj.metadata["model_calls"] = len(calls)
+    return traj

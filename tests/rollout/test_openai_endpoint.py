@@ -15,9 +15,12 @@ import openai
 import pytest
 
 from k3rl.chat import ChatTemplate
+from k3rl.config import LearnerSection
+from k3rl.learner.trainer import Trainer
 from k3rl.messages import Message
+from k3rl.model import build_model
 from k3rl.rollout.engine import EmbeddedEngine
-from k3rl.rollout.openai_endpoint import ChatEndpoint, make_app, serve_in_thread
+from k3rl.rollout.openai_endpoint import ChatEndpoint, make_app, serve_in_thread, trajectory_from_calls
 from k3rl.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +133,63 @@ def test_the_call_budget_ends_with_a_clear_error():
     finally:
         server.should_exit = True
         engine.close()
+
+
+SYSTEM = {"role": "system", "content": "Find the value of key ab with the lookup tool, then answer it."}
+
+
+def harness(client, messages, turns=3, rewrite=None):
+    """A tool-calling loop as users write it: send, append the answer as returned, answer its tool calls."""
+    for turn in range(turns):
+        r = client.chat.completions.create(model="k3-tiny", messages=messages, tools=TOOLS, max_tokens=200,
+                                           temperature=1.0, seed=turn)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        messages.append(rewrite(msg) if rewrite else msg)
+        for call in r.choices[0].message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "value 42"})
+        if not r.choices[0].message.tool_calls:
+            messages.append({"role": "user", "content": "go on"})
+    return messages
+
+
+def test_a_multi_turn_harness_trains_as_one_trajectory_with_the_engines_logprobs(served):
+    engine, _, endpoint, client = served
+    n = len(endpoint.calls)
+    harness(client, [SYSTEM, {"role": "user", "content": "key: ab"}])
+    calls = endpoint.calls[n:]
+    assert len(calls) == 3 and all(c.finish_reason == "stop" for c in calls), [c.finish_reason for c in calls]
+    traj = trajectory_from_calls(calls, "agent", reward=1.0)
+    # each call's prompt goes on from the last one's prompt + answer: one segment, every answer trained once
+    assert traj.segment_starts == [] and traj.num_generated == sum(len(c.completion_ids) for c in calls)
+    assert traj.token_ids == calls[-1].prompt_ids + calls[-1].completion_ids
+    # the learner's log-probs of the recorded tokens (fp32, CPU) are the engine's
+    trainer = Trainer(build_model("k3-tiny", checkpoint=str(WARM)), LearnerSection(micro_batch_tokens=4096),
+                      temperature=1.0)
+    mine = trainer.logprobs([traj])[0]
+    at = [i for i, m in enumerate(traj.loss_mask) if m]
+    worst = max(abs(mine[i] - traj.logprobs[i]) for i in at)
+    assert worst < 1e-4 and min(traj.logprobs[i] for i in at) < -1e-3, worst
+
+
+def test_the_sampled_ids_win_over_a_rewritten_answer_and_a_new_history_is_a_new_segment(served):
+    _, template, endpoint, client = served
+    n, d = len(endpoint.calls), endpoint.divergences
+
+    def rewrite(msg):  # a harness that edits the answer it sends back: the prompt still holds what was sampled
+        return {**msg, "content": (msg.get("content") or "") + " (edited)"}
+
+    messages = harness(client, [SYSTEM, {"role": "user", "content": "key: cd"}], turns=2, rewrite=rewrite)
+    first, second = endpoint.calls[n:n + 2]
+    assert endpoint.divergences == d + 1
+    assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == first.prompt_ids + first.completion_ids
+    # a harness that compacts its history into a summary: its next call starts a segment of its own
+    client.chat.completions.create(model="k3-tiny", max_tokens=200, temperature=1.0, seed=9, tools=TOOLS,
+                                   messages=[SYSTEM, {"role": "user", "content": "summary: the value of ab is 42"}])
+    traj = trajectory_from_calls(endpoint.calls[n:], "agent")
+    assert len(traj.segment_starts) == 1 and len(messages) > 2
+    start = traj.segment_starts[0]
+    assert traj.token_ids[start:start + len(endpoint.calls[-1].prompt_ids)] == endpoint.calls[-1].prompt_ids
+    assert traj.num_generated == sum(len(c.completion_ids) for c in endpoint.calls[n:])
 
 
 def test_k3rl_serve_answers_the_openai_client():
