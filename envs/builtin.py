@@ -15,6 +15,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "k3rl/LongHorizon-v0": "k3rl.envs.long_horizon:LongHorizonEnv",
     "k3rl/McpFiles-v0": "k3rl.envs.mcp_files:McpFilesEnv",
     "k3rl/ScreenRead-v0": "k3rl.envs.screen_read:ScreenReadEnv",
+    "k3rl/Agent-v0": "k3rl.envs.agent:AgentEnv",
 }
 
 DESCRIPTIONS: dict[str, str] = {
@@ -27,6 +28,8 @@ DESCRIPTIONS: dict[str, str] = {
     "k3rl/McpFiles-v0": "answer from the sandbox's files, read through an MCP server running in the sandbox",
     "k3rl/ScreenRead-v0": "open a panel of an app, read its number off the screenshot; vision in the loop (tiny, "
                           "CPU-learnable, no sandbox)",
+    "k3rl/Agent-v0": "your own agent harness (kwargs agent: module:solve, tasks: module:TASKS) against an "
+                     "OpenAI-compatible endpoint; trained on the tokens it sampled",
 }
 
 

@@ -115,7 +115,7 @@ def _not_a_tool_env(env_id: str) -> str | None:
     except Exception as e:
         return (f"{env_id!r} is registered, but its entry point {gym.spec(env_id).entry_point!r} cannot be loaded: "
                 f"{type(e).__name__}: {e}")
-    if isinstance(creator, type) and not issubclass(creator, ToolEnv):
+    if isinstance(creator, type) and not issubclass(creator, ToolEnv) and not getattr(creator, "is_agent_env", False):
         return (f"{env_id!r} is a {creator.__name__}, not a k3rl.envs.ToolEnv: the agent loop talks to "
                 f"environments in chat messages and tools (see `k3rl envs list`)")
     return None

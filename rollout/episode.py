@@ -173,6 +173,14 @@ async def run_episode(make_env: Callable[[], Any], spec: EpisodeSpec, generate: 
         timings["env_s"] += time.monotonic() - e0
         _add_env_timings(timings, info)
         traj.task_id = str((info or {}).get("task_id", ""))
+        if getattr(env.unwrapped, "is_agent_env", False):  # k3rl/Agent-v0: the user's agent drives the model
+            stage = "agent"
+            # lazy: the agent path serves HTTP (FastAPI, uvicorn), which no other episode needs to import
+            from k3rl.rollout.agent_episode import run_agent
+
+            await run_agent(env.unwrapped, traj, spec, generate, template, sampling, max_context_tokens, within,
+                            timings, lambda call: request_seed(spec, call, sampling.seed))
+            return traj
         session, traj.turns, images = open_session(template, env, obs)
         traj.prompt_ids = list(session.rendered.ids)
         compactor, seg_start = None, 0  # seg_start: where the current context segment begins in token_ids

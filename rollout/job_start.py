@@ -89,7 +89,9 @@ def _first_prompt(e, cfg: JobConfig, template: ChatTemplate) -> tuple[EpisodeSpe
                 env = make_env(spec, cfg, template)
                 try:
                     obs, _ = env.reset(seed=spec.seed)
-                    done.append(len(open_session(template, env, obs)[0].rendered))
+                    # an agent env's prompts are its agent's to make (the endpoint refuses one past the context)
+                    agent = getattr(env.unwrapped, "is_agent_env", False)
+                    done.append(0 if agent else len(open_session(template, env, obs)[0].rendered))
                 finally:
                     env.close()
             except Exception as err:  # noqa: BLE001 - reported below, by seed

@@ -247,25 +247,32 @@ def stream_chunks(req: ChatRequest, response: dict[str, Any]) -> list[dict[str, 
     return chunks
 
 
-def make_app(endpoint: ChatEndpoint):
-    """A FastAPI app: POST /v1/chat/completions, GET /v1/models."""
+def make_app(endpoint: ChatEndpoint | None = None, routes: dict[str, ChatEndpoint] | None = None):
+    """A FastAPI app: POST /v1/chat/completions and GET /v1/models for one endpoint; with `routes`, each
+    episode's endpoint under /episodes/<id>/v1 (an episode gone from `routes` answers 404)."""
     app = FastAPI(title="k3rl chat completions")
 
     @app.exception_handler(EndpointError)
     async def _refused(_request, exc: EndpointError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": endpoint.model, "object": "model", "owned_by": "k3rl"}]}
+    def find(episode: str | None) -> ChatEndpoint:
+        found = endpoint if episode is None else (routes or {}).get(episode)
+        if found is None:
+            raise EndpointError(f"no episode {episode!r} here (it ended, or never began)", code="episode_not_found",
+                                status=404)
+        return found
 
-    @app.post("/v1/chat/completions")
-    async def completions(request: Request):
+    async def models(episode: str | None = None):
+        return {"object": "list", "data": [{"id": find(episode).model, "object": "model", "owned_by": "k3rl"}]}
+
+    async def completions(request: Request, episode: str | None = None):
+        target = find(episode)
         try:
             body = await request.json()
         except ValueError:
             raise EndpointError("the body is not JSON", param=None) from None
-        req, response = await endpoint.complete(body)
+        req, response = await target.complete(body)
         if not req.stream:
             return response
 
@@ -276,7 +283,38 @@ def make_app(endpoint: ChatEndpoint):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    prefix = "/episodes/{episode}/v1" if routes is not None else "/v1"
+    app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+    app.add_api_route(f"{prefix}/chat/completions", completions, methods=["POST"])
     return app
+
+
+class EpisodeServer:
+    """One server per process for every episode's endpoint: `add(id, endpoint)` gives the episode's base URL."""
+
+    _lock = threading.Lock()
+    _instance: EpisodeServer | None = None
+
+    def __init__(self) -> None:
+        self.routes: dict[str, ChatEndpoint] = {}
+        self.server, base = serve_in_thread(make_app(routes=self.routes))
+        self.root = base.removesuffix("/v1")
+
+    @classmethod
+    def get(cls) -> EpisodeServer:
+        with cls._lock:
+            if cls._instance is None or cls._instance.server.should_exit:
+                cls._instance = cls()
+            return cls._instance
+
+    def add(self, episode_id: str, endpoint: ChatEndpoint) -> str:
+        if episode_id in self.routes:
+            raise ValueError(f"episode {episode_id!r} already has an endpoint")
+        self.routes[episode_id] = endpoint
+        return f"{self.root}/episodes/{episode_id}/v1"
+
+    def remove(self, episode_id: str) -> None:
+        self.routes.pop(episode_id, None)
 
 
 def serve_in_thread(app, host: str = "127.0.0.1", port: int = 0, ready_s: float = 30.0):

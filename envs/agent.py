@@ -1,0 +1,69 @@
+"""`k3rl/Agent-v0`: a user's agent harness as an environment.
+
+    envs:
+      train: [{id: k3rl/Agent-v0, kwargs: {agent: "my_pkg.agent:solve", tasks: "my_pkg.agent:TASKS"}}]
+
+`tasks` names a list of JSON-able dicts (task `seed % len`) or a callable giving one from a seed;
+`agent` names `solve(base_url, model, task) -> float`, which runs the user's agent against an
+OpenAI-compatible endpoint (`base_url` ends in `/v1`) with any client and returns the reward, or raises,
+which fails the episode with the agent's traceback stored. The rollout drives the episode
+(`rollout/agent_episode.py`): it serves the endpoint, calls `solve` in a thread of the rollout worker's
+process, and trains on the tokens the endpoint recorded. `step` is never called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+import gymnasium as gym
+
+
+def load_object(path: str, what: str) -> Any:
+    """The object a 'module:attribute' path names, or a clear error saying what is wrong with it."""
+    module, sep, name = str(path).partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{what} {path!r} must be 'module:attribute' (e.g. my_pkg.agent:solve)")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what} {path!r}: cannot import {module!r} ({e}); is it installed, or on PYTHONPATH in "
+                         "every rollout worker (ray.runtime_env)?") from e
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {path!r}: module {module!r} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+class AgentEnv(gym.Env):
+    """A user's agent and tasks; see the module doc."""
+
+    is_agent_env = True  # the rollout runs `solve` against its endpoint instead of calling step()
+
+    def __init__(self, agent: str, tasks: str, max_calls: int = 32, sandboxed: bool = False,
+                 **task_kwargs: Any) -> None:
+        if sandboxed:
+            raise ValueError("k3rl/Agent-v0 sandboxed: true is not built yet: the agent runs in the rollout "
+                             "worker's process; leave sandboxed out")
+        self.solve = load_object(agent, "envs.train.kwargs.agent")
+        if not callable(self.solve):
+            raise ValueError(f"agent {agent!r} is not callable: it must be solve(base_url, model, task) -> float")
+        self.tasks = load_object(tasks, "envs.train.kwargs.tasks")
+        if not callable(self.tasks) and not (isinstance(self.tasks, (list, tuple)) and self.tasks):
+            raise ValueError(f"tasks {tasks!r} must be a non-empty list of dicts or a callable(seed) -> dict")
+        self.max_calls, self.task_kwargs = max_calls, task_kwargs
+        self.task: dict[str, Any] = {}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        seed = 0 if seed is None else int(seed)
+        task = self.tasks(seed, **self.task_kwargs) if callable(self.tasks) else self.tasks[seed % len(self.tasks)]
+        if not isinstance(task, dict):
+            raise ValueError(f"task {seed} is a {type(task).__name__}; tasks must be JSON-able dicts")
+        self.task = json.loads(json.dumps(task))  # JSON-able, and the agent gets its own copy
+        return json.dumps(self.task, sort_keys=True), {"task_id": str(self.task.get("id", seed)), "task": self.task}
+
+    def step(self, action: Any):
+        raise RuntimeError("k3rl/Agent-v0 is driven by its agent through the chat endpoint; step() is not used")

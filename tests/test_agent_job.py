@@ -1,0 +1,49 @@
+"""`k3rl/Agent-v0` in a real job (Ray, the embedded engine, MLflow SQLite, the Parquet store): the demo's
+warm start trains through examples/agents/openai_loop.py, a user's `openai` tool loop, with a held-out eval."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from k3rl.config import JobConfig
+
+pytestmark = pytest.mark.slow
+LOOP = "k3rl.examples.agents.openai_loop"
+AGENT = f"{{id: k3rl/Agent-v0, kwargs: {{agent: '{LOOP}:solve', tasks: '{LOOP}:task'}}}}"
+
+
+def _cfg(out) -> JobConfig:
+    from pathlib import Path  # the config's own folder: the demo's warm start is read relative to it
+
+    return JobConfig.load(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml", [
+        "name=agent-job", f"envs.train=[{AGENT}]", f"envs.eval=[{AGENT[:-1]}, num_tasks: 8, pass_k: 1}}]",
+        "learner.steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4", "learner.checkpoint_every=0",
+        "tracking.eval_every=0", "tracking.sample_episodes=1", f"tracking.runs_dir={out}/runs",
+        f"tracking.uri=sqlite:///{out}/runs/mlflow.db", "ray.num_cpus=4"])
+
+
+def _job(out):
+    from k3rl.job import run_job
+
+    return functools.partial(run_job, _cfg(out), quiet=True)
+
+
+BACKGROUND_JOBS = {"agent_job": _job}
+
+
+@pytest.mark.background("agent_job")
+def test_a_users_openai_agent_trains_in_a_job(background_job):
+    from k3rl.store import TrajectoryStore
+
+    summary, out = background_job
+    assert summary["completed"] and summary["steps"] == 3, summary
+    trained = TrajectoryStore(out / "runs" / "agent-job", readonly=True).read(status="trained")
+    assert len(trained) == 3 * 16 and all(t.env_id == "k3rl/Agent-v0" for t in trained)
+    # each is the tokens of its agent's model calls: a lookup and an answer, one context
+    assert all(t.metadata["model_calls"] >= 1 and t.num_generated > 0 for t in trained if t.error is None)
+    assert sum(t.error is None for t in trained) >= 40
+    first = summary["eval"][0]  # before RL: the warm start plays the harness
+    assert first["eval/Agent-v0/success"] > 0, summary["eval"]
+    assert all(m["tokens"] > 0 for m in summary["history"])
