@@ -172,8 +172,8 @@ def test_the_readme_leads_with_the_first_hour():
     """What a newcomer reads first: what k3rl is, how to install it, the two commands, their own environment."""
     text = (ROOT / "README.md").read_text()
     heads = re.findall(r"^## (.+)$", prose(ROOT / "README.md"), re.M)
-    assert heads[:6] == ["Contents", "Install", "Quick start", "Train your own environment", "Run on a cluster",
-                         "The run folder"]
+    assert heads[:7] == ["Contents", "Install", "Quick start", "Train your own environment", "Train your own agent",
+                         "Run on a cluster", "The run folder"]
     intro = text.split("## Contents")[0].strip().splitlines()
     assert len(intro) <= 7  # the title, and what k3rl is in about 5 lines
     quick = text.split("## Quick start")[1].split("## Train your own environment")[0]
