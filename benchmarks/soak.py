@@ -13,7 +13,8 @@ of step `--kill-after` and a few more steps the driver gets SIGKILL; `k3rl sandb
 It reports, per job segment (before the kill, after the resume), each role's RSS growth from the warm-up
 window (the `--warmup` steps after the segment's first) to its last `--window` steps, floor to floor (the
 lowest sample of each window: what a process holds between steps), and its peak; the step time's trend
-(a least-squares slope over the steps after warm-up, as a share of the median step per 100 steps); the object
+(a Theil-Sen slope over the steps after warm-up, as a share of the median step per 100 steps; the
+least-squares slope and the two halves' medians beside); the object
 store's growth; and the store: every trained episode stored once, each step trained on P whole groups.
 
     python benchmarks/soak.py [--steps 300] [--kill-after 140] [--out benchmarks/results/soak]
@@ -142,6 +143,16 @@ def growth(samples: list[dict], key, start: float, end: float, last_from: float)
 
 
 def trend_per_100(steps: list[dict]) -> float:
+    """The Theil-Sen slope of step seconds over steps (the median of every pair's slope), x 100 steps, as a
+    share of the median step. Robust: a step's time is heavy-tailed (a wait for the next batch runs 0-4 s), and a
+    few long waits near one end tilt a least-squares line (`ls_trend_per_100`, reported beside) without any
+    trend in the bulk of the steps."""
+    xs, ys = [r["step"] for r in steps], [r["step_s"] for r in steps]
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    return statistics.median(slopes) * 100 / statistics.median(ys)
+
+
+def ls_trend_per_100(steps: list[dict]) -> float:
     """The least-squares slope of step seconds over steps, x 100 steps, as a share of the median step."""
     xs, ys = [r["step"] for r in steps], [r["step_s"] for r in steps]
     mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -168,6 +179,9 @@ def analyse(samples: list[dict], steps: list[dict], kill_step: int, warmup: int,
             "object_store_growth": growth(mine, lambda s: s["object_store"], start, end, last_from),
             "object_store_mb_end": max((s["object_store"] or 0 for s in mine if s["t"] >= last_from), default=0) / 2**20,
             "step_trend_per_100": trend_per_100(seg[warmup:]),
+            "step_trend_ls_per_100": ls_trend_per_100(seg[warmup:]),
+            "median_step_s_halves": [statistics.median(r["step_s"] for r in half) for half in
+                                     (seg[warmup:][: (len(seg) - warmup) // 2], seg[warmup:][(len(seg) - warmup) // 2:])],
             "median_step_s": statistics.median(r["step_s"] for r in seg[warmup:]),
         })
     return out
