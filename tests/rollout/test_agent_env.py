@@ -104,3 +104,13 @@ def test_tasks_are_json_dicts_drawn_from_the_seed():
     assert obs == again and info["task_id"] == "lookup-5" and info["task"]["key"] in info["task"]["table"]
     with pytest.raises(RuntimeError, match="driven by its agent"):
         env.step("anything")
+
+
+def test_a_harness_that_compacts_its_history_trains_as_segments(engine):
+    trajs = episodes(engine, "k3rl.examples.agents.compacting_agent:solve", range(6))
+    assert all(t.error is None for t in trajs), [t.error for t in trajs]
+    for t in trajs:
+        calls = t.metadata["model_calls"]
+        # each call after the first saw a rewritten history: a segment of its own, beginning with that prompt
+        assert calls >= 2 and len(t.segment_starts) == calls - 1
+        assert t.num_generated == sum(t.loss_mask) and t.segments()[-1].loss_mask.count(1) > 0
