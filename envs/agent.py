@@ -19,6 +19,8 @@ from typing import Any
 
 import gymnasium as gym
 
+from k3rl.envs.spaces import AssistantAction
+
 
 def load_object(path: str, what: str) -> Any:
     """The object a 'module:attribute' path names, or a clear error saying what is wrong with it."""
@@ -55,6 +57,9 @@ class AgentEnv(gym.Env):
             raise ValueError(f"tasks {tasks!r} must be a non-empty list of dicts or a callable(seed) -> dict")
         self.max_calls, self.task_kwargs = max_calls, task_kwargs
         self.task: dict[str, Any] = {}
+        # the task as JSON text; an action is an assistant message, which the agent's calls produce instead
+        self.observation_space = AssistantAction(max_length=1 << 20)
+        self.action_space = AssistantAction()
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)

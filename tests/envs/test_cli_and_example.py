@@ -49,7 +49,7 @@ def test_check_prints_the_oracle_transcript():
 def test_check_unknown_id_exits_2():
     c = console()
     assert check_env_command("k3rl/Nope-v0", console=c) == 2
-    assert "no environment 'k3rl/Nope-v0' is registered; known: k3rl/ChartMatch-v0" in c.file.getvalue()
+    assert "no environment 'k3rl/Nope-v0' is registered; known: k3rl/Agent-v0, k3rl/ChartMatch-v0" in c.file.getvalue()
 
 
 def test_cli_commands():

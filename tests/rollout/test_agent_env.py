@@ -63,7 +63,7 @@ def episodes(engine, agent, seeds):
 
 
 def test_the_openai_loop_agent_plays_and_its_episode_is_the_tokens_it_sampled(engine):
-    trajs = episodes(engine, f"{LOOP}:solve", range(12))
+    trajs = episodes(engine, f"{LOOP}:solve", range(8))
     assert all(t.error is None and t.terminated and not t.truncated for t in trajs), [t.error for t in trajs]
     for t in trajs:
         # a lookup call, its result, the answer: one context, every sampled token trained once
@@ -71,7 +71,7 @@ def test_the_openai_loop_agent_plays_and_its_episode_is_the_tokens_it_sampled(en
         assert t.num_generated == sum(t.loss_mask) > 0 and all(v == 0 for v in t.versions if v >= 0)
         assert t.timings["agent_s"] > 0 and t.timings["generate_s"] > 0
     # the demo's warm start plays KeyLookup's harness form about as well as KeyLookup (0.66 held out)
-    assert 0.3 <= sum(t.reward for t in trajs) / len(trajs) < 1.0
+    assert sum(t.reward for t in trajs) / len(trajs) >= 0.3
 
 
 @pytest.mark.parametrize("agent, error", [
@@ -107,7 +107,7 @@ def test_tasks_are_json_dicts_drawn_from_the_seed():
 
 
 def test_a_harness_that_compacts_its_history_trains_as_segments(engine):
-    trajs = episodes(engine, "k3rl.examples.agents.compacting_agent:solve", range(6))
+    trajs = episodes(engine, "k3rl.examples.agents.compacting_agent:solve", range(3))
     assert all(t.error is None for t in trajs), [t.error for t in trajs]
     for t in trajs:
         calls = t.metadata["model_calls"]
