@@ -54,6 +54,9 @@ def list_envs(console: Console | None = None) -> list[str]:
     for env_id in ids:
         try:
             cls = registered_entry_point(env_id)
+            if getattr(cls, "is_agent_env", False):  # made from a user's agent and tasks: nothing to make here
+                table.add_row(env_id, "no", "the agent's", "the agent's", DESCRIPTIONS.get(env_id, ""))
+                continue
             env = gym.make(env_id).unwrapped
             tools = ", ".join(tool_names(env))
             env.close()

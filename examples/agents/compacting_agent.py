@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 
-from openai import OpenAI
-
 
 def solve(base_url: str, model: str, task: dict, max_turns: int = 4) -> float:
+    # the agent's own dependency, imported where it runs (a rollout worker): k3rl itself needs no openai
+    from openai import OpenAI
+
     client = OpenAI(base_url=base_url, api_key="k3rl")
     ask = f"keys {' '.join(task['table'])}; lookup {task['key']}"
     messages = [{"role": "user", "content": ask}]

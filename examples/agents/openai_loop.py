@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import random
 
-from openai import OpenAI
-
 
 def task(seed: int, num_keys: int = 2, letters: str = "abcd") -> dict:
     """A key table and the key to look up, drawn from `seed` (the demo's KeyLookup: letter keys, digit values)."""
@@ -23,6 +21,9 @@ def task(seed: int, num_keys: int = 2, letters: str = "abcd") -> dict:
 
 
 def solve(base_url: str, model: str, task: dict, max_turns: int = 4) -> float:
+    # the agent's own dependency, imported where it runs (a rollout worker): k3rl itself needs no openai
+    from openai import OpenAI
+
     client = OpenAI(base_url=base_url, api_key="k3rl")
     messages = [{"role": "user", "content": f"keys {' '.join(task['table'])}; lookup {task['key']}"}]
     for _ in range(max_turns):
