@@ -244,7 +244,8 @@ class Spawned:
         self.out, self.err, self.eof = bytearray(), bytearray(), False
         self.cond = threading.Condition()
         threading.Thread(target=self.pump_stdout, daemon=True).start()
-        threading.Thread(target=self.pump_stderr, daemon=True).start()
+        self.err_pump = threading.Thread(target=self.pump_stderr, daemon=True)
+        self.err_pump.start()
 
     def pump_stdout(self):
         fd = self.proc.stdout.fileno()
@@ -326,6 +327,7 @@ def do_recv(args, data):
             header["exit_code"] = found.proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
+        found.err_pump.join(timeout=1.0)  # its stderr may still be in the pipe when its stdout closed
         with found.cond:
             header["stderr"] = found.err.decode("utf-8", "replace")
     return reply(header, out)
