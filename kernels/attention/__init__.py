@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from .._backend import resolve_backend
-from ..varlen import host_offsets
+from ..varlen import document_index, host_offsets, pad_documents, unpad_documents
 from .reference import attention_mask, causal_attention_reference
 from .sdpa import causal_attention_sdpa
 
@@ -57,4 +59,31 @@ def causal_attention(q, k, v, scale, cu_seqlens=None, kv_lengths=None, backend="
     return causal_attention_reference(q, k, v, scale, cu_seqlens, kv_lengths)
 
 
-__all__ = ["attention_mask", "causal_attention", "causal_attention_reference"]
+def shared_prefix_attention(q, k, v, k_prefix, v_prefix, scale, cu_seqlens, backend="auto"):
+    """Causal attention of N packed branches that share one prefix (a GRPO group's prompt, its keys and
+    values computed once): every query of a branch sees every prefix key and its own branch's keys up to
+    its position, as in the whole sequence [prefix ; branch].
+
+    q, k, v [1, T, H, D|Dv]: the branches' tokens, documents `cu_seqlens` [N+1]; k_prefix, v_prefix
+    [1, P, H, D|Dv] read by all of them. Runs as one right-padded batch [N, P + T_max] of keys under the
+    bottom-right causal mask (query i of a branch sees key j <= P + i; a branch's padding keys lie past
+    every real query's reach). The prefix rows are copied once per branch for the call (what the fused
+    kernels take); their gradient sums over the branches. Returns o [1, T, H, Dv] fp32, as causal_attention.
+    """
+    if k_prefix.dim() != 4 or k_prefix.shape[0] != 1 or k_prefix.shape[2:] != k.shape[2:] \
+            or v_prefix.shape[:3] != k_prefix.shape[:3] or v_prefix.shape[3] != v.shape[3]:
+        raise ValueError(
+            f"shared_prefix_attention: k_prefix [1, P, H, D] and v_prefix [1, P, H, Dv] of k {tuple(k.shape)} and "
+            f"v {tuple(v.shape)}; got {tuple(k_prefix.shape)}, {tuple(v_prefix.shape)}"
+        )
+    _check(q, k, v, cu_seqlens, None)
+    idx = document_index(cu_seqlens)
+    qp, kp, vp = (pad_documents(x, cu_seqlens, idx) for x in (q, k, v))  # [N, T_max, H, *]
+    N = qp.shape[0]
+    keys = torch.cat([k_prefix.expand(N, -1, -1, -1).to(kp.dtype), kp], dim=1)  # [N, P + T_max, H, D]
+    values = torch.cat([v_prefix.expand(N, -1, -1, -1).to(vp.dtype), vp], dim=1)
+    o = causal_attention(qp, keys, values, scale, backend=backend)  # queries: the last T_max positions
+    return unpad_documents(o, cu_seqlens, idx)
+
+
+__all__ = ["attention_mask", "causal_attention", "causal_attention_reference", "shared_prefix_attention"]

@@ -91,6 +91,35 @@ def test_chunk_kda_triton_matches_reference_fwd_bwd(B, lens, K, V, gate_in_kerne
         assert_close(g1[name], g2[name], 1e-4, f"d{name}")
 
 
+def forked(fn, x, P, cu, **kw):
+    """A prefix of P tokens run once, its final state the initial state of every branch (the documents of
+    cu after it): outputs [o_prefix ; o_branches] and every input's gradient, the prefix's summed over the
+    branches through the final state."""
+    leaves = {n: x[n].clone().requires_grad_() for n in ("q", "k", "v", "z", "beta", "A_log", "dt_bias")}
+    gate = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=leaves["A_log"],
+                dt_bias=leaves["dt_bias"], **kw)  # fmt: skip
+    part = lambda a, b: [leaves[n][:, a:b] for n in ("q", "k", "v", "z", "beta")]  # noqa: E731
+    o_p, S_p = fn(*part(0, P), output_final_state=True, **gate)
+    S0 = S_p.expand(cu.numel() - 1, -1, -1, -1)
+    o_b, _ = fn(*part(P, None), initial_state=S0, cu_seqlens=cu, **gate)
+    o = torch.cat([o_p, o_b], 1)
+    (o * torch.randn(o.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+    return o, {n: t.grad for n, t in leaves.items()}
+
+
+def test_chunk_kda_triton_forked_prefix_state_matches_reference():
+    """Shared-prefix training's fork: a prefix of one chunk plus 6 tokens, three branches (1, 9 and 70
+    tokens) starting from its final state; outputs and every gradient against the reference's fork."""
+    P, lens = 70, [1, 9, 70]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x = inputs(1, P + sum(lens), 2, 16, 16, 1, seed=4)
+    o1, g1 = forked(chunk_kda, x, P, cu, backend="triton")
+    o2, g2 = forked(chunk_kda_reference, x, P, cu)
+    assert_close(o1, o2, 1e-4, "o")
+    for name in g2:
+        assert_close(g1[name], g2[name], 1e-4, f"d{name}")
+
+
 def strong_gates(x, H, K, seed):
     """The gate as K3 trains it hard: A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1) (fast decay, many
     saturated gates), in place of inputs()'s mild one."""

@@ -118,6 +118,30 @@ def test_short_conv_decode_step_is_one_kernel_and_matches_reference(W, dtype):
     assert torch.equal(tail, tail_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_triton_with_a_window_a_document_matches_reference(dtype):
+    """Packed documents, each with its own left window [N, W-1, C] (a branch forked from a shared prefix),
+    1- and 2-token documents among them: y, dx, dweight and the windows' gradient against the reference."""
+    lens, C, W = [2, 40, 1, 9], 160, 4
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    gen = torch.Generator().manual_seed(5)
+    x, left = torch.randn(1, T, C, generator=gen).to(dtype), torch.randn(len(lens), W - 1, C, generator=gen).to(dtype)
+    w = torch.randn(C, 1, W, generator=gen) * 0.5
+    dy = torch.randn(x.shape, generator=gen).to(dtype)
+    with gpu_like_bf16():
+        y1, (dx1, dw1, dl1) = grads(lambda a, b, c: short_conv(a, b, c, cu, backend="triton"), [x, w, left], dy,
+                                    wrt=(0, 1, 2))
+        tail = short_conv(x, w, left, cu, backend="triton")[1]
+    y2, (dx2, dw2, dl2) = grads(lambda a, b, c: short_conv_reference(a, b, c, cu), [x, w, left], dy, wrt=(0, 1, 2))
+    rel = 1e-5 if dtype == torch.float32 else BF16_ULP
+    assert_close(y1, y2, "y", rel)
+    assert_close(dx1, dx2, "dx", rel)
+    assert_close(dw1, dw2, "dweight", 1e-4)
+    assert_close(dl1, dl2, "dleft", 1e-4 if dtype == torch.float32 else 2 * BF16_ULP)
+    assert torch.equal(tail, short_conv_reference(x, w, left, cu)[1])
+
+
 class _Spy:
     """A kernel that records its launches (grid) and runs."""
 

@@ -16,7 +16,7 @@ from k3rl.kernels.kda import triton_short_conv as tc  # noqa: E402
 TYPES = {  # argument -> Triton type; bf16 activations, fp32 weights and partial sums
     **dict.fromkeys(["x", "left", "y", "dy", "dx", "o", "g", "do", "dg", "tail"], "*bf16"),
     **dict.fromkeys(["w", "dw_part", "rstd", "da"], "*fp32"),
-    "pos": "*i32",
+    **dict.fromkeys(["pos", "doc"], "*i32"),
     **dict.fromkeys(["T", "C", "NT", "n_rows", "per_prog", "B"], "i32"),
     "eps": "fp32",
 }
@@ -38,6 +38,9 @@ def main():
         "short_conv_dx": shared_bytes(tc.short_conv_dx_kernel, dict(W=4, BT=tc.BT, BC=tc.BC, HAS_POS=True)),
         "short_conv_fwd_left": shared_bytes(tc.short_conv_fwd_kernel, decode),
         "short_conv_da_left": shared_bytes(tc.short_conv_da_kernel, dict(da, HAS_POS=False, HAS_LEFT=True), tc.DA_WARPS),
+        # a window a document (a branch forked from a shared prefix)
+        "short_conv_fwd_doc_left": shared_bytes(tc.short_conv_fwd_kernel, dict(conv, HAS_LEFT=True)),
+        "short_conv_da_doc_left": shared_bytes(tc.short_conv_da_kernel, dict(da, HAS_LEFT=True), tc.DA_WARPS),
         "short_conv_decode": shared_bytes(tc.short_conv_decode_kernel, dict(W=4, BB=tc.DECODE_BB, BC=tc.BC)),
         "norm_gate_fwd": shared_bytes(tg.norm_gate_fwd_kernel, gate),
         "norm_gate_bwd": shared_bytes(tg.norm_gate_bwd_kernel, gate),

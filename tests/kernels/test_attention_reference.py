@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from k3rl.kernels.attention import causal_attention
+from k3rl.kernels.attention import causal_attention, shared_prefix_attention
 
 
 def loop_attention(q, k, v, scale, allowed):
@@ -125,3 +125,26 @@ def test_sdpa_packed_bf16_autocast_on_cuda_near_fp32_reference():
     assert rel(*outs) < 1e-2
     for a, b in zip(*grads, strict=True):
         assert rel(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("P", [0, 5])
+def test_shared_prefix_attention_equals_whole_sequences_with_gradients(P):
+    """Branches reading one shared prefix's keys and values: each branch's outputs and every gradient
+    (the prefix's summed over the branches) equal attention over the whole [prefix ; branch] sequences."""
+    H, D, Dv = 2, 8, 4
+    cu = torch.tensor([0, 3, 4, 10])  # branches of 3, 1 and 6 tokens
+    gen = torch.Generator().manual_seed(P)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, kp, vp = r(1, 10, H, D), r(1, 10, H, D), r(1, 10, H, Dv), r(1, P, H, D), r(1, P, H, Dv)
+    a = [x.clone().requires_grad_() for x in (q, k, v, kp, vp)]
+    o = shared_prefix_attention(*a[:3], a[3], a[4], D**-0.5, cu)
+    w = r(*o.shape)
+    (o * w).sum().backward()
+    b = [x.clone().requires_grad_() for x in (q, k, v, kp, vp)]
+    for s0, s1 in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        k_all, v_all = torch.cat([b[3], b[1][:, s0:s1]], 1), torch.cat([b[4], b[2][:, s0:s1]], 1)
+        o_n = causal_attention(b[0][:, s0:s1], k_all, v_all, D**-0.5)
+        assert torch.allclose(o[:, s0:s1], o_n, atol=1e-12)
+        (o_n * w[:, s0:s1]).sum().backward()
+    for x, y in zip(a, b, strict=True):
+        assert torch.allclose(x.grad, y.grad, atol=1e-12)

@@ -32,7 +32,7 @@ def test_island_kernels_compile_for_sm90():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(shared) == 8 and all(n <= 232448 for n in shared.values()), shared
+    assert len(shared) == 10 and all(n <= 232448 for n in shared.values()), shared
 
 
 def test_short_conv_on_cpu_is_the_reference_and_keeps_the_decode_cache():
@@ -46,6 +46,32 @@ def test_short_conv_on_cpu_is_the_reference_and_keeps_the_decode_cache():
     assert torch.equal(tail, torch.cat([left[:, 1:], x[:, :1]], 1))
 
 
+def test_short_conv_window_a_document_is_a_prefix_run_once():
+    """A left window per document (cu_seqlens, [N, W-1, C]): each document's output and new window equal
+    the conv over [prefix ; document] (the prefix's rows as the window), and the window's gradient is
+    what those prefix rows get there (fp32, autograd)."""
+    gen = torch.Generator().manual_seed(1)
+    C, W, lens = 6, 4, [5, 1, 2]  # 1- and 2-token documents: the window reaches past their end
+    x, w = torch.randn(1, sum(lens), C, generator=gen), torch.randn(C, 1, W, generator=gen)
+    pre = torch.randn(len(lens), 7, C, generator=gen)  # each document's prefix (its last W-1 rows: the window)
+    cu = torch.tensor([0, 5, 6, 8])
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    left = pre[:, -(W - 1) :].clone().requires_grad_()
+    y, tail = short_conv(xl, wl, left, cu)
+    dy = torch.randn(y.shape, generator=gen)
+    (y * dy).sum().backward()
+    dw = torch.zeros_like(w)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        xs, ws = torch.cat([pre[n : n + 1], x[:, a:b]], 1).requires_grad_(), w.clone().requires_grad_()
+        ys, tail_s = short_conv_reference(xs, ws)
+        (ys[:, 7:] * dy[:, a:b]).sum().backward()
+        assert torch.allclose(y[:, a:b], ys[:, 7:], atol=1e-6) and torch.equal(tail[n], tail_s[0])
+        assert torch.allclose(xl.grad[:, a:b], xs.grad[:, 7:], atol=1e-6)
+        assert torch.allclose(left.grad[n], xs.grad[0, 7 - (W - 1) : 7], atol=1e-6)
+        dw += ws.grad
+    assert torch.allclose(wl.grad, dw, atol=1e-5)
+
+
 def test_islands_refuse_bad_shapes_and_backends():
     x, w = torch.randn(1, 5, 8), torch.randn(8, 1, 4)
     with pytest.raises(ValueError, match=r"weight \[C, 1, W\]"):
@@ -54,8 +80,8 @@ def test_islands_refuse_bad_shapes_and_backends():
         short_conv(x, w, None, torch.tensor([[0, 5]]))
     with pytest.raises(ValueError, match=r"left must be \[B, W-1, C\] = \(1, 3, 8\)"):
         short_conv(x, w, torch.zeros(1, 4, 8))
-    with pytest.raises(ValueError, match="comes without cu_seqlens"):
-        short_conv(x, w, torch.zeros(1, 3, 8), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"left must be \[N, W-1, C\] \(one window a document of cu_seqlens\) = \(2, 3, 8\)"):
+        short_conv(x, w, torch.zeros(1, 3, 8), torch.tensor([0, 2, 5]))
     with pytest.raises(ValueError, match="backend must be one of"):
         short_conv(x, w, backend="cuda")
     o = torch.randn(1, 5, 2, 8)

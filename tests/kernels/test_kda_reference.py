@@ -83,6 +83,34 @@ def test_varlen_equals_separate_sequences():
         assert (s[i] - s_i[0]).abs().max() < 1e-10
 
 
+def test_forked_state_equals_whole_sequences_with_gradients():
+    """A shared prefix run once, its final state handed to every branch as the branch's initial state
+    (per document, cu_seqlens), gives each [prefix ; branch] sequence's outputs, and every input's gradient
+    (the prefix's summed over its branches, through the final state) equals running the sequences whole.
+    fp64, chunk 16: a prefix of 2 chunks plus 5 tokens, branches of 1..20 tokens."""
+    P, lens, C = 37, [20, 1, 9], 16
+    pre = make_inputs(B=1, T=P, seed=11)[:5]
+    br = make_inputs(B=1, T=sum(lens), seed=12)[:5]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    a = [x.clone().requires_grad_() for x in pre + br]
+    o_p, S_p = chunk_kda_reference(*a[:5], output_final_state=True, chunk_size=C)
+    o_b, _ = chunk_kda_reference(*a[5:], initial_state=S_p.expand(len(lens), -1, -1, -1), cu_seqlens=cu,
+                                 chunk_size=C)
+    w_p, w_b = torch.randn_like(o_p), torch.randn_like(o_b)
+    ((o_p * w_p).sum() + (o_b * w_b).sum()).backward()
+    b = [x.clone().requires_grad_() for x in pre + br]
+    loss = 0
+    for s0, s1 in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        whole = [torch.cat([b[i], b[5 + i][:, s0:s1]], 1) for i in range(5)]
+        o, _ = naive_recurrent_kda(*whole)
+        assert (o[:, P:] - o_b[:, s0:s1]).abs().max() < 1e-10 and (o[:, :P] - o_p).abs().max() < 1e-10
+        # the prefix's outputs counted once (as the tree computes them), each branch's own
+        loss = loss + (o[:, :P] * w_p).sum() / len(lens) + (o[:, P:] * w_b[:, s0:s1]).sum()
+    loss.backward()
+    for x, y in zip(a, b, strict=True):
+        assert (x.grad - y.grad).abs().max() < 1e-9
+
+
 def test_gate_and_l2norm_in_kernel_match_explicit():
     B, T, H, K = 1, 20, 2, 8
     q, k, v, _, beta, S0 = make_inputs(B=B, T=T, H=H, K=K)
