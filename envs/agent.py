@@ -9,12 +9,21 @@ OpenAI-compatible endpoint (`base_url` ends in `/v1`) with any client and return
 which fails the episode with the agent's traceback stored. The rollout drives the episode
 (`rollout/agent_episode.py`): it serves the endpoint, calls `solve` in a thread of the rollout worker's
 process, and trains on the tokens the endpoint recorded. `step` is never called.
+
+With `sandboxed: true` the agent runs inside the episode's sandbox (the job's `sandbox` settings: Docker,
+or bubblewrap), which keeps no network: `solve`'s module file is copied in and imported there alone (its
+imports must be in the sandbox's image; the default image has the standard library, numpy, matplotlib and
+Pillow, so an agent talks HTTP with `urllib`), and its `base_url` is a port on the sandbox's own loopback
+relayed over the sandbox's agent channel to the worker's endpoint (`k3rl.sandboxes.host_call`). The agent's
+tools (a shell, files) then act inside the sandbox; `task` crosses as JSON, the reward comes back as JSON.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+from collections.abc import Callable
 from typing import Any
 
 import gymnasium as gym
@@ -45,13 +54,21 @@ class AgentEnv(gym.Env):
     is_agent_env = True  # the rollout runs `solve` against its endpoint instead of calling step()
 
     def __init__(self, agent: str, tasks: str, max_calls: int = 32, sandboxed: bool = False,
-                 **task_kwargs: Any) -> None:
-        if sandboxed:
-            raise ValueError("k3rl/Agent-v0 sandboxed: true is not built yet: the agent runs in the rollout "
-                             "worker's process; leave sandboxed out")
-        self.solve = load_object(agent, "envs.train.kwargs.agent")
-        if not callable(self.solve):
+                 time_budget_s: float = 600.0, sandbox_factory: Callable[[], Any] | None = None,
+                 sandbox_release: Callable[[Any], None] | None = None, sandbox_backend: str = "auto",
+                 sandbox_limits: dict[str, Any] | None = None, **task_kwargs: Any) -> None:
+        self.agent_fn = load_object(agent, "envs.train.kwargs.agent")
+        if not callable(self.agent_fn):
             raise ValueError(f"agent {agent!r} is not callable: it must be solve(base_url, model, task) -> float")
+        self.sandboxed, self.time_budget_s = bool(sandboxed), float(time_budget_s)
+        self.solve = self.solve_in_sandbox if self.sandboxed else self.agent_fn
+        if self.sandboxed:
+            self.agent_file = inspect.getsourcefile(self.agent_fn)
+            if self.agent_file is None:
+                raise ValueError(f"agent {agent!r}: sandboxed: true copies the agent's module file into the "
+                                 "sandbox, and this function has none (defined in a notebook or interactively?)")
+            self._sandbox_factory, self._sandbox_release = sandbox_factory, sandbox_release
+            self.sandbox_backend, self.sandbox_limits = sandbox_backend, dict(sandbox_limits or {})
         self.tasks = load_object(tasks, "envs.train.kwargs.tasks")
         if not callable(self.tasks) and not (isinstance(self.tasks, (list, tuple)) and self.tasks):
             raise ValueError(f"tasks {tasks!r} must be a non-empty list of dicts or a callable(seed) -> dict")
@@ -69,6 +86,23 @@ class AgentEnv(gym.Env):
             raise ValueError(f"task {seed} is a {type(task).__name__}; tasks must be JSON-able dicts")
         self.task = json.loads(json.dumps(task))  # JSON-able, and the agent gets its own copy
         return json.dumps(self.task, sort_keys=True), {"task_id": str(self.task.get("id", seed)), "task": self.task}
+
+    def solve_in_sandbox(self, base_url: str, model: str, task: dict[str, Any]) -> Any:
+        """`solve` run inside a sandbox of its own (see the module doc); its traceback when it raises."""
+        # the sandbox backends (docker's client among them) load only for a sandboxed agent
+        from k3rl.sandboxes import open_sandbox
+        from k3rl.sandboxes.host_call import call_in_sandbox
+
+        sb = self._sandbox_factory() if self._sandbox_factory is not None else \
+            open_sandbox(backend=self.sandbox_backend, **self.sandbox_limits)
+        try:
+            return call_in_sandbox(sb, self.agent_file, self.agent_fn.__name__, [base_url, model, task], url_arg=0,
+                                   host_url=base_url, timeout_s=self.time_budget_s)
+        finally:
+            if self._sandbox_release is not None:
+                self._sandbox_release(sb)
+            else:
+                sb.close()
 
     def step(self, action: Any):
         raise RuntimeError("k3rl/Agent-v0 is driven by its agent through the chat endpoint; step() is not used")

@@ -56,7 +56,7 @@ import k3rl.envs  # noqa: F401  (registers k3rl/* and the entry points)
 from k3rl.chat import ChatSession, ChatTemplate, Message, ToolCallParseError
 from k3rl.config import JobConfig
 from k3rl.envs.actions import action_to_ids
-from k3rl.envs.base import NoOracleError, is_tool_env
+from k3rl.envs.base import NoOracleError, is_tool_env, registered_entry_point
 from k3rl.images import num_image_tokens
 from k3rl.rollout.context import SUMMARY_REQUEST, Compactor, asks_for_summary, start_segment
 from k3rl.rollout.engine import GenerationResult
@@ -451,6 +451,13 @@ def make_env(spec: EpisodeSpec, cfg: JobConfig, template: ChatTemplate | None = 
         kwargs.setdefault("max_turns", cfg.envs.max_turns)
         kwargs.setdefault("time_budget_s", cfg.envs.episode_time_budget_s)
         kwargs.setdefault("template", template or make_template(cfg))
+        kwargs.setdefault("sandbox_backend", cfg.sandbox.backend)
+        kwargs.setdefault("sandbox_limits", sandbox_limits(cfg))
+        if sandbox_factory is not None:
+            kwargs.setdefault("sandbox_factory", sandbox_factory)
+            kwargs.setdefault("sandbox_release", sandbox_release)
+    elif kwargs.get("sandboxed") and getattr(registered_entry_point(spec.env_id), "is_agent_env", False):
+        kwargs.setdefault("time_budget_s", cfg.envs.episode_time_budget_s)  # a sandboxed agent: the pool's sandboxes
         kwargs.setdefault("sandbox_backend", cfg.sandbox.backend)
         kwargs.setdefault("sandbox_limits", sandbox_limits(cfg))
         if sandbox_factory is not None:

@@ -42,9 +42,10 @@ def engine():
     eng.close()
 
 
-def episodes(engine, agent, seeds):
+def episodes(engine, agent, seeds, sandboxed=False):
     cfg = JobConfig.load(ROOT / "examples" / "demo.yaml", [
-        f"envs.train=[{{id: k3rl/Agent-v0, kwargs: {{agent: '{agent}', tasks: '{LOOP}:task'}}}}]", "envs.eval=[]"])
+        f"envs.train=[{{id: k3rl/Agent-v0, kwargs: {{agent: '{agent}', tasks: '{LOOP}:task', "
+        f"sandboxed: {str(sandboxed).lower()}}}}}]", "envs.eval=[]"])
     template, sampling = make_template(cfg), job_sampling(cfg)
 
     async def generate(ids, params, images=None, key=None, group_key=None):
@@ -90,7 +91,6 @@ def test_an_agent_that_fails_fails_its_episode_with_its_traceback(engine, agent,
     ({"agent": "no_colon", "tasks": f"{LOOP}:task"}, "envs.train.kwargs.agent 'no_colon' must be 'module:attribute'"),
     ({"agent": "nowhere_pkg:solve", "tasks": f"{LOOP}:task"}, "cannot import 'nowhere_pkg'"),
     ({"agent": f"{LOOP}:solve", "tasks": f"{LOOP}:TASKS"}, "has no 'TASKS'"),
-    ({"agent": f"{LOOP}:solve", "tasks": f"{LOOP}:task", "sandboxed": True}, "sandboxed: true is not built yet"),
 ])
 def test_a_bad_agent_or_tasks_path_is_refused_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -114,3 +114,17 @@ def test_a_harness_that_compacts_its_history_trains_as_segments(engine):
         # each call after the first saw a rewritten history: a segment of its own, beginning with that prompt
         assert calls >= 2 and len(t.segment_starts) == calls - 1
         assert t.num_generated == sum(t.loss_mask) and t.segments()[-1].loss_mask.count(1) > 0
+
+
+def test_a_sandboxed_agent_plays_inside_a_sandbox_that_has_no_network(engine):
+    """sandboxed: true: the example agent (plain HTTP, its tool a process over a file in the sandbox) plays
+    inside the sandbox through the relayed loopback port; a check agent sees only `lo` there."""
+    trajs = episodes(engine, "k3rl.examples.agents.sandboxed_agent:solve", range(2), sandboxed=True)
+    assert all(t.error is None and t.terminated for t in trajs), [t.error for t in trajs]
+    assert all(t.metadata["model_calls"] == 2 and t.num_generated == sum(t.loss_mask) > 0 for t in trajs)
+    assert sum(t.reward for t in trajs) >= 1  # the warm start answers from the sandbox's tool output
+    (checked,) = episodes(engine, "agents_in_sandbox:lo_only_agent", [0], sandboxed=True)
+    assert checked.error is None and checked.reward == 1.0 and checked.metadata["model_calls"] == 1
+    (failed,) = episodes(engine, "agents_in_sandbox:raising_agent", [3], sandboxed=True)
+    assert failed.metadata["failed_at"] == "agent"
+    assert "ValueError: broke inside the sandbox on lookup-3" in failed.error
