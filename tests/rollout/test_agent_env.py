@@ -107,7 +107,7 @@ def test_tasks_are_json_dicts_drawn_from_the_seed():
 
 
 def test_a_harness_that_compacts_its_history_trains_as_segments(engine):
-    trajs = episodes(engine, "k3rl.examples.agents.compacting_agent:solve", range(3))
+    trajs = episodes(engine, "k3rl.examples.agents.compacting_agent:solve", range(2))
     assert all(t.error is None for t in trajs), [t.error for t in trajs]
     for t in trajs:
         calls = t.metadata["model_calls"]
