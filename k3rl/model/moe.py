@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3rl.kernels._backend import resolve_backend
 from k3rl.kernels.moe import latent_experts, latent_experts_loop
 
 from . import mxfp4
@@ -135,6 +136,16 @@ class RoutedExperts(nn.Module):
 
     def forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """The learner's forward and the engine's (prefill and decode) under both precisions."""
+        if self.held_dtype is not None and resolve_backend(self.backend, "routed experts (MXFP4)", z,
+                                                           self.w1_packed) == "triton":  # fmt: skip
+            # lazy: triton (Linux only) loads on the first GPU call
+            from k3rl.kernels.moe.triton_mx_experts import mx_experts_triton
+
+            # an engine's MXFP4 bytes on CUDA: the reference path below in kernels (kernels/moe/triton_mx_experts.py),
+            # the bytes read in place, no host sync; dt is the reference's compute dtype
+            held = [getattr(self, f"{n}_{part}") for n in self.NAMES for part in ("packed", "scale")]
+            dt = autocast_dtype(z) or self.held_dtype
+            return mx_experts_triton(z.to(dt), idx, p, *held, self.beta_gate, self.beta_up)
         if self.held_dtype is not None:  # an engine's MXFP4 bytes: the values of the experts this batch uses
             used, idx = torch.unique(idx, return_inverse=True)  # sorted: the experts run in the same order
             w1, w3, w2 = (mxfp4.dequantize(getattr(self, f"{n}_packed")[used], getattr(self, f"{n}_scale")[used],

@@ -83,8 +83,8 @@ def _grouped_experts(z, idx, p, w1, w3, w2, beta_gate: float, beta_up: float) ->
 
 def _routed_experts(experts, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """RoutedExperts.forward without latent_experts' input checks (and without its syncs on CUDA)."""
-    if experts.precision == "mxfp4":  # MXFP4 weights, MXFP8 activations: the learner's own reference path
-        return experts(z, idx, p)
+    if experts.precision == "mxfp4":  # MXFP4 weights, MXFP8 activations: RoutedExperts.forward itself (its held
+        return experts(z, idx, p)  # bytes on CUDA take kernels/moe/triton_mx_experts.py: no host sync there)
     w1, w3, w2 = experts.w1, experts.w3, experts.w2
     if (dt := autocast_dtype(z)) is not None:  # not an autocast op: cast like one (as RoutedExperts does)
         w1, w3, w2 = w1.to(dt), w3.to(dt), w2.to(dt)
