@@ -45,6 +45,7 @@ from ..situ.triton_situ import _tanh
 from . import permute_by_expert
 
 GROUP = 32  # values per E8M0 scale (MXFP4 weights and MXFP8 activations alike)
+G32 = tl.constexpr(GROUP)  # the same, for the kernels
 # decode: rows of W1/W3 a program covers (a multiple of 32: its a rows are quantised in whole blocks) and the
 # reduction step over l; rows of W2 a program covers and the reduction step over f
 BLOCK_F1, BLOCK_L1 = 32, 128
@@ -144,7 +145,7 @@ def _mxfp4_values(packed, scale, rows, mr, cols, mc, N: tl.constexpr):
     m = mr[:, None] & mc[None, :]
     byte = tl.load(packed + r * (N // 2) + (cols // 2)[None, :], mask=m, other=0).to(tl.int32)
     code = (byte >> ((cols % 2) * 4)[None, :]) & 0xF
-    s = tl.load(scale + r * (N // GROUP) + (cols // GROUP)[None, :], mask=m, other=127).to(tl.int32)
+    s = tl.load(scale + r * (N // G32) + (cols // G32)[None, :], mask=m, other=127).to(tl.int32)
     x = (code >> 1) & 3
     mant = code & 1
     mag = tl.where(x == 0, mant, mant + 2).to(tl.float32) * _exp2i(tl.maximum(x, 1) - 2)
@@ -161,9 +162,9 @@ def mxfp8_quantize_kernel(x, el, sc, N: tl.constexpr, BLOCK: tl.constexpr):
     v = tl.load(x + row * N + cols, mask=m, other=0.0).to(tl.float32)
     q, X, finite = _mxfp8_blocks(v[None, :], 1, BLOCK)
     tl.store(el + row * N + cols[None, :], tl.reshape(_e4m3_byte(q), (1, BLOCK)).to(tl.uint8), mask=m[None, :])
-    blocks = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-    tl.store(sc + row * (N // GROUP) + blocks[None, :], tl.where(finite, X + 127, 255).to(tl.uint8),
-             mask=(blocks < N // GROUP)[None, :])  # fmt: skip
+    blocks = tl.program_id(1) * (BLOCK // G32) + tl.arange(0, BLOCK // G32)
+    tl.store(sc + row * (N // G32) + blocks[None, :], tl.where(finite, X + 127, 255).to(tl.uint8),
+             mask=(blocks < N // G32)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -183,8 +184,8 @@ def mx_decode_gate_up_kernel(z, idx, w1p, w1s, w3p, w3s, a, B1: tl.constexpr, B2
         ml = cols < L
         zt = tl.load(z + t.to(tl.int64) * L + cols, mask=ml, other=0.0).to(tl.float32)
         zq = _mxfp8_round_trip(zt[None, :], 1, BLOCK_L).to(dt).to(tl.float32)  # fq8(z_t) in dt, [1, BLOCK_L]
-        b1 = _mxfp4_values(w1p + e * (F * L // 2), w1s + e * (F * L // GROUP), rows, mf, cols, ml, L)
-        b3 = _mxfp4_values(w3p + e * (F * L // 2), w3s + e * (F * L // GROUP), rows, mf, cols, ml, L)
+        b1 = _mxfp4_values(w1p + e * (F * L // 2), w1s + e * (F * L // G32), rows, mf, cols, ml, L)
+        b3 = _mxfp4_values(w3p + e * (F * L // 2), w3s + e * (F * L // G32), rows, mf, cols, ml, L)
         acc_g += tl.sum(b1.to(dt).to(tl.float32) * zq, axis=1)  # g = W1[e] fq8(z_t), summed in fp32
         acc_u += tl.sum(b3.to(dt).to(tl.float32) * zq, axis=1)  # u = W3[e] fq8(z_t)
     g = acc_g.to(dt).to(tl.float32)  # dt(g), as the matmul rounds its output
@@ -213,7 +214,7 @@ def mx_decode_down_kernel(a, idx, order, p, w2p, w2s, y, K: tl.constexpr, L: tl.
             cols = f0 + tl.arange(0, BLOCK_F)
             mf = cols < F
             ar = tl.load(a + r * F + cols, mask=mf, other=0.0).to(tl.float32)
-            b2 = _mxfp4_values(w2p + e * (L * F // 2), w2s + e * (L * F // GROUP), rows, ml, cols, mf, F)
+            b2 = _mxfp4_values(w2p + e * (L * F // 2), w2s + e * (L * F // G32), rows, ml, cols, mf, F)
             acc_h += tl.sum(b2.to(dt).to(tl.float32) * ar[None, :], axis=1)  # h = W2[e] a_r, in fp32
         h = acc_h.to(dt).to(tl.float32)  # dt(h)
         acc_y += pj * h  # y_t += p_tj h_r in fp32 (launched without FMA contraction)
@@ -242,10 +243,10 @@ def mx_grouped_gate_up_kernel(x_el, x_sc, row_token, tile_expert, w1p, w1s, w3p,
             mk = ks < L
             mx = mm[:, None] & mk[None, :]
             xb = tl.load(x_el + tok[:, None] * L + ks[None, :], mask=mx, other=0).to(tl.int32)
-            xs = tl.load(x_sc + tok[:, None] * (L // GROUP) + (ks // GROUP)[None, :], mask=mx, other=127).to(tl.int32)
+            xs = tl.load(x_sc + tok[:, None] * (L // G32) + (ks // G32)[None, :], mask=mx, other=127).to(tl.int32)
             xv = (_e4m3_value(xb) * _e8m0(xs)).to(DT)  # fq8(z) in dt
-            b1 = _mxfp4_values(w1p + e * (F * L // 2), w1s + e * (F * L // GROUP), cols, mn, ks, mk, L).to(DT)
-            b3 = _mxfp4_values(w3p + e * (F * L // 2), w3s + e * (F * L // GROUP), cols, mn, ks, mk, L).to(DT)
+            b1 = _mxfp4_values(w1p + e * (F * L // 2), w1s + e * (F * L // G32), cols, mn, ks, mk, L).to(DT)
+            b3 = _mxfp4_values(w3p + e * (F * L // 2), w3s + e * (F * L // G32), cols, mn, ks, mk, L).to(DT)
             # dt products summed in fp32 (MX values are exact in TF32 too: 4 and 2 significant bits)
             acc_g += tl.dot(xv, tl.trans(b1))
             acc_u += tl.dot(xv, tl.trans(b3))
@@ -256,9 +257,9 @@ def mx_grouped_gate_up_kernel(x_el, x_sc, row_token, tile_expert, w1p, w1s, w3p,
         q, X, finite = _mxfp8_blocks(out, BLOCK_M, BLOCK_N)
         tl.store(a_el + rows[:, None] * F + cols[None, :],
                  tl.reshape(_e4m3_byte(q), (BLOCK_M, BLOCK_N)).to(tl.uint8), mask=mn[None, :])  # fmt: skip
-        blocks = tl.program_id(1) * (BLOCK_N // GROUP) + tl.arange(0, BLOCK_N // GROUP)
-        tl.store(a_sc + rows[:, None] * (F // GROUP) + blocks[None, :], tl.where(finite, X + 127, 255).to(tl.uint8),
-                 mask=(blocks < F // GROUP)[None, :])  # fmt: skip
+        blocks = tl.program_id(1) * (BLOCK_N // G32) + tl.arange(0, BLOCK_N // G32)
+        tl.store(a_sc + rows[:, None] * (F // G32) + blocks[None, :], tl.where(finite, X + 127, 255).to(tl.uint8),
+                 mask=(blocks < F // G32)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -277,10 +278,10 @@ def mx_grouped_down_kernel(a_el, a_sc, tile_expert, w2p, w2s, y, L: tl.constexpr
             ks = k0 + tl.arange(0, BLOCK_K)
             mk = ks < F
             ab = tl.load(a_el + rows[:, None] * F + ks[None, :], mask=mk[None, :], other=0).to(tl.int32)
-            asc = tl.load(a_sc + rows[:, None] * (F // GROUP) + (ks // GROUP)[None, :], mask=mk[None, :],
+            asc = tl.load(a_sc + rows[:, None] * (F // G32) + (ks // G32)[None, :], mask=mk[None, :],
                           other=127).to(tl.int32)  # fmt: skip
             av = (_e4m3_value(ab) * _e8m0(asc)).to(dt)  # fq8(a) in dt
-            b2 = _mxfp4_values(w2p + e * (L * F // 2), w2s + e * (L * F // GROUP), cols, mn, ks, mk, F).to(dt)
+            b2 = _mxfp4_values(w2p + e * (L * F // 2), w2s + e * (L * F // G32), cols, mn, ks, mk, F).to(dt)
             acc += tl.dot(av, tl.trans(b2))
         tl.store(y + rows[:, None] * L + cols[None, :], acc.to(dt), mask=mn[None, :])
 

@@ -109,9 +109,11 @@ def test_expert_kernels_equal_the_engines_reference(path, dtype):
     """bf16 (the engine's dtype on a GPU): bit for bit. fp32: the GEMMs' fp32 sums, in the kernels' order and
     not rounded to a narrower dtype after, keep their order's last bits (here up to 1 value in 8 differs, by
     ~1e-7 relative; one moving an activation across an MXFP8 rounding midpoint would differ by an E4M3 step)."""
-    N, k = (2, 3) if path == "decode" else (9, 2)  # grouped: 18 routes in 16-row tiles, a group over two
+    N, k = (2, 3) if path == "decode" else (12, 2)
     m = held_experts(dtype)
     z, idx, p = routes(N, k, dtype, seed=N * 10 + k)
+    if path == "grouped":  # 18 routes to expert 2: a group over two 16-row tiles, beside smaller groups
+        idx[:, 0], idx[:6, 1] = 2, 2
     ref = m(z, idx, p)  # the reference path: mxfp4.dequantize'd weights, fake_mxfp8 z and SiTU-GLU output
     fn = tmx.mx_decode_experts_triton if path == "decode" else tmx.mx_grouped_experts_triton
     with gpu_like_bf16():
@@ -127,12 +129,12 @@ def test_expert_kernels_equal_the_engines_reference(path, dtype):
 
 def test_routed_experts_take_the_kernels_on_the_triton_backend_under_autocast():
     """RoutedExperts' held bytes with backend 'triton' (CUDA, or here the interpreter) run the kernels: the
-    reference's result, here fp32-held bytes computed in autocast's bf16; many routes take the grouped path."""
+    reference's result, here fp32-held bytes computed in autocast's bf16; one route (4 <= E) takes the decode path."""
     ours, ref = held_experts(torch.float32, backend="triton"), held_experts(torch.float32)
-    z, idx, p = routes(9, 2, torch.float32, seed=5)
+    z, idx, p = routes(1, 1, torch.float32, seed=5)
     calls = []
-    real = tmx.mx_grouped_experts_triton
+    real = tmx.mx_decode_experts_triton
     with pytest.MonkeyPatch.context() as mp, gpu_like_bf16(), torch.autocast("cpu", dtype=torch.bfloat16):
-        mp.setattr(tmx, "mx_grouped_experts_triton", lambda *a: calls.append(1) or real(*a))
+        mp.setattr(tmx, "mx_decode_experts_triton", lambda *a: calls.append(1) or real(*a))
         y, want = ours(z, idx, p), ref(z, idx, p)
     assert calls and y.dtype == torch.bfloat16 and torch.equal(y, want)

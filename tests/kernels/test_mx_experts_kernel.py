@@ -1,8 +1,13 @@
 """The MXFP4-expert kernels (kernels/moe/triton_mx_experts.py): under the interpreter (in a fresh process:
-mx_experts_interpret_cases.py), the grouped path's route layout, the input checks, and on a GPU at k3-small
-sizes against the engine's reference path, eagerly and replayed from a CUDA graph."""
+mx_experts_interpret_cases.py), their build for sm_90 (mx_experts_sm90_check.py), the grouped path's route
+layout, the input checks, and on a GPU at k3-small sizes against the engine's reference path, eagerly and
+replayed from a CUDA graph."""
 
 import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +22,19 @@ BG, BU = 4.0, 25.0
 @pytest.mark.slow
 def test_mx_experts_kernels_under_the_interpreter():
     run_interpreted("mx_experts_interpret_cases.py")
+
+
+@pytest.mark.slow  # seconds: make test runs it, make test-fast leaves it out
+@has_triton
+def test_mx_experts_kernels_compile_for_sm90():
+    """Every kernel builds for Hopper with triton's own compiler at K3's sizes in bf16 (mx_experts_sm90_check.py)."""
+    script = pathlib.Path(__file__).with_name("mx_experts_sm90_check.py")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(shared) == sorted(["mxfp8_quantize", "decode_gate_up", "decode_down", "grouped_gate_up",
+                                     "grouped_down", "combine"])  # fmt: skip
+    assert all(nbytes <= 232448 for nbytes in shared.values())  # the shared memory one block may use on sm_90
 
 
 @has_triton
