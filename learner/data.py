@@ -22,7 +22,14 @@ Advantages: one per trajectory ([N]) broadcast to its positions, or one per comp
 
 Sequences are packed first-fit-decreasing into micro-batches of at most
 `micro_batch_tokens` positions (a longer sequence gets a micro-batch of its own), so the
-step sees a few dense micro-batches instead of padded rows. With data parallelism the
+step sees a few dense micro-batches instead of padded rows.
+
+Shared prefixes (`shared_prefix=True`, learner/prefix_tree.py): the samples of a group that agree on
+their leading positions are packed together as one unit that costs its tree's tokens (the shared
+positions once, then each sample's rest), and the micro-batch's forward inputs (`input_ids`,
+`cu_seqlens`, `targets`, `routed_experts`) are the tree stream's; the loss columns stay per position
+of the unshared layout, which `tree.index` maps onto the tree. Trajectories with context segments or
+images are packed whole. With data parallelism the
 micro-batches are dealt round-robin to the ranks and the short ranks get a zero-weight
 copy of a real micro-batch, so every rank runs the same number of forward passes.
 """
@@ -41,6 +48,7 @@ from k3rl.kernels.varlen import remember_host_copy, remember_host_offsets
 from k3rl.types import Trajectory
 
 from .losses import aggregation_weights
+from .prefix_tree import Document, PrefixTree, build_tree, shared_positions
 
 __all__ = ["MicroBatch", "pack_lengths", "build_micro_batches", "shard_micro_batches", "sequence_length"]
 
@@ -61,10 +69,18 @@ class MicroBatch:
     images: list[bytes] = field(default_factory=list)  # PNG bytes, in the order of their pad runs
     # build_micro_batches(defer=True): the LOSS_COLUMNS above are None until `ready()` builds them
     pending: Callable[[], dict[str, torch.Tensor]] | None = None
+    # shared prefixes: the forward inputs above are this tree's stream, the loss columns the unshared positions
+    tree: PrefixTree | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the forward runs (the tree stream's, with shared prefixes)."""
         return int(self.input_ids.shape[1])
+
+    @property
+    def positions(self) -> int:
+        """Positions of the unshared packed layout (what the loss columns cover)."""
+        return int(self.tree.index.numel()) if self.tree is not None else self.num_tokens
 
     def media(self, model):
         """Its images, decoded and preprocessed for `model` (`as_media`); None without images."""
@@ -86,6 +102,7 @@ class MicroBatch:
         device = torch.device(device)
         cuda = device.type == "cuda" and torch.cuda.is_available()
         moved = {k: _move(v, device) for k, v in self.__dict__.items()}
+        moved["tree"] = self.tree.to(device) if self.tree is not None else None
         if cuda and self.cu_seqlens.device.type == "cpu":
             remember_host_offsets(moved["cu_seqlens"], self.cu_seqlens.tolist())
             remember_host_copy(moved["input_ids"], self.input_ids)  # the model's media check reads it
@@ -162,6 +179,7 @@ def build_micro_batches(
     top_k: int = 0,
     loss_norm_tokens: int | None = None,
     defer: bool = False,
+    shared_prefix: bool = False,
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
@@ -170,7 +188,8 @@ def build_micro_batches(
     any trajectory has them. With `defer`, the loss columns (`LOSS_COLUMNS`: the trajectories'
     loss masks, log-probs and versions, turned from lists into tensors) are built by each micro-batch's
     `ready()`: the forward needs only the tokens, so the trainer queues it first and converts
-    the rest while the GPU runs it (that conversion would otherwise leave the GPU idle).
+    the rest while the GPU runs it (that conversion would otherwise leave the GPU idle). With
+    `shared_prefix`, each group's common leading positions run once (the module docstring).
     """
     _check(trajectories)
     n = len(trajectories)
@@ -194,7 +213,11 @@ def build_micro_batches(
             keep[[b - 1 for b in t.segment_starts]] = False
         cols = tuple(x if x is None or keep is None else x[keep] for x in (tokens[:-1], tokens[1:], routes))
         per.append((*cols, keep, [hi - lo - 1 for lo, hi in t.segment_bounds]))
-    groups = pack_lengths([p[0].numel() for p in per], micro_batch_tokens)
+    units = [[s] for s in range(n)]  # what packing keeps together: one trajectory, or a sharing group
+    if shared_prefix:
+        units = _sharing_units(trajectories, per)
+    costs = [sum(per[s][0].numel() for s in u) - (len(u) - 1) * _shared(u, per) for u in units]
+    groups = [sorted(s for u in b for s in units[u]) for b in pack_lengths(costs, micro_batch_tokens)]
 
     @cache
     def loss_columns() -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, list[int]]:
@@ -235,18 +258,62 @@ def build_micro_batches(
         lens = [n for s in group for n in per[s][4]]
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+        ids, targets = torch.cat([per[s][0] for s in group]), torch.cat([per[s][1] for s in group])
+        routes = torch.cat([per[s][2] for s in group]) if want_routes else None
+        tree = None
+        if shared_prefix:
+            docs = [_document(trajectories[s], per[s]) for s in group]
+            ids, targets, routes, tree = build_tree([d for doc in docs for d in doc])
+            cu = tree.cu_seqlens
         mb = MicroBatch(
-            input_ids=torch.cat([per[s][0] for s in group])[None],
+            input_ids=ids[None],
             cu_seqlens=cu,
-            targets=torch.cat([per[s][1] for s in group]),
+            targets=targets,
             **dict.fromkeys(LOSS_COLUMNS),
-            routed_experts=torch.cat([per[s][2] for s in group])[None] if want_routes else None,
+            routed_experts=routes[None] if want_routes else None,
             traj_indices=list(group),
             images=[img for s in group for img in trajectories[s].images],
             pending=lambda group=group: group_columns(group),
+            tree=tree,
         )
         out.append(mb if defer else mb.ready())
     return out
+
+
+def _shareable(t: Trajectory) -> bool:
+    """A trajectory whose positions may be shared with its group's (one sequence, no images)."""
+    return bool(t.group_id) and not t.segment_starts and not t.images
+
+
+def _document(t: Trajectory, p: tuple) -> list[Document]:
+    """A trajectory's documents of the unshared packed layout (one a context segment), its group on them
+    when it may share."""
+    inputs, targets, routes, _, seg_lens = p
+    if len(seg_lens) == 1:
+        return [Document(inputs, targets, routes, t.group_id if _shareable(t) else None)]
+    cuts = np.cumsum([0] + seg_lens).tolist()
+    return [Document(inputs[a:b], targets[a:b], None if routes is None else routes[a:b])
+            for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _sharing_units(trajectories: list[Trajectory], per: list[tuple]) -> list[list[int]]:
+    """Packing units: each group whose shareable members agree on at least one leading position, and every
+    other trajectory alone (in the order of their first trajectory)."""
+    by_group: dict[str, list[int]] = {}
+    for s, t in enumerate(trajectories):
+        if _shareable(t):
+            by_group.setdefault(t.group_id, []).append(s)
+    together = {members[0]: members for members in by_group.values()
+                if len(members) > 1 and _shared(members, per) > 0}  # fmt: skip
+    inside = {s for members in together.values() for s in members}
+    return [together.get(s, [s]) for s in range(len(trajectories)) if s in together or s not in inside]
+
+
+def _shared(unit: list[int], per: list[tuple]) -> int:
+    """The positions a unit's members share (0 for one trajectory)."""
+    if len(unit) < 2:
+        return 0
+    return shared_positions([Document(per[s][0], per[s][1], per[s][2]) for s in unit])
 
 
 def _routes(t: Trajectory, s: int, P: int, L: int, num_moe_layers: int, top_k: int) -> torch.Tensor:

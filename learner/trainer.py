@@ -34,6 +34,7 @@ the QB bias update, MoonEP's replan), `parallelize.py` the sharding applied to t
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -64,6 +65,8 @@ from .qk_clip import MaxLogitTracker, QKClip
 from .update import apply_qk_clip, clip_and_step, lr_at, moon_ep_step, qb_update, sft_lr_at
 
 __all__ = ["Trainer", "lr_at"]
+
+log = logging.getLogger(__name__)
 
 
 def _to_host(tree):
@@ -166,6 +169,14 @@ class Trainer:
                              "which context parallelism splits across ranks; use estimator: sampled with "
                              "learner.context_parallel, or train without context parallelism")
 
+        # shared-prefix training (learner/prefix_tree.py), where it applies; else every sequence packed whole
+        self.shared_prefix = getattr(config, "shared_prefix", False)
+        off = self._shared_prefix_off() if self.shared_prefix else None
+        if off:
+            log.warning("learner.shared_prefix: packing every sequence whole instead: %s", off)
+            self.shared_prefix = False
+        self.prefix_stats = {"positions": 0, "tree_tokens": 0, "shared": 0}  # this step's, for the metrics
+
         self.step = 0  # RL optimizer steps done
         self.lr_scale = 1.0  # cut by the collapse guard's rollbacks (k3rl/guard.py)
         self._good: tuple | None = None  # the last good policy's weights and optimizer state (snapshot)
@@ -199,6 +210,25 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     # helpers
     # ------------------------------------------------------------------------------------
+    def _prefix_metrics(self) -> dict[str, float]:
+        """The step's shared-prefix statistics (then reset): the fraction of its positions that lie in a
+        shared prefix, and the tokens the forward did not run thanks to it (per forward pass)."""
+        st, self.prefix_stats = self.prefix_stats, {"positions": 0, "tree_tokens": 0, "shared": 0}
+        if not self.shared_prefix:
+            return {}
+        return {"learner/shared_prefix_fraction": st["shared"] / max(1, st["positions"]),
+                "learner/shared_prefix_tokens_saved": float(st["positions"] - st["tree_tokens"])}
+
+    def _shared_prefix_off(self) -> str | None:
+        """Why shared prefixes cannot apply to this trainer (None: they can)."""
+        if self.context_parallel is not None:
+            return "context parallelism splits each packed sequence over ranks, which the prefix tree does not do"
+        if self.max_logits is not None:
+            return "QK-Clip's max logits are taken per packed document, missing the branches' reads of their prefix"
+        if exact_teachers(self.teachers):
+            return "exact-KL teachers score the packed sequences position by position, not the tree"
+        return None
+
     def _autocast(self):
         if not self.cfg.bf16:
             return nullcontext()
@@ -235,7 +265,7 @@ class Trainer:
         if probe:
             with torch.no_grad(), self._autocast(), self._qb_paused():
                 _, own = self.model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, return_routing=True,
-                                    context_parallel=self.context_parallel)
+                                    context_parallel=self.context_parallel, prefix_tree=mb.tree)
             if routes is not None:
                 routes = torch.where(routes < 0, own.to(routes.dtype), routes)
         return routes
@@ -249,7 +279,9 @@ class Trainer:
             out = model(mb.input_ids, images=media, cu_seqlens=mb.cu_seqlens, routed_experts=routes,
                         targets=mb.targets[None], context_parallel=self.context_parallel,
                         temperature=self.temperature if temperature is None else temperature,
-                        distill_from=distill_from)
+                        distill_from=distill_from, prefix_tree=mb.tree)
+        if mb.tree is not None:  # tree positions -> the unshared positions the loss columns cover
+            out = tuple(mb.tree.unshare(x) for x in out)
         if distill_from:
             return out[0][0], out[1][0], out[2][:, 0]
         return out[0][0], out[1][0]
@@ -268,8 +300,13 @@ class Trainer:
             num_moe_layers=n_moe if self.cfg.routing_replay else 0, top_k=k,
             loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
             defer=self.context_parallel is None,  # loss columns built after the forward is queued
+            shared_prefix=self.shared_prefix,
         )  # fmt: skip
-        total_positions = sum(mb.num_tokens for mb in mbs)
+        total_positions = sum(mb.positions for mb in mbs)
+        for mb in mbs:  # positions in a shared prefix (once per sample reading it) and the tokens run
+            self.prefix_stats["positions"] += mb.positions
+            self.prefix_stats["tree_tokens"] += mb.num_tokens
+            self.prefix_stats["shared"] += mb.tree.shared if mb.tree is not None else 0
         # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
         cp = self.context_parallel and self.cfg.context_parallel or 1
         groups = self.world_size // cp
@@ -438,6 +475,7 @@ class Trainer:
             "step": float(self.step),
             "step_time_s": dt,
             "tokens_per_s": total_positions * epochs / dt if dt > 0 else 0.0,
+            **self._prefix_metrics(),
         }
         return metrics
 
@@ -487,6 +525,7 @@ class Trainer:
             "sft_step": float(self.sft_step_count),
             "step_time_s": dt,
             "tokens_per_s": total_positions / dt if dt > 0 else 0.0,
+            **self._prefix_metrics(),
         }
 
     @torch.no_grad()

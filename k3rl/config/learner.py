@@ -216,6 +216,12 @@ class LearnerSection(_Section):
                                "docs/learning.md: RL's reward says nothing of the message format, so without it the "
                                "format drifts, and a malformed answer that buys a retry is worth a second try)")
     micro_batch_tokens: int = Field(4096, ge=16)
+    shared_prefix: bool = Field(
+        False, description="shared-prefix training: the leading positions a group's samples agree on (the prompt, "
+                           "shared earlier turns) run once, KDA's state and conv window and MLA's keys handed to every "
+                           "sample's rest (learner/prefix_tree.py); the same loss and gradients as packing each "
+                           "sample whole. Falls back to that, with a log line, under context parallelism, QK-Clip or "
+                           "exact-KL teachers; trajectories with images or context segments are packed whole")
     grad_clip: float = Field(1.0, gt=0)
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
     bf16: bool = False

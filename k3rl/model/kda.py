@@ -94,7 +94,9 @@ class KimiDeltaAttention(nn.Module):
     ) -> torch.Tensor:
         """`context_parallel`: a `learner.context_parallel_layers.ContextParallel`; x is then this
         rank's shard of one packed sequence and `cu_seqlens` the whole sequence's documents: the
-        short convolutions and the recurrence run through its collectives (KCP)."""
+        short convolutions and the recurrence run through its collectives (KCP). A
+        `learner.prefix_tree.PrefixTree` comes the same way (x: its tree stream): branches start from
+        their shared prefix's state and conv window."""
         B, T, _ = x.shape
         H, D, P = self.num_heads, self.head_dim, self.proj_dim
         if cache is not None and cu_seqlens is not None:

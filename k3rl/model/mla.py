@@ -80,14 +80,18 @@ class GatedMLA(nn.Module):
         c = self.kv_a_layernorm(c)
         return torch.cat([c, kx.to(c.dtype)], dim=-1)
 
-    def naive_attention(self, q: torch.Tensor, lat: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
-        """Materialise k_n, v per head from the latent and call the causal attention op; fp32 [B, T, H, dv]."""
+    def keys_values(self, lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys k_h = [k_n,h ; kx] [B, S, H, dn + dr] and values [B, S, H, dv] from the latent."""
         B, S, _ = lat.shape
         H = self.num_heads
         c, kx = lat.split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c).reshape(B, S, H, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, kx.unsqueeze(2).expand(B, S, H, self.rope_dim).to(k_nope.dtype)], dim=-1)
+        return torch.cat([k_nope, kx.unsqueeze(2).expand(B, S, H, self.rope_dim).to(k_nope.dtype)], dim=-1), v
+
+    def naive_attention(self, q: torch.Tensor, lat: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """Materialise k_n, v per head from the latent and call the causal attention op; fp32 [B, T, H, dv]."""
+        k, v = self.keys_values(lat)
         return causal_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, cu_seqlens=cu_seqlens, backend=self.backend)
 
     def absorbed_attention(self, q: torch.Tensor, lat: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
@@ -119,7 +123,9 @@ class GatedMLA(nn.Module):
     ) -> torch.Tensor:
         """`context_parallel`: a `learner.context_parallel_layers.ContextParallel`; x is then this
         rank's shard of one packed sequence and `cu_seqlens` the whole sequence's documents: its
-        queries attend over the whole sequence's latent (gathered from every rank)."""
+        queries attend over the whole sequence's latent (gathered from every rank). A
+        `learner.prefix_tree.PrefixTree` comes the same way (x: its tree stream): branches read their
+        shared prefix's keys."""
         B, T, _ = x.shape
         x = matmul_input(x)  # three projections read x: cast once under autocast
         q = self.queries(x)

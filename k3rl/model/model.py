@@ -248,6 +248,7 @@ class K3ForCausalLM(nn.Module):
         temperature: float = 1.0,
         distill_from=(),
         return_hidden: bool = False,
+        prefix_tree=None,
     ):
         """Logits [B, T, V]; with `return_routing`, also the experts used [B, T, n_moe_layers, k].
 
@@ -274,6 +275,10 @@ class K3ForCausalLM(nn.Module):
           packed sequence, `cu_seqlens` the whole sequence's documents; the outputs are this rank's
           shard of the whole sequence's. KDA and MLA exchange what they need; the rest works per
           position. No images or cache.
+        - `prefix_tree`: a `learner.prefix_tree.PrefixTree` (shared-prefix training): `input_ids` is its
+          tree stream (each group's shared prefix once, then every sample's branch) and `cu_seqlens` its
+          documents; KDA and MLA layers hand the prefix's state, conv window and keys to the branches
+          through it (the same hooks as `context_parallel`). No images, cache or context parallelism.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -286,6 +291,10 @@ class K3ForCausalLM(nn.Module):
                 "document boundaries), and no cache or images (the vision tower does not run context-parallel; "
                 "train image episodes without it)"
             )
+        if prefix_tree is not None and (context_parallel is not None or cache is not None or images is not None
+                                        or cu_seqlens is None or T != prefix_tree.num_tokens):
+            raise ValueError("prefix_tree runs a packed tree stream for training: pass its cu_seqlens and tokens, and "
+                             "no cache, images or context_parallel")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the cache holds {cache.batch_size} sequences but input_ids has batch {B}")
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token
@@ -312,6 +321,7 @@ class K3ForCausalLM(nn.Module):
         step = cache.decode_step(T) if cache is not None else None
         bank, partial = [], h
         routes: list[torch.Tensor] = []
+        mixing = context_parallel if context_parallel is not None else prefix_tree  # what KDA and MLA layers call
         for layer in self.model.layers:
             entry = cache.layer(layer.layer_idx) if cache is not None else None
             replay = None
@@ -319,9 +329,9 @@ class K3ForCausalLM(nn.Module):
                 replay = routed_experts[:, :, len(routes)].reshape(B * T, k)
             if use_ckpt:
                 bank, partial, routing = checkpoint(layer, bank, partial, cu_seqlens, None, None, replay,
-                                                    context_parallel, use_reentrant=False)
+                                                    mixing, use_reentrant=False)
             else:
-                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, step, replay, context_parallel)
+                bank, partial, routing = layer(bank, partial, cu_seqlens, entry, step, replay, mixing)
             if routing is not None:
                 routes.append(routing.topk_idx)
                 if accumulate_qb:  # outside checkpointing: a recompute never counts twice

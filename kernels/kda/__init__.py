@@ -21,12 +21,19 @@ from .chunk import chunk_kda
 from .chunk_reference import chunk_kda_reference, kda_chunk_transition, kda_transition
 from .fused_recurrent import fused_recurrent_kda
 from .gate import kda_gate, l2norm
-from .islands import output_norm_gate, output_norm_gate_reference, short_conv, short_conv_reference
+from .islands import (
+    document_windows,
+    output_norm_gate,
+    output_norm_gate_reference,
+    short_conv,
+    short_conv_reference,
+)
 from .naive import naive_recurrent_kda
 
 __all__ = [
     "chunk_kda",
     "chunk_kda_reference",
+    "document_windows",
     "fused_recurrent_kda",
     "kda_chunk_transition",
     "kda_gate",
