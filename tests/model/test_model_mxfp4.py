@@ -38,6 +38,18 @@ def test_quantising_rounds_to_nearest_with_ties_to_the_even_code():
     assert mxfp4.dequantize(packed, scale, torch.float32)[:10].tolist() == [6, -3, 0.5, 0, 1, 1, 2, 2, 4, 4]
 
 
+def test_negative_values_round_ties_to_the_even_code_and_saturate_like_positive_ones():
+    # amax 6.9 -> scale 2^0 (byte 127, 6.9 = 1.725 * 2^2 is below the 1.75 that rounds up); codes by hand:
+    #   -6.9 saturates -> -6 (8|7 = 15);  -0.25 tie 0/0.5 -> -0 (8);  -0.75 tie -> -1 (10);  -1.25 tie -> -1 (10);
+    #   -1.75 tie -> -2 (12);  -2.5 tie -> -2 (12);  -3.5 tie -> -4 (14);  -5 tie -> -4 (14);  -5.5 -> -6 (15);  -0.3 -> -0.5 (9)
+    x = torch.tensor([-6.9, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -5.5, -0.3] + [0.0] * 22)
+    packed, scale = mxfp4.quantize(x)
+    assert scale.tolist() == [127]
+    assert packed.tolist() == [0x8F, 0xAA, 0xCC, 0xEE, 0x9F] + [0] * 11
+    back = mxfp4.dequantize(packed, scale, torch.float32)[:10]
+    assert back.tolist() == [-6, 0, -1, -1, -2, -2, -4, -4, -6, -0.5] and bool(torch.signbit(back[1]))
+
+
 @pytest.mark.parametrize(("amax", "scale_byte", "top"), [
     (6.0, 127, 6.0),        # 6 = 1.5 * 2^2: e = 2 - 2 = 0
     (6.9, 127, 6.0),        # 1.725 * 2^2, below 1.75: e = 0, 6.9 saturates to 6
