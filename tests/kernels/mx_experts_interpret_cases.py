@@ -107,9 +107,10 @@ def test_quantiser_kernel_is_mx_py_byte_for_byte():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_expert_kernels_equal_the_engines_reference(path, dtype):
     """bf16 (the engine's dtype on a GPU): bit for bit. fp32: the GEMMs' fp32 sums, in the kernels' order and
-    not rounded to a narrower dtype after, keep their order's last bits (here up to 1 value in 8 differs, by
-    ~1e-7 relative; one moving an activation across an MXFP8 rounding midpoint would differ by an E4M3 step)."""
-    N, k = (2, 3) if path == "decode" else (12, 2)
+    not rounded to a narrower dtype after, keep their order's last bits: equal here, but on other data up to 1
+    value in 8 differed by ~1e-7 relative (and once, of 12 cases, an activation moved across an MXFP8 rounding
+    midpoint: 1.8e-4 relative); in bf16 no difference in those 12 cases."""
+    N, k = (2, 2) if path == "decode" else (12, 2)
     m = held_experts(dtype)
     z, idx, p = routes(N, k, dtype, seed=N * 10 + k)
     if path == "grouped":  # 18 routes to expert 2: a group over two 16-row tiles, beside smaller groups
