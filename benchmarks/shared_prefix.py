@@ -1,0 +1,151 @@
+"""Shared-prefix training against packing every sample whole: the learner's step time and peak memory.
+
+    # CPU, a tiny shape (a check that it runs; CPU timings say little about a GPU)
+    python benchmarks/shared_prefix.py --preset k3-tiny --groups 2 --group-sizes 4 --prompts 256 --completion 32
+    # one H200 (issue 25, item 4): k3-small, groups of 8 and 16, shared prompts of 1K, 4K and 16K tokens
+    python benchmarks/shared_prefix.py --preset k3-small --device cuda --group-sizes 8 16 --prompts 1024 4096 16384 \
+        --completion 256 --json shared_prefix.json
+
+Each case is one RL batch of `--groups` groups, every sample of a group with the same prompt of P tokens
+and a completion of its own of C tokens (loss on the completion). The same batch is trained with
+`learner.shared_prefix` off (each sample packed whole) and on (each group's prompt run once, forked to
+its samples: learner/prefix_tree.py), alternately, `--steps` times each after `--warmup` steps of each,
+on one model; the step is `Trainer.train_step` (forward, loss, backward, clipping, the optimizer). The
+report: median step seconds of each, their ratio, the tokens each forward ran, the shared fraction, and
+on CUDA the peak memory allocated in a step of each (reset before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+if importlib.util.find_spec("k3rl") is None:  # not installed: the source tree (an installed k3rl wins)
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3rl.config import LearnerSection  # noqa: E402
+from k3rl.learner.trainer import Trainer  # noqa: E402
+from k3rl.model import K3Config, K3ForCausalLM  # noqa: E402
+from k3rl.types import Trajectory  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grouped_batch(groups: int, size: int, prompt: int, completion: int, seed: int) -> list[Trajectory]:
+    """`groups` x `size` trajectories: one prompt a group, a completion a sample (byte-range ids: never
+    the media placeholder)."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        p = [rng.randrange(256) for _ in range(prompt)]
+        for _ in range(size):
+            out.append(Trajectory(
+                env_id="bench", group_id=f"g{g}", prompt_ids=p,
+                completion_ids=[rng.randrange(256) for _ in range(completion)],
+                logprobs=[-5.7 + rng.uniform(-0.3, 0.3) for _ in range(completion)],
+                loss_mask=[1] * completion, versions=[0] * completion, reward=rng.random(),
+            ))  # fmt: skip
+    return out
+
+
+def timed_step(trainer: Trainer, batch: list[Trajectory], device: torch.device) -> tuple[float, float | None, dict]:
+    """(seconds, peak GiB allocated during the step on CUDA, the step's metrics)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t = time.perf_counter()
+    metrics = trainer.train_step(batch)
+    sync(device)
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return seconds, peak, metrics
+
+
+def run_case(model, args, device, size: int, prompt: int) -> dict:
+    bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
+    seq = prompt + args.completion - 1  # positions a sample packs
+    budget = args.micro_batch_tokens or max(seq, 16)
+    trainers = {}
+    for shared in (False, True):
+        cfg = LearnerSection(micro_batch_tokens=budget, bf16=bf16, routing_replay=False, shared_prefix=shared,
+                             activation_checkpointing=args.activation_checkpointing, optimizer="adamw", lr=1e-6,
+                             steps=10**6)  # fmt: skip
+        trainers[shared] = Trainer(model, cfg, device=device)  # one model: the two see the same weights
+    batch = grouped_batch(args.groups, size, prompt, args.completion, seed=size * 100_003 + prompt)
+    times = {False: [], True: []}
+    peaks = {False: [], True: []}
+    metrics = {}
+    for i in range(args.warmup + args.steps):
+        for shared in (False, True):  # alternated: drift on the machine hits both alike
+            s, peak, m = timed_step(trainers[shared], batch, device)
+            if i >= args.warmup:
+                times[shared].append(s)
+                peaks[shared].append(peak)
+            metrics[shared] = m
+    packed, tree = statistics.median(times[False]), statistics.median(times[True])
+    on = metrics[True]
+    return {
+        "group_size": size, "groups": args.groups, "prompt": prompt, "completion": args.completion,
+        "positions": int(on["tokens"]),
+        "tree_tokens": int(on["tokens"] - on["learner/shared_prefix_tokens_saved"]),
+        "shared_fraction": on["learner/shared_prefix_fraction"],
+        "packed_step_s": packed, "shared_step_s": tree, "speedup": packed / tree,
+        "packed_peak_gib": max(peaks[False]) if device.type == "cuda" else None,
+        "shared_peak_gib": max(peaks[True]) if device.type == "cuda" else None,
+        "micro_batch_tokens": budget, "micro_batches": {"packed": metrics[False]["micro_batches"],
+                                                        "shared": on["micro_batches"]},
+    }  # fmt: skip
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="k3-tiny", choices=["k3-tiny", "k3-small"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--groups", type=int, default=1, help="groups a batch")
+    ap.add_argument("--group-sizes", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[1024, 4096, 16384], help="shared prompt lengths")
+    ap.add_argument("--completion", type=int, default=256)
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="default: one sample's positions (prompt + completion - 1), so packing whole runs one "
+                         "sample a micro-batch and the tree a group's prompt and as many branches as fit")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for cuda")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = K3ForCausalLM(K3Config.preset(args.preset))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{args.preset} on {name}; {args.groups} group(s) a batch, completion {args.completion}")
+    print(f"{'G':>3} {'prompt':>6} {'positions':>9} {'tree':>7} {'shared':>6} {'packed s':>9} {'shared s':>9} "
+          f"{'x':>5} {'peak GiB packed/shared':>22}")
+    results = []
+    for size in args.group_sizes:
+        for prompt in args.prompts:
+            r = run_case(model, args, device, size, prompt)
+            results.append(r | {"preset": args.preset, "device": name, "bf16": args.bf16})
+            mem = "-" if r["packed_peak_gib"] is None else f"{r['packed_peak_gib']:.2f}/{r['shared_peak_gib']:.2f}"
+            print(f"{size:>3} {prompt:>6} {r['positions']:>9} {r['tree_tokens']:>7} {r['shared_fraction']:>6.2f} "
+                  f"{r['packed_step_s']:>9.3f} {r['shared_step_s']:>9.3f} {r['speedup']:>5.2f} {mem:>22}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
