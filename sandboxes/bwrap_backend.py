@@ -46,6 +46,7 @@ from .seccomp import filter_program
 from .types import (
     BackendUnavailableError,
     ExecResult,
+    SandboxClosedError,
     SandboxDeadError,
     SandboxError,
     SandboxFileError,
@@ -229,6 +230,8 @@ class BwrapSandbox(Sandbox):
     # RLIMIT_FSIZE, and the whole folder after each call, when the newest files go until it fits (Docker's
     # tmpfs would have refused their writes: ENOSPC)
     def exec(self, cmd, timeout=None, stdin=None, env=None, workdir=None) -> ExecResult:
+        if self._closed:
+            raise SandboxClosedError(f"sandbox {self.id} is closed")
         if self.cgroup is None and self.host_pid is None:
             self._start_agent()  # the watch below needs the sandbox's processes to exist
         watch = (MemoryWatch(self.host_pid, self.limits.memory_mb << 20) if self.cgroup is None and self.host_pid
