@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -32,9 +33,14 @@ _BACKGROUND: dict = {}  # "runner": the runner process, "folder": its results
 
 
 def pytest_collection_finish(session):
-    """Start the selected background jobs (tests marked `background`) in one runner process, in test order."""
+    """Start the selected background jobs (tests marked `background`) in one runner process, in test order;
+    tell tests/kernels/interpreter_run.py which interpreter case files the selected tests run (one process)."""
     if session.config.option.collectonly:
         return
+    interpreter_run = sys.modules.get("interpreter_run")
+    if interpreter_run is not None:
+        interpreter_run.WANTED.update(mark.args[0] for item in session.items
+                                      for mark in item.iter_markers("interpreter_cases"))
     jobs = [f"{item.path}:{mark.args[0]}" for item in session.items
             for mark in item.iter_markers("background")]
     if jobs:

@@ -21,6 +21,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @has_triton
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("attnres_interpret_cases.py")
 def test_aggregate_kernel_under_the_interpreter():
     run_interpreted("attnres_interpret_cases.py")
 

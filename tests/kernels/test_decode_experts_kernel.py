@@ -26,6 +26,7 @@ def inputs(N, k, E, L, F, dtype, device="cpu", seed=0):
 
 @has_triton
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("decode_experts_interpret_cases.py")
 def test_decode_experts_kernel_under_the_interpreter():
     run_interpreted("decode_experts_interpret_cases.py")
 

@@ -19,6 +19,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("islands_interpret_cases.py")
 def test_island_kernels_under_the_interpreter():
     run_interpreted("islands_interpret_cases.py")
 

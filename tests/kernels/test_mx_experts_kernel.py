@@ -20,6 +20,7 @@ BG, BU = 4.0, 25.0
 
 @has_triton
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("mx_experts_interpret_cases.py")
 def test_mx_experts_kernels_under_the_interpreter():
     run_interpreted("mx_experts_interpret_cases.py")
 

@@ -16,6 +16,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
 @has_triton
+@pytest.mark.interpreter_cases("rmsnorm_interpret_cases.py")
 def test_rms_norm_kernel_under_the_interpreter():
     run_interpreted("rmsnorm_interpret_cases.py")
 

@@ -16,6 +16,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @has_triton
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("routes_interpret_cases.py")
 def test_route_kernels_under_the_interpreter():
     run_interpreted("routes_interpret_cases.py")
 

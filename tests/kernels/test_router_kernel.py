@@ -20,6 +20,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 @has_triton
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("router_interpret_cases.py")
 def test_route_topk_kernel_under_the_interpreter():
     run_interpreted("router_interpret_cases.py")
 

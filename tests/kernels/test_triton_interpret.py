@@ -9,5 +9,6 @@ from interpreter_run import run_interpreted
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.slow
+@pytest.mark.interpreter_cases("interpret_cases.py")
 def test_triton_kernels_under_the_interpreter():
     run_interpreted("interpret_cases.py")
