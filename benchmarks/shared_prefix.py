@@ -1,15 +1,24 @@
 """Shared-prefix training against packing every sample whole: the learner's step time and peak memory.
 
     # CPU, a tiny shape (a check that it runs; CPU timings say little about a GPU)
-    python benchmarks/shared_prefix.py --preset k3-tiny --groups 2 --group-sizes 4 --prompts 256 --completion 32
+    python benchmarks/shared_prefix.py --preset k3-tiny --groups 2 --group-sizes 4 --prompts 256 --completions 32
+    # the threshold of learner.shared_prefix: auto on a shared CPU (CPU seconds, one thread), sweeping the
+    # saved fraction by the prompt/completion ratio: what set shared_prefix_min_fraction's 0.05
+    python benchmarks/shared_prefix.py --preset k3-tiny --groups 2 --group-sizes 4 8 --prompts 1 2 4 8 16 32 \
+        --completions 48 --micro-batch-tokens 4096 --steps 12 --warmup 2 --clock process --threads 1
     # one H200 (issue 25, item 4): k3-small, groups of 8 and 16, shared prompts of 1K, 4K and 16K tokens
     python benchmarks/shared_prefix.py --preset k3-small --device cuda --group-sizes 8 16 --prompts 1024 4096 16384 \
-        --completion 256 --json shared_prefix.json
+        --completions 256 --json shared_prefix.json
+    # one H200, the threshold again (shared_prefix_min_fraction wants this, not the CPU's): saved fractions
+    # from 0 (prompt 1: the control, nothing shared) through 0.02, 0.04, 0.08, 0.15 to 0.25 (group of 4; a
+    # little more at 16); the tree pays from the first fraction whose ratio beats the control's
+    python benchmarks/shared_prefix.py --preset k3-small --device cuda --groups 8 --group-sizes 4 16 \
+        --prompts 1 32 64 128 256 512 --completions 1024 --micro-batch-tokens 16384 --steps 10 --json threshold.json
 
 Each case is one RL batch of `--groups` groups, every sample of a group with the same prompt of P tokens
 and a completion of its own of C tokens (loss on the completion). The same batch is trained with
 `learner.shared_prefix` off (each sample packed whole) and on (each group's prompt run once, forked to
-its samples: learner/prefix_tree.py), alternately, `--steps` times each after `--warmup` steps of each,
+its samples: learner/prefix_tree.py), alternately (packed, tree, tree, packed, ...), `--steps` times each after `--warmup` steps of each,
 on one model; the step is `Trainer.train_step` (forward, loss, backward, clipping, the optimizer). The
 report: median step seconds of each, their ratio, the tokens each forward ran, the shared fraction, and
 on CUDA the peak memory allocated in a step of each (reset before it).
@@ -59,22 +68,28 @@ def grouped_batch(groups: int, size: int, prompt: int, completion: int, seed: in
     return out
 
 
-def timed_step(trainer: Trainer, batch: list[Trajectory], device: torch.device) -> tuple[float, float | None, dict]:
+def timed_step(trainer: Trainer, batch: list[Trajectory], device: torch.device,
+               clock=time.perf_counter) -> tuple[float, float | None, dict]:
     """(seconds, peak GiB allocated during the step on CUDA, the step's metrics)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
-    t = time.perf_counter()
+    t = clock()
     metrics = trainer.train_step(batch)
     sync(device)
-    seconds = time.perf_counter() - t
+    seconds = clock() - t
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return seconds, peak, metrics
 
 
-def run_case(model, args, device, size: int, prompt: int) -> dict:
+# wall: seconds a step takes; process: the CPU seconds this process spent in it (all its threads), which
+# other work on a shared CPU moves less than the wall clock (use it with --threads 1 there)
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def run_case(model, args, device, size: int, prompt: int, completion: int) -> dict:
     bf16 = args.bf16 if args.bf16 is not None else device.type == "cuda"
-    seq = prompt + args.completion - 1  # positions a sample packs
+    seq = prompt + completion - 1  # positions a sample packs
     budget = args.micro_batch_tokens or max(seq, 16)
     trainers = {}
     for shared in (False, True):
@@ -82,13 +97,15 @@ def run_case(model, args, device, size: int, prompt: int) -> dict:
                              activation_checkpointing=args.activation_checkpointing, optimizer="adamw", lr=1e-6,
                              steps=10**6)  # fmt: skip
         trainers[shared] = Trainer(model, cfg, device=device)  # one model: the two see the same weights
-    batch = grouped_batch(args.groups, size, prompt, args.completion, seed=size * 100_003 + prompt)
+    batch = grouped_batch(args.groups, size, prompt, completion, seed=size * 100_003 + prompt + 7 * completion)
     times = {False: [], True: []}
     peaks = {False: [], True: []}
     metrics = {}
     for i in range(args.warmup + args.steps):
-        for shared in (False, True):  # alternated: drift on the machine hits both alike
-            s, peak, m = timed_step(trainers[shared], batch, device)
+        # alternated, in the order packed, tree, tree, packed, ...: drift on the machine and whatever the
+        # step before leaves behind (caches, the allocator) hit both alike
+        for shared in ((False, True) if i % 2 == 0 else (True, False)):
+            s, peak, m = timed_step(trainers[shared], batch, device, CLOCKS[args.clock])
             if i >= args.warmup:
                 times[shared].append(s)
                 peaks[shared].append(peak)
@@ -96,10 +113,12 @@ def run_case(model, args, device, size: int, prompt: int) -> dict:
     packed, tree = statistics.median(times[False]), statistics.median(times[True])
     on = metrics[True]
     return {
-        "group_size": size, "groups": args.groups, "prompt": prompt, "completion": args.completion,
+        "group_size": size, "groups": args.groups, "prompt": prompt, "completion": completion,
         "positions": int(on["tokens"]),
         "tree_tokens": int(on["tokens"] - on["learner/shared_prefix_tokens_saved"]),
         "shared_fraction": on["learner/shared_prefix_fraction"],
+        # what learner.shared_prefix: auto compares with shared_prefix_min_fraction: tokens saved / positions
+        "saved_fraction": on["learner/shared_prefix_tokens_saved"] / on["tokens"],
         "packed_step_s": packed, "shared_step_s": tree, "speedup": packed / tree,
         "packed_peak_gib": max(peaks[False]) if device.type == "cuda" else None,
         "shared_peak_gib": max(peaks[True]) if device.type == "cuda" else None,
@@ -115,7 +134,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--groups", type=int, default=1, help="groups a batch")
     ap.add_argument("--group-sizes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--prompts", type=int, nargs="+", default=[1024, 4096, 16384], help="shared prompt lengths")
-    ap.add_argument("--completion", type=int, default=256)
+    ap.add_argument("--completions", type=int, nargs="+", default=[256], help="completion lengths (each a case)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None,
                     help="default: one sample's positions (prompt + completion - 1), so packing whole runs one "
                          "sample a micro-batch and the tree a group's prompt and as many branches as fit")
@@ -123,24 +142,33 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for cuda")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="process: CPU seconds of this process, for a CPU shared with other work")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with torch.device(device):
         model = K3ForCausalLM(K3Config.preset(args.preset))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{args.preset} on {name}; {args.groups} group(s) a batch, completion {args.completion}")
-    print(f"{'G':>3} {'prompt':>6} {'positions':>9} {'tree':>7} {'shared':>6} {'packed s':>9} {'shared s':>9} "
-          f"{'x':>5} {'peak GiB packed/shared':>22}")
+    print(f"{args.preset} on {name}; {args.groups} group(s) a batch; {args.clock} seconds, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"{'G':>3} {'prompt':>6} {'compl':>5} {'positions':>9} {'tree':>7} {'shared':>6} {'saved':>5} "
+          f"{'packed s':>9} {'shared s':>9} {'x':>5} {'peak GiB packed/shared':>22}")
     results = []
     for size in args.group_sizes:
-        for prompt in args.prompts:
-            r = run_case(model, args, device, size, prompt)
-            results.append(r | {"preset": args.preset, "device": name, "bf16": args.bf16})
-            mem = "-" if r["packed_peak_gib"] is None else f"{r['packed_peak_gib']:.2f}/{r['shared_peak_gib']:.2f}"
-            print(f"{size:>3} {prompt:>6} {r['positions']:>9} {r['tree_tokens']:>7} {r['shared_fraction']:>6.2f} "
-                  f"{r['packed_step_s']:>9.3f} {r['shared_step_s']:>9.3f} {r['speedup']:>5.2f} {mem:>22}", flush=True)
+        for completion in args.completions:
+            for prompt in args.prompts:
+                r = run_case(model, args, device, size, prompt, completion)
+                results.append(r | {"preset": args.preset, "device": name, "bf16": args.bf16, "clock": args.clock,
+                                    "threads": torch.get_num_threads()})
+                mem = "-" if r["packed_peak_gib"] is None else f"{r['packed_peak_gib']:.2f}/{r['shared_peak_gib']:.2f}"
+                print(f"{size:>3} {prompt:>6} {completion:>5} {r['positions']:>9} {r['tree_tokens']:>7} "
+                      f"{r['shared_fraction']:>6.2f} {r['saved_fraction']:>5.2f} {r['packed_step_s']:>9.3f} "
+                      f"{r['shared_step_s']:>9.3f} {r['speedup']:>5.2f} {mem:>22}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

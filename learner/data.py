@@ -180,6 +180,8 @@ def build_micro_batches(
     loss_norm_tokens: int | None = None,
     defer: bool = False,
     shared_prefix: bool = False,
+    shared_prefix_min_fraction: float | None = None,
+    sharing: dict | None = None,
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
@@ -189,7 +191,11 @@ def build_micro_batches(
     loss masks, log-probs and versions, turned from lists into tensors) are built by each micro-batch's
     `ready()`: the forward needs only the tokens, so the trainer queues it first and converts
     the rest while the GPU runs it (that conversion would otherwise leave the GPU idle). With
-    `shared_prefix`, each group's common leading positions run once (the module docstring).
+    `shared_prefix`, each group's common leading positions run once (the module docstring); with
+    `shared_prefix_min_fraction` too, only when the tokens that saves are more than that fraction of all
+    positions (else every sequence is packed whole). `sharing`, a dict, receives what sharing gives or would
+    give: positions, saved (tokens the tree does not run), shared (positions reading a shared prefix) and
+    used (whether the micro-batches are trees).
     """
     _check(trajectories)
     n = len(trajectories)
@@ -214,9 +220,20 @@ def build_micro_batches(
         cols = tuple(x if x is None or keep is None else x[keep] for x in (tokens[:-1], tokens[1:], routes))
         per.append((*cols, keep, [hi - lo - 1 for lo, hi in t.segment_bounds]))
     units = [[s] for s in range(n)]  # what packing keeps together: one trajectory, or a sharing group
+    shares = [0] * n  # the positions each unit's members share
     if shared_prefix:
-        units = _sharing_units(trajectories, per)
-    costs = [sum(per[s][0].numel() for s in u) - (len(u) - 1) * _shared(u, per) for u in units]
+        together = _sharing_units(trajectories, per)
+        m = [_shared(u, per) for u in together]
+        positions = sum(p[0].numel() for p in per)
+        saved = sum((len(u) - 1) * m_u for u, m_u in zip(together, m, strict=True))  # m (G - 1) a group
+        if shared_prefix_min_fraction is not None and saved <= shared_prefix_min_fraction * positions:
+            shared_prefix = False  # too little to share: every sequence packed whole
+        else:
+            units, shares = together, m
+        if sharing is not None:
+            sharing.update(positions=positions, saved=saved, used=shared_prefix,
+                           shared=sum(len(u) * m_u for u, m_u in zip(together, m, strict=True)))  # fmt: skip
+    costs = [sum(per[s][0].numel() for s in u) - (len(u) - 1) * m_u for u, m_u in zip(units, shares, strict=True)]
     groups = [sorted(s for u in b for s in units[u]) for b in pack_lengths(costs, micro_batch_tokens)]
 
     @cache

@@ -169,13 +169,18 @@ class Trainer:
                              "which context parallelism splits across ranks; use estimator: sampled with "
                              "learner.context_parallel, or train without context parallelism")
 
-        # shared-prefix training (learner/prefix_tree.py), where it applies; else every sequence packed whole
-        self.shared_prefix = getattr(config, "shared_prefix", False)
+        # shared-prefix training (learner/prefix_tree.py), where it applies; else every sequence packed whole.
+        # true: always; auto: for a packing whose saved fraction is above shared_prefix_min_fraction
+        setting = getattr(config, "shared_prefix", False)
+        self.shared_prefix = setting is True or setting == "auto"
+        self.shared_prefix_min_fraction = getattr(config, "shared_prefix_min_fraction", 0.0) if setting == "auto" else None
         off = self._shared_prefix_off() if self.shared_prefix else None
-        if off:
-            log.warning("learner.shared_prefix: packing every sequence whole instead: %s", off)
+        if off:  # said once, here; a warning only where the config asked for it outright
+            (log.warning if setting is True else log.info)(
+                "learner.shared_prefix: packing every sequence whole instead: %s", off)
             self.shared_prefix = False
-        self.prefix_stats = {"positions": 0, "tree_tokens": 0, "shared": 0}  # this step's, for the metrics
+        self._said_packed_whole = False  # the one log line for trajectories with images or segments
+        self.prefix_stats = self._no_prefix_stats()  # this step's, for the metrics
 
         self.step = 0  # RL optimizer steps done
         self.lr_scale = 1.0  # cut by the collapse guard's rollbacks (k3rl/guard.py)
@@ -210,14 +215,24 @@ class Trainer:
     # ------------------------------------------------------------------------------------
     # helpers
     # ------------------------------------------------------------------------------------
+    @staticmethod
+    def _no_prefix_stats() -> dict[str, int]:
+        return {"positions": 0, "saved": 0, "shared": 0, "tokens_saved": 0, "packings": 0, "trees": 0}
+
     def _prefix_metrics(self) -> dict[str, float]:
-        """The step's shared-prefix statistics (then reset): the fraction of its positions that lie in a
-        shared prefix, and the tokens the forward did not run thanks to it (per forward pass)."""
-        st, self.prefix_stats = self.prefix_stats, {"positions": 0, "tree_tokens": 0, "shared": 0}
+        """The step's shared-prefix statistics (then reset), over its packings (one a minibatch): the
+        fraction of its positions that lie in a shared prefix, the fraction the tree saves (what
+        shared_prefix: auto compares with its threshold; reported whether the tree ran or not), the
+        tokens the forward did not run thanks to it (per forward pass) and the fraction of packings
+        that ran as trees."""
+        st, self.prefix_stats = self.prefix_stats, self._no_prefix_stats()
         if not self.shared_prefix:
             return {}
-        return {"learner/shared_prefix_fraction": st["shared"] / max(1, st["positions"]),
-                "learner/shared_prefix_tokens_saved": float(st["positions"] - st["tree_tokens"])}
+        positions = max(1, st["positions"])
+        return {"learner/shared_prefix_fraction": st["shared"] / positions,
+                "learner/shared_prefix_saved_fraction": st["saved"] / positions,
+                "learner/shared_prefix_tokens_saved": float(st["tokens_saved"]),
+                "learner/shared_prefix_used": st["trees"] / max(1, st["packings"])}  # fmt: skip
 
     def _shared_prefix_off(self) -> str | None:
         """Why shared prefixes cannot apply to this trainer (None: they can)."""
@@ -295,18 +310,28 @@ class Trainer:
 
     def _micro_batches(self, trajectories, advantages) -> tuple[list[MicroBatch], int]:
         n_moe, k = self._moe_shape()
+        sharing = {}  # what the prefix tree saves (or would), filled by build_micro_batches
         mbs = build_micro_batches(
             trajectories, self.cfg.micro_batch_tokens, self.cfg.loss_agg, advantages,
             num_moe_layers=n_moe if self.cfg.routing_replay else 0, top_k=k,
             loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
             defer=self.context_parallel is None,  # loss columns built after the forward is queued
-            shared_prefix=self.shared_prefix,
+            shared_prefix=self.shared_prefix, shared_prefix_min_fraction=self.shared_prefix_min_fraction,
+            sharing=sharing,
         )  # fmt: skip
         total_positions = sum(mb.positions for mb in mbs)
-        for mb in mbs:  # positions in a shared prefix (once per sample reading it) and the tokens run
-            self.prefix_stats["positions"] += mb.positions
-            self.prefix_stats["tree_tokens"] += mb.num_tokens
-            self.prefix_stats["shared"] += mb.tree.shared if mb.tree is not None else 0
+        if self.shared_prefix:
+            st = self.prefix_stats
+            st["positions"] += sharing["positions"]
+            st["saved"] += sharing["saved"]  # what the tree saves, or would have
+            st["shared"] += sharing["shared"]
+            st["tokens_saved"] += sharing["saved"] if sharing["used"] else 0
+            st["packings"] += 1
+            st["trees"] += int(sharing["used"])
+            if sharing["used"] and not self._said_packed_whole and any(t.images or t.segment_starts
+                                                                       for t in trajectories):  # fmt: skip
+                log.info("learner.shared_prefix: trajectories with images or context segments are packed whole")
+                self._said_packed_whole = True
         # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
         cp = self.context_parallel and self.cfg.context_parallel or 1
         groups = self.world_size // cp

@@ -216,12 +216,24 @@ class LearnerSection(_Section):
                                "docs/learning.md: RL's reward says nothing of the message format, so without it the "
                                "format drifts, and a malformed answer that buys a retry is worth a second try)")
     micro_batch_tokens: int = Field(4096, ge=16)
-    shared_prefix: bool = Field(
-        False, description="shared-prefix training: the leading positions a group's samples agree on (the prompt, "
-                           "shared earlier turns) run once, KDA's state and conv window and MLA's keys handed to every "
-                           "sample's rest (learner/prefix_tree.py); the same loss and gradients as packing each "
-                           "sample whole. Falls back to that, with a log line, under context parallelism, QK-Clip or "
-                           "exact-KL teachers; trajectories with images or context segments are packed whole")
+    shared_prefix: Literal["auto"] | bool = Field(
+        "auto", description="shared-prefix training: the leading positions a group's samples agree on (the prompt, "
+                            "shared earlier turns) run once, KDA's state and conv window and MLA's keys handed to every "
+                            "sample's rest (learner/prefix_tree.py); the same loss and gradients as packing each "
+                            "sample whole. true: always; false: never; auto: for a step (each minibatch) whose "
+                            "saved fraction (tokens the tree saves / positions packed whole) is above "
+                            "shared_prefix_min_fraction. Falls back to packing whole, with one log line, under "
+                            "context parallelism, QK-Clip or exact-KL teachers; trajectories with images or context "
+                            "segments are packed whole")
+    shared_prefix_min_fraction: float = Field(
+        0.05, ge=0, lt=1, description="learner.shared_prefix: auto uses the tree when the tokens it saves are more "
+                                      "than this fraction of the positions packed whole. 0.05 was measured on a "
+                                      "CPU, not a GPU (k3-tiny in fp32, groups of 4 and 8: the tree was never "
+                                      "slower than packing whole, matched a nothing-shared control from a saved "
+                                      "fraction of 0.04-0.05 and paid from about 0.2; "
+                                      "benchmarks/results/shared_prefix/). A GPU's kernel launches make the fork's "
+                                      "fixed costs weigh more: re-measure on an H200 with the command in "
+                                      "benchmarks/shared_prefix.py")
     grad_clip: float = Field(1.0, gt=0)
     qk_clip_tau: float | None = Field(None, gt=0, description="QK-Clip threshold for the MLA logits (K2 used 100); None = off")
     bf16: bool = False
