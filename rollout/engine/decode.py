@@ -5,8 +5,9 @@
     logprobs        = log_softmax(logits.float())[tokens]                          fp32
     out             = [tokens | logprobs | routed experts]  one fp64 row per slot
 
-Inputs come through two static buffers (int64: token, seed, counter, length; fp64:
-temperature, top_k, top_p), one host-to-device copy each per step; `out` comes back with one
+Inputs come through two static buffers (int64: token, seed, counter, length, and the rows and
+tokens of prompt tokens fed beside tokens sampled on the device; fp64: temperature, top_k, top_p),
+one non-blocking host-to-device copy each per step; `out` comes back with one
 `.tolist()`. On CUDA (unless `enforce_eager`) the whole step is captured in a CUDA graph per
 (batch rung, context rung, filtered) and replayed: the batch is padded to the next rung of
 `BATCH_RUNGS` (padding rows are free slots of length 0 whose results are ignored), the context
@@ -226,7 +227,8 @@ class DecodeRunner:
         self.pad = self.use_graphs  # pad the batch to its rung (graphs need it; settable to test the padding)
         N = pool.num_slots
         self.batch_rungs = tuple(sorted({r for r in BATCH_RUNGS if r < N} | {N}))
-        self.ints = torch.zeros(4, N, dtype=torch.int64, device=pool.device)  # token, seed, counter, length
+        # token, seed, counter, length; then (feed) rows whose token is a prompt token from the host, those tokens
+        self.ints = torch.zeros(6, N, dtype=torch.int64, device=pool.device)
         self.floats = torch.zeros(3, N, dtype=torch.float64, device=pool.device)  # temperature, top_k, top_p
         self.n_moe = len(model.moe_layer_ids)
         self.graphs: dict[tuple, tuple] = {}
@@ -247,9 +249,11 @@ class DecodeRunner:
         return min(context_rung(longest + 1), self.pool.max_len)
 
     def step(self, n: int, tokens: list[int] | torch.Tensor, seeds: list[int], counters: list[int],
-             params: list[tuple], filtered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             params: list[tuple], filtered: bool, feed: dict[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode slots [0, n): feed `tokens` (a list, or a tensor on the device: an earlier step's samples,
-        read there without a sync), sample with `params` [(temperature, top_k, top_p)].
+        read there without a sync), sample with `params` [(temperature, top_k, top_p)]. `feed` {row: token}:
+        rows whose token comes from the host instead of the device tensor (a prompt tail, decode_append),
+        carried by the same host-to-device copy as the other inputs.
 
         Returns (out [B, 2 + n_moe * k] fp64 rows: token, logprob, routed experts; logits [B, V]) for the
         padded batch B >= n; rows >= n are padding."""
@@ -261,15 +265,20 @@ class DecodeRunner:
         zeros = [0] * pad
         on_device = isinstance(tokens, torch.Tensor)
         host_tokens = [0] * n if on_device else tokens
-        ints = torch.tensor(host_tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros,  # flat: fast
-                            dtype=torch.int64).view(4, B)
+        host = host_tokens + zeros + seeds + zeros + counters + zeros + lengths + zeros  # flat: fast
+        F = len(feed) if on_device and feed else 0
+        if F:  # (row, token) pairs, padded to B columns (F <= n <= B)
+            host += [*feed, *[0] * (B - F), *feed.values(), *[0] * (B - F)]
+        ints = torch.tensor(host, dtype=torch.int64).view(-1, B)
         params = params + [(0.0, 0, 1.0)] * pad  # padding rows: greedy, unfiltered
         floats = torch.tensor([x for column in zip(*params, strict=True) for x in column],
                               dtype=torch.float64).view(3, B)
-        self.ints[:, :B].copy_(ints, non_blocking=True)
+        self.ints[: ints.shape[0], :B].copy_(ints, non_blocking=True)
         self.floats[:, :B].copy_(floats, non_blocking=True)
         if on_device:
             self.ints[0, :n].copy_(tokens)  # after the host rows, in stream order
+            if F:
+                self.ints[0].index_copy_(0, self.ints[4, :F], self.ints[5, :F])
         self.pool.lengths[:n] = [x + 1 for x in lengths]
         if not self.use_graphs:
             return self._run(B, S, filtered, lengths + zeros)

@@ -191,4 +191,5 @@ class PrefillRunner:
         """Token ids on the engine's device, their host copy handed over (the model's media check reads it
         without waiting for the GPU)."""
         host = torch.tensor(rows)
-        return remember_host_copy(host.to(self.device), host)
+        # not a blocking copy: that would wait for the decode step in flight
+        return remember_host_copy(host.to(self.device, non_blocking=True), host)

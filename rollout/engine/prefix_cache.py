@@ -10,6 +10,7 @@ cache at every weight update.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,12 @@ class PrefixCache:
         self.share_prefix = share_prefix  # shortest shared start worth a prefill of its own (0: off)
         self.pad_token_id = pad_token_id  # an image's placeholder token: a state never ends inside its run
         self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()
+        # the entries indexed by length, then last id (so a lookup visits only lengths the prompt can hold and,
+        # for each, the entries ending in the prompt's token there), and each entry's last use (its LRU rank)
+        self._by_len: dict[int, dict[int | None, list[tuple]]] = {}
+        self._lengths: list[int] = []  # the keys of _by_len, ascending
+        self._used: dict[tuple, int] = {}
+        self._clock = 0
         self._anchors: OrderedDict[tuple, list[int]] = OrderedDict()  # first ANCHOR tokens -> the last such prompt
 
     def __len__(self) -> int:
@@ -42,24 +49,45 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self._by_len.clear()
+        self._lengths.clear()
+        self._used.clear()
+
+    def _use(self, key: tuple) -> None:
+        self.entries.move_to_end(key)
+        self._clock += 1
+        self._used[key] = self._clock
 
     def lookup(self, prompt: list[int], digests: tuple[str, ...]) -> PrefixEntry | None:
-        """The longest entry that `prompt` (with the images of `digests`) begins with, or None."""
-        best = None
+        """The longest entry that `prompt` (with the images of `digests`) begins with, or None; of several
+        as long, the least recently used. Visits the entry lengths <= len(prompt) from the longest, and at each
+        only the entries whose last id is the prompt's there."""
         n = len(prompt)
         pad = self.pad_token_id
-        for e in self.entries.values():
-            m = len(e.ids)
-            if m > n or (best is not None and m <= len(best.ids)) or (m and e.ids[-1] != prompt[m - 1]):
-                continue  # quick rejects before the prefix comparison
-            if e.images != digests[: len(e.images)] or tuple(prompt[:m]) != e.ids:
+        lengths = self._lengths
+        for j in range(bisect.bisect_right(lengths, n) - 1, -1, -1):
+            m = lengths[j]
+            keys = self._by_len[m].get(prompt[m - 1] if m else None)
+            if not keys:
                 continue
-            if m < n and prompt[m] == pad and prompt[m - 1] == pad:
-                continue  # the cached state would end inside an image's pad run
-            best = e
-        if best is not None:
-            self.entries.move_to_end((best.ids, best.images))
-        return best
+            head = None
+            best = None
+            for key in keys:
+                e = self.entries[key]
+                if e.images != digests[: len(e.images)]:
+                    continue
+                if head is None:
+                    head = tuple(prompt[:m])
+                if head != e.ids:
+                    continue
+                if m < n and prompt[m] == pad and prompt[m - 1] == pad:
+                    continue  # the cached state would end inside an image's pad run
+                if best is None or self._used[key] < self._used[best]:
+                    best = key
+            if best is not None:
+                self._use(best)
+                return self.entries[best]
+        return None
 
     def remember(self, ids: list[int], digests: tuple[str, ...], cache, logits: torch.Tensor) -> None:
         """Keep the state `cache` of `ids`. It must never be written again (a hit clones it before
@@ -67,10 +95,28 @@ class PrefixCache:
         if self.size <= 0:
             return
         key = (tuple(ids), tuple(digests))
+        if key not in self.entries:
+            m = len(key[0])
+            if m not in self._by_len:
+                bisect.insort(self._lengths, m)
+            self._by_len.setdefault(m, {}).setdefault(key[0][-1] if m else None, []).append(key)
         self.entries[key] = PrefixEntry(key[0], key[1], cache, logits.clone())
-        self.entries.move_to_end(key)
+        self._use(key)
         while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+            self._forget(self.entries.popitem(last=False)[0])
+
+    def _forget(self, key: tuple) -> None:
+        """Take an evicted entry out of the index."""
+        m = len(key[0])
+        by_last = self._by_len[m]
+        last = key[0][-1] if m else None
+        by_last[last].remove(key)
+        if not by_last[last]:
+            del by_last[last]
+        if not by_last:
+            del self._by_len[m]
+            del self._lengths[bisect.bisect_left(self._lengths, m)]
+        del self._used[key]
 
     def split_point(self, prompt: list[int], has_images: bool, cached: int) -> int:
         """The length of the start `prompt` shares with the last prompt that began as it does, when that

@@ -23,9 +23,12 @@ class Sampler:
         """Sample the first token of sequences whose prompt is in the cache (`seq.logits`): rows of `width`
         fp64 in the decode step's layout, [token, log-prob, 0...], on the device."""
         logits = torch.stack([s.logits for s in seqs])
-        temperature, top_k, top_p = params_tensors([s.params for s in seqs], self.device)
-        seeds = torch.tensor([s.seed for s in seqs], device=self.device)
-        counters = torch.tensor([len(s.out_ids) for s in seqs], device=self.device)
+        # two host-to-device copies that do not wait for the device (a blocking copy waits for the decode step
+        # in flight); pageable sources are staged by the copy itself
+        temperature, top_k, top_p = torch.stack(params_tensors([s.params for s in seqs])).to(
+            self.device, non_blocking=True).unbind(0)
+        seeds, counters = torch.tensor([[s.seed for s in seqs], [len(s.out_ids) for s in seqs]],
+                                       dtype=torch.int64).to(self.device, non_blocking=True).unbind(0)
         tokens = sample_tokens(logits, temperature, top_k, top_p, seeds, counters, banned=self.banned,
                                filtered=needs_filter([s.params for s in seqs]))
         rows = torch.zeros(len(seqs), width, dtype=torch.float64, device=self.device)

@@ -393,20 +393,16 @@ class Scheduler:
     def _launch(self, seqs: list[Seq], counters: list[int], tokens: torch.Tensor | None = None) -> Launch:
         """Decode the pool's leading len(seqs) slots; `tokens` on the device, or each sequence's last token.
         A sequence with a prompt tail to feed (decode_append) is fed its next tail token instead."""
-        feeding = [i for i, s in enumerate(seqs) if s.feed]
+        feed = {i: s.feed[0] for i, s in enumerate(seqs) if s.feed}  # rows fed a prompt token: on the host
         if tokens is None:
             tokens = [s.feed[0] if s.feed else s.out_ids[-1] for s in seqs]
-        elif feeding:
-            tokens = tokens.clone()
-            tokens[torch.tensor(feeding, device=tokens.device)] = torch.tensor([seqs[i].feed[0] for i in feeding],
-                                                                                device=tokens.device)
         fed = [(1 if len(s.feed) == 1 else 2) if s.feed else 0 for s in seqs]
-        for i in feeding:
+        for i in feed:
             seqs[i].feed.pop(0)
         out, logits = self.decoder.step(
             len(seqs), tokens, [s.seed for s in seqs], counters,
             [(s.params.temperature, s.params.top_k, s.params.top_p) for s in seqs],
-            needs_filter([s.params for s in seqs if not s.flushing]))
+            needs_filter([s.params for s in seqs if not s.flushing]), feed)
         self.stats["decode_tokens"] += len(seqs)
         return Launch(list(seqs), out, logits, self.version, fed)
 

@@ -1,5 +1,7 @@
 """The engine's prefix cache on its own: longest match, LRU order, image pads, shared-start anchors."""
 
+import random
+
 import torch
 
 from k3rl.rollout.engine.prefix_cache import PrefixCache
@@ -72,3 +74,34 @@ def test_split_point_finds_a_long_shared_start_with_the_last_prompt_of_the_same_
     assert c.split_point(list(range(20)), False, 0) == 0  # shorter than the anchor
     assert c.split_point(system, False, 0) == 0  # the shared start is the whole prompt
     assert PrefixCache(3, 0, PAD).split_point(second, False, 0) == 0  # sharing off
+
+
+def _linear_lookup(entries, prompt, digests, pad):
+    """The lookup as a scan of every entry in LRU order (the indexed lookup must pick the same one)."""
+    best = None
+    for e in entries:
+        m = len(e.ids)
+        if m > len(prompt) or (best is not None and m <= len(best.ids)):
+            continue
+        if e.images != digests[: len(e.images)] or tuple(prompt[:m]) != e.ids:
+            continue
+        if m < len(prompt) and prompt[m] == pad and prompt[m - 1] == pad:
+            continue
+        best = e
+    return best
+
+
+def test_the_indexed_lookup_picks_what_a_scan_of_every_entry_picks():
+    rng = random.Random(0)
+    c = _cache(size=12)
+    for step in range(600):
+        prompt = [rng.choice([1, 2, PAD]) for _ in range(rng.randrange(0, 7))]
+        digests = tuple(rng.choice("ab") for _ in range(rng.randrange(0, 3)))
+        if rng.random() < 0.5:
+            c.remember(prompt, digests[: rng.randrange(0, len(digests) + 1)], step, torch.zeros(1))
+        else:
+            want = _linear_lookup(list(c.entries.values()), prompt, digests, PAD)
+            got = c.lookup(prompt, digests)
+            assert got is want, (prompt, digests)
+        if step % 150 == 149:
+            c.clear()
