@@ -6,6 +6,7 @@ The first such call runs every case file the session selected in ONE process (to
 not once a file: about 3 s each here) and keeps each file's outcome; the others read theirs. `WANTED` is
 filled at collection (tests/conftest.py)."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -47,3 +48,11 @@ def _run_together(files: list[str]) -> None:
         ok = bool(results) and not bad
         _OUTCOMES[file] = (ok, "\n\n".join(bad)[-6000:] if bad else
                            f"{file}: no case ran (exit {run.returncode})\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+
+
+def run_sm90_check(script: str, timeout: float = 600) -> dict[str, int]:
+    """Run a *_sm90_check.py script (beside this module) in its own process, which compiles kernels for Hopper
+    with triton's compiler on the CPU; the shared memory in bytes of each kernel it built (its last line)."""
+    run = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

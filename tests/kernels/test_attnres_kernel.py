@@ -3,14 +3,11 @@ compiled for sm_90 (attnres_sm90_check.py), the dispatcher's choices and errors,
 the kernel on a GPU."""
 
 import importlib.util
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from interpreter_run import run_interpreted
+from interpreter_run import run_interpreted, run_sm90_check
 
 from k3rl.kernels.attnres import attnres_aggregate, attnres_aggregate_reference
 from k3rl.model.attnres import aggregate
@@ -31,10 +28,7 @@ def test_aggregate_kernel_under_the_interpreter():
 def test_aggregate_kernels_compile_for_sm90():
     """The compiler (not the interpreter) takes both kernels at K3 width with the model's launch settings,
     the tuple of source pointers included (also of mixed dtypes, as under autocast); neither needs more shared memory than a Hopper block has."""
-    run = subprocess.run([sys.executable, str(HERE / "attnres_sm90_check.py")], capture_output=True, text=True,
-                         timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("attnres_sm90_check.py", timeout=900)
     assert len(shared) == 8 and all(n <= 232448 for n in shared.values()), shared
 
 

@@ -3,14 +3,11 @@ fresh process: islands_interpret_cases.py) and compiled for sm_90 (islands_sm90_
 choices and errors, and the kernels on a GPU."""
 
 import importlib.util
-import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from interpreter_run import run_interpreted
+from interpreter_run import run_interpreted, run_sm90_check
 
 from k3rl.kernels.kda import output_norm_gate, output_norm_gate_reference, short_conv, short_conv_reference
 
@@ -29,10 +26,7 @@ def test_island_kernels_under_the_interpreter():
 def test_island_kernels_compile_for_sm90():
     """The compiler (not the interpreter) takes every island kernel with its launch settings; none
     needs more shared memory than a Hopper block has."""
-    script = pathlib.Path(__file__).with_name("islands_sm90_check.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("islands_sm90_check.py")
     assert len(shared) == 10 and all(n <= 232448 for n in shared.values()), shared
 
 

@@ -4,15 +4,11 @@ layout, the input checks, and on a GPU at k3-small sizes against the engine's re
 replayed from a CUDA graph."""
 
 import importlib.util
-import json
-import pathlib
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from interpreter_run import run_interpreted
+from interpreter_run import run_interpreted, run_sm90_check
 
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 BG, BU = 4.0, 25.0
@@ -29,10 +25,7 @@ def test_mx_experts_kernels_under_the_interpreter():
 @has_triton
 def test_mx_experts_kernels_compile_for_sm90():
     """Every kernel builds for Hopper with triton's own compiler at K3's sizes in bf16 (mx_experts_sm90_check.py)."""
-    script = pathlib.Path(__file__).with_name("mx_experts_sm90_check.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("mx_experts_sm90_check.py")
     assert sorted(shared) == sorted(["mxfp8_quantize", "decode_gate_up", "decode_down", "grouped_gate_up",
                                      "grouped_down", "combine"])  # fmt: skip
     assert all(nbytes <= 232448 for nbytes in shared.values())  # the shared memory one block may use on sm_90

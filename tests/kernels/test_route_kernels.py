@@ -2,14 +2,10 @@
 (routes_interpret_cases.py, in a fresh process), compiled for sm_90, and in the grouped experts on a GPU."""
 
 import importlib.util
-import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from interpreter_run import run_interpreted
+from interpreter_run import run_interpreted, run_sm90_check
 
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -24,10 +20,7 @@ def test_route_kernels_under_the_interpreter():
 @has_triton
 @pytest.mark.slow
 def test_the_route_kernels_compile_for_sm90():
-    script = pathlib.Path(__file__).with_name("routes_sm90_check.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("routes_sm90_check.py")
     assert len(shared) == 8 and all(n <= 232448 for n in shared.values()), shared
 
 

@@ -2,14 +2,10 @@
 process), the reference against the learner's MoEGate, the dispatcher's errors, and the kernel on a GPU."""
 
 import importlib.util
-import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
-from interpreter_run import run_interpreted
+from interpreter_run import run_interpreted, run_sm90_check
 
 from k3rl.kernels.moe.router import route_topk, route_topk_reference
 from k3rl.model import K3Config
@@ -29,10 +25,7 @@ def test_route_topk_kernel_under_the_interpreter():
 @has_triton
 def test_the_decode_kernels_compile_for_sm90():
     """The router and the decode experts' kernels build for Hopper at k3-small's and K3's sizes."""
-    script = pathlib.Path(__file__).with_name("decode_sm90_check.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("decode_sm90_check.py")
     assert sorted(shared) == sorted(f"{k}_{p}" for k in ("route_topk", "gate_up", "down_combine")
                                     for p in ("k3-small", "k3"))
     assert all(nbytes <= 232448 for nbytes in shared.values())  # the shared memory one block may use on sm_90

@@ -3,12 +3,9 @@ shared memory. Runs on the CPU (Triton's bundled ptxas); catches what the interp
 (a 3-stage pipeline once needed 234 KB of shared memory, over the 227 KB of an H100/H200)."""
 
 import importlib.util
-import json
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from interpreter_run import run_sm90_check
 
 if (
     importlib.util.find_spec("triton") is None
@@ -20,10 +17,7 @@ HOPPER_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_9
 
 @pytest.mark.slow
 def test_all_triton_kernels_compile_for_sm90_within_shared_memory():
-    script = pathlib.Path(__file__).with_name("sm90_compile_check.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    shared = run_sm90_check("sm90_compile_check.py")
     assert len(shared) == 19  # twice: recurrent (varlen; fixed-length with hints), intra_blocks (q/k norm)
     for name, nbytes in shared.items():
         assert nbytes <= HOPPER_SHARED_LIMIT, f"{name} needs {nbytes} B of shared memory"
