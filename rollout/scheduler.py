@@ -14,8 +14,20 @@ engines at version v and the next batch to take for step `next_step`, at most
 that is (1 + lag) P while waiting for step v's batch, lag P between taking it and pushing v + 1.
 lag 0 is the synchronous algorithm: a step's episodes start only on that step's weights.
 Admission keeps the invariant from biting; `next_batch` enforces it: a finished group with a
-token older than s - lag (a slow straggler) is dropped as stale and a fresh group is issued in
-its place (`groups/reissued`).
+token older than s - lag is dropped as stale and a fresh group is issued in its place
+(`groups/reissued`).
+
+Stragglers (`rollout.stragglers`). A group issued at version v can train at steps up to v + lag.
+Step s's "due" groups are the open ones that may hold a token of version s - lag (a finished
+member's oldest, the version a running one started at): after step s they would be stale. They
+were issued at v <= s - lag, and admission leaves at most P such: (1 + lag) P opened by the time
+the engines served s - lag, lag P of those trained by steps s - lag .. s - 1. With `wait` (the default) step s waits for its
+due groups and fills the rest of its P with the lowest-index finished others, so no group goes
+stale for being slow: an env whose long episodes finish after its short ones trains on both, as
+often as it issues them (dropping them biases the policy against long episodes, which are often
+the hard tasks). `groups/waited_for` counts the due groups a step waited for while P others had
+finished. With `drop` a step takes the P lowest-index finished groups at once and a due straggler
+is dropped as stale when it ends.
 
 Failures. An episode that fails is stored with its error and never trained; a group trains on
 its members that did not fail, and a group whose members all failed is replaced by a fresh
@@ -108,6 +120,7 @@ class Group:
     specs: list[dict[str, Any]]
     version: int  # what the engines served when it was issued
     results: dict[str, dict[str, Any]] = field(default_factory=dict)  # episode id -> stats
+    started: dict[str, int] = field(default_factory=dict)  # episode id -> the version served when it last started
 
     @property
     def id(self) -> str:
@@ -124,6 +137,18 @@ class Group:
     def max_version(self) -> int | None:
         vs = [s["max_version"] for s in self.results.values() if trainable(s)]
         return max(vs) if vs else None
+
+    def oldest_possible(self, serving: int) -> int | None:
+        """A lower bound on the oldest version of the tokens it will train: a finished member's own, a running
+        one's version at its start, `serving` for one not started (None: every member failed)."""
+        vs = []
+        for spec in self.specs:
+            stats = self.results.get(spec["id"])
+            if stats is None:
+                vs.append(self.started.get(spec["id"], serving))
+            elif trainable(stats):
+                vs.append(stats["min_version"])
+        return min(vs) if vs else None
 
     def zero_variance(self) -> bool:
         """Every trainable member earned the same reward: no GRPO signal."""
@@ -144,7 +169,7 @@ class Scheduler:
         r = cfg.rollout
         self.cfg, self.run_name, self.buffer = cfg, run_name, buffer
         self.P, self.lag, self.per_worker = r.prompts_per_step, r.max_policy_lag, r.episodes_per_worker
-        self.partial_rollouts = r.partial_rollouts
+        self.partial_rollouts, self.wait_for_due = r.partial_rollouts, r.stragglers == "wait"
         self.dynamic_sampling, self.max_refills = r.dynamic_sampling, r.dynamic_sampling_max_refills * r.prompts_per_step
         self.batch_metrics: dict[str, float] = {}  # of the last batch handed out
         self.deadline_s = episode_deadline_s or 1.5 * cfg.envs.episode_time_budget_s + 60.0
@@ -225,6 +250,7 @@ class Scheduler:
                     errors.append(f"worker {i} did not start ({type(e).__name__})")
                     self._replace(i, worker)
                 else:
+                    group.started[spec["id"]] = self.serving  # its tokens are of this version or newer
                     ref = worker.run_episode.remote(spec)
                     try:
                         stats = await asyncio.wait_for(ref, self.deadline_s)
@@ -286,6 +312,14 @@ class Scheduler:
             return False
         return lo >= step - self.lag and (self.partial_rollouts or lo == hi)
 
+    def _due(self, step: int) -> list[Group]:
+        """Under `stragglers: wait`, the open groups step `step` must train: a token of theirs may be of version
+        step - lag (after this step: stale), the P lowest-index of them (admission leaves no more than P)."""
+        if not self.wait_for_due:
+            return []
+        due = [g for g in self.open.values() if (v := g.oldest_possible(self.serving)) is not None and v <= step - self.lag]
+        return sorted(due, key=lambda g: g.index)[: self.P]
+
     def _no_signal(self, group: Group, refills: int) -> bool:
         """Dynamic sampling drops this group (zero reward variance) while the step's refills last."""
         return self.dynamic_sampling and refills < self.max_refills and group.zero_variance()
@@ -296,6 +330,7 @@ class Scheduler:
         replaced on the way."""
         stall_timeout_s = stall_timeout_s or self.deadline_s + 60.0
         refills = 0  # groups dropped for zero variance at this step
+        waited: set[str] = set()  # due groups this step waited for while P others had finished
         while True:
             if self.fatal:
                 raise self.fatal
@@ -330,8 +365,15 @@ class Scheduler:
             # groups that finished while the drop was awaited are judged on the next pass
             ready = sorted((g for g in self.open.values() if g.done and self._fresh(g, step) and not self._no_signal(g, refills)),
                            key=lambda g: g.index)
-            if len(ready) >= self.P:
-                batch = ready[: self.P]
+            due = self._due(step)
+            running_due = [g for g in due if not g.done]
+            if len(ready) >= self.P and running_due:  # P have finished, but a due straggler has not: wait for it
+                waited.update(g.id for g in running_due)
+            elif len(ready) >= self.P:
+                taken = {g.id for g in due}  # due and finished: trained now, whatever its index
+                batch = [g for g in ready if g.id in taken]
+                batch += [g for g in ready if g.id not in taken][: self.P - len(batch)]
+                self.counts["groups/waited_for"] += len(waited & taken)
                 for g in batch:
                     del self.open[g.id]
                 if self.dynamic_sampling:

@@ -52,6 +52,11 @@ class RolloutSection(_Section):
     prompts_per_step: int = Field(8, ge=1)
     max_policy_lag: int = Field(1, ge=0, description="0 = synchronous on-policy")
     partial_rollouts: bool = True
+    stragglers: Literal["wait", "drop"] = Field(
+        "wait", description="a group the lag bound lets train only at this step (issued at version <= step - lag) "
+                            "but still running: wait (the step waits for it; long episodes train as often as short "
+                            "ones) or drop (the step takes P groups that finished first and the straggler is "
+                            "dropped as stale when it ends: no waiting, but a bias against long episodes)")
     max_context_tokens: int = Field(2048, ge=16)
     context: ContextSection = Field(default_factory=ContextSection)
     max_batch_sequences: int = Field(64, ge=1, description="sequences one engine decodes together")

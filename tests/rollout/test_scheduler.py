@@ -43,9 +43,10 @@ class ScriptedWorker:
     take 20x longer; `fail` of them raise in the env; `hang` never return; `die` kill the worker; in
     `const` of the groups every member earns reward 0.5 (zero variance)."""
 
-    def __init__(self, buffer, engines, seed, fail=0.0, hang=(), die=(), const=0.0):
+    def __init__(self, buffer, engines, seed, fail=0.0, hang=(), die=(), const=0.0, long_every=0):
         self.buffer, self.engines, self.seed = buffer, engines, seed
         self.fail, self.hang, self.die, self.const = fail, set(hang), set(die), const
+        self.long_every = long_every  # every long_every-th group's episodes take 0.25 s (many turns)
 
     async def run_episode(self, spec):
         rng = random.Random(f"{self.seed}:{spec['id']}")
@@ -54,7 +55,10 @@ class ScriptedWorker:
         if spec["id"] in self.hang:
             await asyncio.sleep(3600)
         v0 = await self.engines.get.remote()
-        await asyncio.sleep(rng.choice([0.001, 0.005, 0.02]) * (20 if rng.random() < 0.1 else 1))
+        if self.long_every:
+            await asyncio.sleep(0.25 if int(spec["group_id"].rsplit("-g", 1)[1]) % self.long_every == 1 else 0.005)
+        else:
+            await asyncio.sleep(rng.choice([0.001, 0.005, 0.02]) * (20 if rng.random() < 0.1 else 1))
         v1 = await self.engines.get.remote()
         error = "RuntimeError: tool backend down" if rng.random() < self.fail else None
         const = random.Random(f"{self.seed}:{spec['group_id']}").random() < self.const
@@ -129,6 +133,29 @@ def test_no_trained_token_is_older_than_the_lag_and_each_episode_has_one_fate(tm
     for r in rows:  # every trained episode is tagged with the step that trained it
         if r["status"] == "trained":
             assert 1 <= r["step"] <= 8 and r["step"] - lag <= r["policy_version"] <= r["step"]
+
+
+@pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
+def test_long_episodes_train_as_often_as_short_ones_unless_stragglers_are_dropped(tmp_path):
+    """Every other group's episodes take 50x longer (an env whose tasks need many turns), lag 1. With
+    `stragglers: wait` (the default) a step waits for the groups it must train: none goes stale, and the
+    long groups are half of what trains, as they are half of what is issued. With `drop` the steps take
+    the short groups that finished first and long ones end stale, dropped: the policy trains mostly on
+    short episodes."""
+    share = {}
+    for mode in ("wait", "drop"):
+        cfg = _cfg(1, 2, 2, 4, True, f"rollout.stragglers={mode}")
+        sched, trained, _ = asyncio.run(_drive(cfg, tmp_path / mode, steps=8, seed=0, long_every=2))
+        groups = [int(t.group_id.rsplit("-g", 1)[1]) for _, trajs in trained for t in trajs[::2]]
+        assert all(len(trajs) == 4 for _, trajs in trained)  # P groups of 2 each step
+        share[mode] = sum(g % 2 == 1 for g in groups) / len(groups)
+        c = sched.metrics()
+        if mode == "wait":
+            assert c.get("groups/stale", 0) == 0 and c["groups/waited_for"] >= 1, c
+            assert share[mode] >= 0.4, share
+        else:
+            assert c["groups/stale"] >= 1 and c.get("groups/waited_for", 0) == 0, c
+    assert share["drop"] < share["wait"], share
 
 
 @pytest.mark.slow  # seconds each: make test runs it, make test-fast leaves it out
