@@ -9,6 +9,9 @@
     # one H200 (issue 25, item 4): k3-small, groups of 8 and 16, shared prompts of 1K, 4K and 16K tokens
     python benchmarks/shared_prefix.py --preset k3-small --device cuda --group-sizes 8 16 --prompts 1024 4096 16384 \
         --completions 256 --json shared_prefix.json
+    # the same with MLA's Triton flash kernel (the prefix's keys read in place, not copied per branch)
+    python benchmarks/shared_prefix.py --preset k3-small --device cuda --group-sizes 16 --prompts 4096 16384 \
+        --completions 256 --attention-kernel flash --json shared_prefix_flash.json
     # one H200, the threshold again (shared_prefix_min_fraction wants this, not the CPU's): saved fractions
     # from 0 (prompt 1: the control, nothing shared) through 0.02, 0.04, 0.08, 0.15 to 0.25 (group of 4; a
     # little more at 16); the tree pays from the first fraction whose ratio beats the control's
@@ -145,6 +148,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="process: CPU seconds of this process, for a CPU shared with other work")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--attention-kernel", default="sdpa", choices=["sdpa", "flash"],
+                    help="MLA's attention on the GPU: SDPA (the shared prefix copied per branch) or the Triton flash "
+                         "kernel (read in place)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -152,7 +158,7 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with torch.device(device):
-        model = K3ForCausalLM(K3Config.preset(args.preset))
+        model = K3ForCausalLM(K3Config.preset(args.preset).model_copy(update={"attention_kernel": args.attention_kernel}))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{args.preset} on {name}; {args.groups} group(s) a batch; {args.clock} seconds, "
           f"{torch.get_num_threads()} thread(s)")
@@ -164,6 +170,7 @@ def main(argv=None) -> list[dict]:
             for prompt in args.prompts:
                 r = run_case(model, args, device, size, prompt, completion)
                 results.append(r | {"preset": args.preset, "device": name, "bf16": args.bf16, "clock": args.clock,
+                                    "attention_kernel": args.attention_kernel,
                                     "threads": torch.get_num_threads()})
                 mem = "-" if r["packed_peak_gib"] is None else f"{r['packed_peak_gib']:.2f}/{r['shared_peak_gib']:.2f}"
                 print(f"{size:>3} {prompt:>6} {completion:>5} {r['positions']:>9} {r['tree_tokens']:>7} "

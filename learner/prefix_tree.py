@@ -153,12 +153,13 @@ class PrefixTree:
         k, v = k.to(q.dtype), v.to(q.dtype)
         R = self.root_tokens
         outs = [causal_attention(q[:, :R], k[:, :R], v[:, :R], layer.scale, cu_seqlens=self._cu(0, self.roots),
-                                 backend=layer.backend)]  # fmt: skip
+                                 backend=layer.backend, kernel=layer.kernel)]  # fmt: skip
         for root, first, end in self.forks:
             p0, p1 = self.offsets[root], self.offsets[root + 1]
             b0, b1 = self.offsets[first], self.offsets[end]
             outs.append(shared_prefix_attention(q[:, b0:b1], k[:, b0:b1], v[:, b0:b1], k[:, p0:p1], v[:, p0:p1],
-                                                layer.scale, self._cu(first, end), backend=layer.backend))
+                                                layer.scale, self._cu(first, end), backend=layer.backend,
+                                                kernel=layer.kernel))
         return torch.cat(outs, dim=1)
 
 

@@ -150,6 +150,9 @@ class K3Config(_Strict):
     qb_frozen: bool = True  # Quantile Balancing frozen: the RL default (§6.1)
     gradient_checkpointing: bool = False
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Gated MLA's attention over packed documents on the GPU: PyTorch's SDPA (measured), or "flash": the
+    # Triton flash kernel (kernels/attention/triton_flash.py; a shared prefix read in place, never copied)
+    attention_kernel: Literal["sdpa", "flash"] = "sdpa"
     # the routed experts' GEMMs: "bf16" as the weights are, or "mxfp4": K3's precision recipe (§9.8),
     # MXFP4 weights with MXFP8 activations, both blocks of 32 along the contraction (model/mx.py)
     expert_precision: Literal["bf16", "mxfp4"] = "bf16"

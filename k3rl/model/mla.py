@@ -57,7 +57,7 @@ class GatedMLA(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
         self.scale = (self.nope_dim + self.rope_dim) ** -0.5
-        self.backend = config.kernel_backend
+        self.backend, self.kernel = config.kernel_backend, config.attention_kernel
         self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.mla_layernorm_eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.nope_dim + self.rope_dim), bias=False)
@@ -92,7 +92,8 @@ class GatedMLA(nn.Module):
     def naive_attention(self, q: torch.Tensor, lat: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
         """Materialise k_n, v per head from the latent and call the causal attention op; fp32 [B, T, H, dv]."""
         k, v = self.keys_values(lat)
-        return causal_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, cu_seqlens=cu_seqlens, backend=self.backend)
+        return causal_attention(q, k.to(q.dtype), v.to(q.dtype), self.scale, cu_seqlens=cu_seqlens, backend=self.backend,
+                                kernel=self.kernel)
 
     def absorbed_attention(self, q: torch.Tensor, lat: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """Attention on the latent cache with W_UK / W_UV absorbed; fp32 [B, T, H, dv].
