@@ -298,19 +298,21 @@ def build_micro_batches(
 
 
 def _shareable(t: Trajectory) -> bool:
-    """A trajectory whose positions may be shared with its group's (one sequence, no images)."""
-    return bool(t.group_id) and not t.segment_starts and not t.images
+    """A trajectory whose leading positions may be shared with its group's (no images: their embeddings
+    are spliced in stream order, which the tree reorders). With context segments, its first segment may:
+    every later one starts a context of its own (its first tokens predicted by nothing), a document the
+    tree keeps whole."""
+    return bool(t.group_id) and not t.images
 
 
 def _document(t: Trajectory, p: tuple) -> list[Document]:
-    """A trajectory's documents of the unshared packed layout (one a context segment), its group on them
-    when it may share."""
+    """A trajectory's documents of the unshared packed layout (one a context segment), its group on the
+    first when it may share."""
     inputs, targets, routes, _, seg_lens = p
-    if len(seg_lens) == 1:
-        return [Document(inputs, targets, routes, t.group_id if _shareable(t) else None)]
     cuts = np.cumsum([0] + seg_lens).tolist()
-    return [Document(inputs[a:b], targets[a:b], None if routes is None else routes[a:b])
-            for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    return [Document(inputs[a:b], targets[a:b], None if routes is None else routes[a:b],
+                     t.group_id if i == 0 and _shareable(t) else None)
+            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))]
 
 
 def _sharing_units(trajectories: list[Trajectory], per: list[tuple]) -> list[list[int]]:
@@ -330,7 +332,9 @@ def _shared(unit: list[int], per: list[tuple]) -> int:
     """The positions a unit's members share (0 for one trajectory)."""
     if len(unit) < 2:
         return 0
-    return shared_positions([Document(per[s][0], per[s][1], per[s][2]) for s in unit])
+    first = [per[s][4][0] for s in unit]  # each member's first context segment: what can be shared
+    return shared_positions([Document(per[s][0][:n], per[s][1][:n], None if per[s][2] is None else per[s][2][:n])
+                             for s, n in zip(unit, first, strict=True)])
 
 
 def _routes(t: Trajectory, s: int, P: int, L: int, num_moe_layers: int, top_k: int) -> torch.Tensor:

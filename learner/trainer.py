@@ -328,9 +328,8 @@ class Trainer:
             st["tokens_saved"] += sharing["saved"] if sharing["used"] else 0
             st["packings"] += 1
             st["trees"] += int(sharing["used"])
-            if sharing["used"] and not self._said_packed_whole and any(t.images or t.segment_starts
-                                                                       for t in trajectories):  # fmt: skip
-                log.info("learner.shared_prefix: trajectories with images or context segments are packed whole")
+            if sharing["used"] and not self._said_packed_whole and any(t.images for t in trajectories):
+                log.info("learner.shared_prefix: trajectories with images are packed whole")
                 self._said_packed_whole = True
         # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
         cp = self.context_parallel and self.cfg.context_parallel or 1

@@ -21,12 +21,14 @@ import random
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from k3rl.config import LearnerSection, LoraSection
+from k3rl.images import to_png
 from k3rl.learner import Trainer
 from k3rl.learner.prefix_tree import Document, build_tree
 from k3rl.model import build_model
-from k3rl.types import Trajectory
+from k3rl.types import Trajectory, Turn
 
 VOCAB, N_MOE, TOP_K, N_EXPERTS = 256, 7, 2, 8  # k3-tiny: 8 layers, the first dense; 8 experts, top 2; ids below the media pad (277)
 
@@ -197,14 +199,34 @@ def test_auto_falls_back_with_one_log_line(tiny, caplog):
             assert all(mb.tree is None for mb in qk._micro_batches(group(random.Random(1), "g", 2, 8),
                                                                    torch.zeros(2))[0])  # fmt: skip
         (one,) = group(random.Random(2), "s", 1, 12)
-        segmented = [Trajectory(**one.model_dump() | {"segment_starts": [len(one.prompt_ids) + 1]})]
+        picture = Turn(role="user", images=[to_png(Image.new("RGB", (28, 28)))], start=0, end=len(one.prompt_ids))
+        with_image = [Trajectory(**one.model_dump() | {"turns": [picture]})]
         auto = Trainer(copy.deepcopy(tiny), LearnerSection())
         for _ in range(2):
-            mbs, _ = auto._micro_batches(group(random.Random(3), "g", 2, 20) + segmented, torch.zeros(3))
+            mbs, _ = auto._micro_batches(group(random.Random(3), "g", 2, 20) + with_image, torch.zeros(3))
             assert any(mb.tree is not None for mb in mbs)
     lines = [r for r in caplog.records if "shared_prefix" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
-    assert "QK-Clip" in lines[0].getMessage() and "context segments are packed whole" in lines[1].getMessage()
+    assert "QK-Clip" in lines[0].getMessage() and "with images are packed whole" in lines[1].getMessage()
+
+
+def test_compacted_episodes_share_their_first_segment(tiny):
+    """A group of long-horizon episodes whose context was compacted (segment_starts: each later segment a
+    context of its own) beside unsegmented members: the first segments share the group's prompt, the later
+    segments stay whole documents, and the loss and every gradient equal packing whole. Routing replay on."""
+    rng = random.Random(17)
+    trajectories = group(rng, "g", 4, prompt=21, shared_turn=2, routes=True)
+    for t in trajectories[:3]:  # the last keeps one context
+        t.segment_starts = [len(t.token_ids)]  # a new context: the task's first tokens again, then its own
+        t.completion_ids += t.prompt_ids[:6] + [rng.randrange(VOCAB) for _ in range(5)]
+        t.logprobs += [0.0] * 6 + [-rng.uniform(4.5, 6.5) for _ in range(5)]
+        t.loss_mask += [0] * 6 + [1] * 5
+        t.versions += [0] * 11
+        t.routed_experts += [[rng.sample(range(N_EXPERTS), TOP_K) for _ in range(N_MOE)] for _ in range(11)]
+    _, mbs, positions = assert_same(trajectories, tiny, routing_replay=True)
+    (mb,) = mbs
+    assert mb.tree.forks and mb.tree.shared == 4 * (21 + 2 - 1)  # the prompt and the shared turn, once
+    assert mb.tree.roots == 1 + 3  # the shared prefix, and the three later segments whole
 
 
 def test_tree_layout():
