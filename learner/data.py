@@ -182,6 +182,7 @@ def build_micro_batches(
     shared_prefix: bool = False,
     shared_prefix_min_fraction: float | None = None,
     sharing: dict | None = None,
+    media_placeholder: int | None = None,
 ) -> list[MicroBatch]:
     """Pack the step's trajectories into micro-batches (global aggregation weights included).
 
@@ -222,8 +223,8 @@ def build_micro_batches(
     units = [[s] for s in range(n)]  # what packing keeps together: one trajectory, or a sharing group
     shares = [0] * n  # the positions each unit's members share
     if shared_prefix:
-        together = _sharing_units(trajectories, per)
-        m = [_shared(u, per) for u in together]
+        together = _sharing_units(trajectories, per, media_placeholder)
+        m = [_shared(u, per, media_placeholder) for u in together]
         positions = sum(p[0].numel() for p in per)
         saved = sum((len(u) - 1) * m_u for u, m_u in zip(together, m, strict=True))  # m (G - 1) a group
         if shared_prefix_min_fraction is not None and saved <= shared_prefix_min_fraction * positions:
@@ -278,10 +279,12 @@ def build_micro_batches(
         ids, targets = torch.cat([per[s][0] for s in group]), torch.cat([per[s][1] for s in group])
         routes = torch.cat([per[s][2] for s in group]) if want_routes else None
         tree = None
+        images = [img for s in group for img in trajectories[s].images]
         if shared_prefix:
-            docs = [_document(trajectories[s], per[s]) for s in group]
+            docs = [_document(trajectories[s], per[s], media_placeholder) for s in group]
             ids, targets, routes, tree = build_tree([d for doc in docs for d in doc])
             cu = tree.cu_seqlens
+            images = _images_in_tree_order(tree, [trajectories[s] for s in group], docs)
         mb = MicroBatch(
             input_ids=ids[None],
             cu_seqlens=cu,
@@ -289,7 +292,7 @@ def build_micro_batches(
             **dict.fromkeys(LOSS_COLUMNS),
             routed_experts=routes[None] if want_routes else None,
             traj_indices=list(group),
-            images=[img for s in group for img in trajectories[s].images],
+            images=images,
             pending=lambda group=group: group_columns(group),
             tree=tree,
         )
@@ -298,24 +301,45 @@ def build_micro_batches(
 
 
 def _shareable(t: Trajectory) -> bool:
-    """A trajectory whose leading positions may be shared with its group's (no images: their embeddings
-    are spliced in stream order, which the tree reorders). With context segments, its first segment may:
-    every later one starts a context of its own (its first tokens predicted by nothing), a document the
-    tree keeps whole."""
-    return bool(t.group_id) and not t.images
+    """A trajectory whose leading positions may be shared with its group's. With context segments, its
+    first segment may: every later one starts a context of its own (its first tokens predicted by
+    nothing), a document the tree keeps whole. Its text before its first image may (the image's
+    placeholder ids are equal whatever its pixels), unless it also has segments (packed whole)."""
+    return bool(t.group_id) and not (t.images and t.segment_starts)
 
 
-def _document(t: Trajectory, p: tuple) -> list[Document]:
+def _first_image(inputs: torch.Tensor, placeholder: int | None) -> int | None:
+    """The first position holding an image placeholder (None: none)."""
+    if placeholder is None:
+        return None
+    at = (inputs == placeholder).nonzero()
+    return int(at[0]) if len(at) else None
+
+
+def _document(t: Trajectory, p: tuple, placeholder: int | None = None) -> list[Document]:
     """A trajectory's documents of the unshared packed layout (one a context segment), its group on the
-    first when it may share."""
+    first when it may share, shared only before its first image."""
     inputs, targets, routes, _, seg_lens = p
     cuts = np.cumsum([0] + seg_lens).tolist()
     return [Document(inputs[a:b], targets[a:b], None if routes is None else routes[a:b],
-                     t.group_id if i == 0 and _shareable(t) else None)
+                     t.group_id if i == 0 and _shareable(t) else None, _first_image(inputs[a:b], placeholder))
             for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True))]
 
 
-def _sharing_units(trajectories: list[Trajectory], per: list[tuple]) -> list[list[int]]:
+def _images_in_tree_order(tree, trajectories: list[Trajectory], docs: list[list[Document]]) -> list:
+    """The micro-batch's images in the order of their placeholders in the tree stream (the model splices
+    them in stream order). No image is in a shared prefix (it stops before the first), so each image lies
+    in the last piece of its document; a trajectory's images all ride with its first document: its
+    documents follow one another in the tree when it has images (shared or not, they are consecutive)."""
+    images_of, first = {}, 0
+    for t, doc in zip(trajectories, docs, strict=True):
+        images_of[first] = t.images
+        first += len(doc)
+    lengths = [len(d.inputs) for doc in docs for d in doc]
+    return [img for d, _, end in tree.pieces if end == lengths[d] for img in images_of.get(d, [])]
+
+
+def _sharing_units(trajectories: list[Trajectory], per: list[tuple], placeholder: int | None = None) -> list[list[int]]:
     """Packing units: each group whose shareable members agree on at least one leading position, and every
     other trajectory alone (in the order of their first trajectory)."""
     by_group: dict[str, list[int]] = {}
@@ -323,17 +347,18 @@ def _sharing_units(trajectories: list[Trajectory], per: list[tuple]) -> list[lis
         if _shareable(t):
             by_group.setdefault(t.group_id, []).append(s)
     together = {members[0]: members for members in by_group.values()
-                if len(members) > 1 and _shared(members, per) > 0}  # fmt: skip
+                if len(members) > 1 and _shared(members, per, placeholder) > 0}  # fmt: skip
     inside = {s for members in together.values() for s in members}
     return [together.get(s, [s]) for s in range(len(trajectories)) if s in together or s not in inside]
 
 
-def _shared(unit: list[int], per: list[tuple]) -> int:
+def _shared(unit: list[int], per: list[tuple], placeholder: int | None = None) -> int:
     """The positions a unit's members share (0 for one trajectory)."""
     if len(unit) < 2:
         return 0
     first = [per[s][4][0] for s in unit]  # each member's first context segment: what can be shared
-    return shared_positions([Document(per[s][0][:n], per[s][1][:n], None if per[s][2] is None else per[s][2][:n])
+    return shared_positions([Document(per[s][0][:n], per[s][1][:n], None if per[s][2] is None else per[s][2][:n],
+                                      share_before=_first_image(per[s][0][:n], placeholder))
                              for s, n in zip(unit, first, strict=True)])
 
 

@@ -31,7 +31,7 @@ uses) instead of their packed ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,18 +45,21 @@ __all__ = ["Document", "PrefixTree", "build_tree", "shared_positions"]
 @dataclass
 class Document:
     """One document of the unshared packed layout: inputs x_0..x_{L-1}, targets x_1..x_L, the recorded
-    experts [L, n_moe, k] (None: not replayed) and its group (None: never shared)."""
+    experts [L, n_moe, k] (None: not replayed), its group (None: never shared) and the first position it may
+    not share (its first image placeholder: equal ids there say nothing of equal pixels; None: none)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     routes: torch.Tensor | None
     group: object = None
+    share_before: int | None = None
 
 
 def shared_positions(members: list[Document]) -> int:
     """m: the leading positions where every member has the same input, target and recorded experts,
-    capped at the shortest member's length - 1 (every branch keeps at least one position)."""
-    m = min(len(s.inputs) for s in members) - 1
+    capped at the shortest member's length - 1 (every branch keeps at least one position) and before any
+    member's first image."""
+    m = min([len(s.inputs) - 1 for s in members] + [s.share_before for s in members if s.share_before is not None])
     first = members[0]
     for s in members[1:]:
         same = (s.inputs[:m] == first.inputs[:m]) & (s.targets[:m] == first.targets[:m])
@@ -93,6 +96,7 @@ class PrefixTree:
     forks: list[tuple[int, int, int]]
     offsets: list[int]  # cu_seqlens' host values
     shared: int = 0  # unshared positions that read a shared prefix (each prefix position once per branch)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (document, start, end) of each, in order
 
     @property
     def root_tokens(self) -> int:
@@ -211,6 +215,6 @@ def build_tree(sequences: list[Document]) -> tuple[torch.Tensor, torch.Tensor, t
     tree = PrefixTree(
         cu_seqlens=remember_host_offsets(torch.tensor(offsets, dtype=torch.int32), offsets), roots=len(roots),
         parent=torch.tensor(parent, dtype=torch.long), index=torch.cat(index) if index else torch.zeros(0, dtype=torch.long),
-        forks=forks, offsets=offsets, shared=sum(m * len(members[key]) for key, m in shared.items()),
+        forks=forks, offsets=offsets, shared=sum(m * len(members[key]) for key, m in shared.items()), pieces=pieces,
     )  # fmt: skip
     return take("inputs"), take("targets"), routes, tree

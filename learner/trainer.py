@@ -317,7 +317,7 @@ class Trainer:
             loss_norm_tokens=getattr(self.cfg, "loss_norm_tokens", None),
             defer=self.context_parallel is None,  # loss columns built after the forward is queued
             shared_prefix=self.shared_prefix, shared_prefix_min_fraction=self.shared_prefix_min_fraction,
-            sharing=sharing,
+            sharing=sharing, media_placeholder=getattr(self.model_config, "media_placeholder_token_id", None),
         )  # fmt: skip
         total_positions = sum(mb.positions for mb in mbs)
         if self.shared_prefix:
@@ -328,8 +328,9 @@ class Trainer:
             st["tokens_saved"] += sharing["saved"] if sharing["used"] else 0
             st["packings"] += 1
             st["trees"] += int(sharing["used"])
-            if sharing["used"] and not self._said_packed_whole and any(t.images for t in trajectories):
-                log.info("learner.shared_prefix: trajectories with images are packed whole")
+            if sharing["used"] and not self._said_packed_whole and any(t.images and t.segment_starts
+                                                                       for t in trajectories):  # fmt: skip
+                log.info("learner.shared_prefix: trajectories with both images and context segments are packed whole")
                 self._said_packed_whole = True
         # the ranks of a context-parallel group share micro-batches: deal them to the data-parallel groups
         cp = self.context_parallel and self.cfg.context_parallel or 1

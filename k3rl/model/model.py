@@ -278,7 +278,8 @@ class K3ForCausalLM(nn.Module):
         - `prefix_tree`: a `learner.prefix_tree.PrefixTree` (shared-prefix training): `input_ids` is its
           tree stream (each group's shared prefix once, then every sample's branch) and `cu_seqlens` its
           documents; KDA and MLA layers hand the prefix's state, conv window and keys to the branches
-          through it (the same hooks as `context_parallel`). No images, cache or context parallelism.
+          through it (the same hooks as `context_parallel`). Images in the tree stream's order (none in
+          a shared prefix: learner/data.py stops sharing before one); no cache or context parallelism.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -291,10 +292,10 @@ class K3ForCausalLM(nn.Module):
                 "document boundaries), and no cache or images (the vision tower does not run context-parallel; "
                 "train image episodes without it)"
             )
-        if prefix_tree is not None and (context_parallel is not None or cache is not None or images is not None
+        if prefix_tree is not None and (context_parallel is not None or cache is not None
                                         or cu_seqlens is None or T != prefix_tree.num_tokens):
             raise ValueError("prefix_tree runs a packed tree stream for training: pass its cu_seqlens and tokens, and "
-                             "no cache, images or context_parallel")
+                             "no cache or context_parallel (images: in the tree stream's order)")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the cache holds {cache.batch_size} sequences but input_ids has batch {B}")
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token

@@ -192,7 +192,7 @@ def test_falls_back_to_packing_under_qk_clip(tiny, caplog):
 
 def test_auto_falls_back_with_one_log_line(tiny, caplog):
     """Under auto (not asked for outright) a fall-back is said once, at info, and never again a step; so is
-    the packing whole of trajectories with context segments."""
+    the packing whole of trajectories with both images and context segments."""
     with caplog.at_level(logging.INFO, logger="k3rl.learner.trainer"):
         qk = Trainer(copy.deepcopy(tiny), LearnerSection(qk_clip_tau=100.0))
         for _ in range(2):
@@ -200,14 +200,14 @@ def test_auto_falls_back_with_one_log_line(tiny, caplog):
                                                                    torch.zeros(2))[0])  # fmt: skip
         (one,) = group(random.Random(2), "s", 1, 12)
         picture = Turn(role="user", images=[to_png(Image.new("RGB", (28, 28)))], start=0, end=len(one.prompt_ids))
-        with_image = [Trajectory(**one.model_dump() | {"turns": [picture]})]
+        with_image = [Trajectory(**one.model_dump() | {"turns": [picture], "segment_starts": [len(one.prompt_ids) + 1]})]
         auto = Trainer(copy.deepcopy(tiny), LearnerSection())
         for _ in range(2):
             mbs, _ = auto._micro_batches(group(random.Random(3), "g", 2, 20) + with_image, torch.zeros(3))
             assert any(mb.tree is not None for mb in mbs)
     lines = [r for r in caplog.records if "shared_prefix" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
-    assert "QK-Clip" in lines[0].getMessage() and "with images are packed whole" in lines[1].getMessage()
+    assert "QK-Clip" in lines[0].getMessage() and "both images and context segments are packed whole" in lines[1].getMessage()
 
 
 def test_compacted_episodes_share_their_first_segment(tiny):
@@ -265,3 +265,43 @@ def test_bf16_on_cuda_within_bf16_tolerance():
     for name, g in grads_ref.items():
         err, own = (grads_tree[name] - g).norm(), (grads_bf16[name] - g).norm()
         assert err <= 3 * own + 1e-2 * g.norm(), f"{name}: tree {err:.2e}, packed bf16 {own:.2e}, norm {g.norm():.2e}"
+
+
+def _with_picture(t: Trajectory, model, color, where: str, seed: int) -> Trajectory:
+    """t with an image of `color`: in its prompt (after the first 5 tokens) or in a tool result after its
+    completion's first 3 tokens (placeholders untrained, then 4 more generated tokens)."""
+    img = Image.new("RGB", (56, 42), color)
+    pads = [model.config.media_placeholder_token_id] * int(model.as_media([img]).tokens_per_item()[0])
+    rng = random.Random(seed)
+    if where == "prompt":
+        prompt = t.prompt_ids[:5] + pads + t.prompt_ids[5:]
+        return t.model_copy(update={"prompt_ids": prompt, "turns": [
+            Turn(role="user", images=[to_png(img)], start=0, end=len(prompt))]})
+    more = [rng.randrange(VOCAB) for _ in range(4)]
+    head = t.completion_ids[:3]
+    start = len(t.prompt_ids) + 3
+    return t.model_copy(update={
+        "completion_ids": head + pads + more + t.completion_ids[3:],
+        "logprobs": t.logprobs[:3] + [0.0] * len(pads) + [-5.0] * 4 + t.logprobs[3:],
+        "loss_mask": t.loss_mask[:3] + [0] * len(pads) + [1] * 4 + t.loss_mask[3:],
+        "versions": t.versions[:3] + [0] * (len(pads) + 4) + t.versions[3:],
+        "turns": [Turn(role="tool", images=[to_png(img)], start=start, end=start + len(pads))]})
+
+
+def test_images_after_the_shared_prefix_train_exactly(tiny):
+    """Vision episodes: a group whose images arrive in tool results after a shared prompt and trained turn
+    (each sample its own picture, one none), beside a group whose prompt holds an image (sharing stops before
+    it: equal placeholder ids say nothing of the pixels) and an ungrouped image episode. The tree stream
+    carries the images in its own order; the loss and every gradient equal packing whole."""
+    rng = random.Random(23)
+    colors = [(200, 30, 30), (20, 30, 230), (30, 200, 30), None]
+    shared_turn = group(rng, "g", 4, prompt=18, shared_turn=2)
+    vision = [t if c is None else _with_picture(t, tiny, c, "tool", seed=i)
+              for i, (t, c) in enumerate(zip(shared_turn, colors, strict=True))]
+    in_prompt = [_with_picture(t, tiny, (90, 90, 9 * i), "prompt", seed=i) for i, t in enumerate(group(rng, "h", 2, 12))]
+    alone = _with_picture(group(rng, "solo", 1, 7)[0], tiny, (1, 2, 3), "tool", seed=9)
+    trajectories = vision + in_prompt + [alone]
+    _, mbs, _ = assert_same(trajectories, tiny, micro_batch_tokens=4096)
+    (mb,) = mbs
+    assert len(mb.images) == 6 and mb.tree.forks
+    assert mb.tree.shared == 4 * (18 + 2 - 1) + 2 * 5  # g's prompt and turn; h's text before its image
