@@ -44,7 +44,7 @@ def _scores(q, k_ptrs, k_mask, scale, IEEE: tl.constexpr):
     return _dot(q, tl.trans(b_k), IEEE) * scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # token counts: one compile for any length (kernels/__init__.py)
 def flash_fwd_kernel(q, k, v, kp, vp, cu, o, lse, scale, H, P,
                      D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -152,7 +152,7 @@ def flash_bwd_kv_kernel(q, k, v, do, lse, delta, cu, dk, dv, scale, H,
     tl.store(dv + k_off * H * DV + h * DV + vcols[None, :], acc_v, mask=mk[:, None] & (vcols < DV)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "T"])  # token counts: one compile for any length (kernels/__init__.py)
 def flash_bwd_prefix_kernel(q, kp, vp, do, lse, delta, dkp, dvp, scale, H, P, T,
                             D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -191,7 +191,7 @@ def _query_block_grad(b_q, b_do, b_lse, b_delta, k_ptrs, v_ptrs, k_mask, v_mask,
     return _dot(ds.to(b_k.dtype), b_k, IEEE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # token counts: one compile for any length (kernels/__init__.py)
 def flash_bwd_q_kernel(q, k, v, kp, vp, do, lse, delta, cu, dq, scale, H, P,
                        D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip

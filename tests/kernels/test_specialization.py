@@ -16,7 +16,7 @@ from triton.runtime.jit import JITFunction
 
 import k3rl.kernels
 
-COUNTS = {"n_rows", "per_prog", "n", "m", "N", "T"}  # argument names that count tokens (or blocks of them)
+COUNTS = {"n_rows", "per_prog", "n", "m", "N", "T", "P"}  # argument names that count tokens (or blocks of them)
 # kept specialised on purpose: the recurrent kernel runs decode steps, T = 1, where the constant unrolls its
 # loop; the histogram's n is the number of experts (fixed, and its row stride)
 SPECIALISED = {("recurrent_fwd_kernel", "T"), ("qb_hist_kernel", "n")}
