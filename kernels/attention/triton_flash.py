@@ -38,10 +38,16 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k_ptrs, k_mask, scale, IEEE: tl.constexpr):
-    """scale q k^T for a key block [BLOCK_N, BD] (what k_mask leaves out loads as zero; the caller masks it)."""
+def _attend(b_q, k_ptrs, v_ptrs, k_mask, v_mask, ok, acc, m_i, l_i, scale, IEEE: tl.constexpr):
+    """One key block's online-softmax update of (acc, m, l) for a query block; ok [BM, BN] the pairs that
+    attend, k_mask / v_mask the key and value elements that exist (the rest load as zero)."""
     b_k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    return _dot(q, tl.trans(b_k), IEEE) * scale
+    s = tl.where(ok, _dot(b_q, tl.trans(b_k), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    b_v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    return acc * alpha[:, None] + _dot(p.to(b_v.dtype), b_v, IEEE), m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit(do_not_specialize=["P"])  # token counts: one compile for any length (kernels/__init__.py)
@@ -61,36 +67,24 @@ def flash_fwd_kernel(q, k, v, kp, vp, cu, o, lse, scale, H, P,
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BDV], tl.float32)
+    cmask, vmask = (cols < D)[None, :], (vcols < DV)[None, :]
     j0 = 0
     while j0 < P:  # the shared prefix: every query sees every key
         keys = j0 + tl.arange(0, BN)
         mk = keys < P
-        s = _scores(b_q, kp + keys.to(tl.int64)[:, None] * H * D + h * D + cols[None, :], mk[:, None] & (cols < D)[None, :], scale, IEEE)
-        s = tl.where(mk[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        b_v = tl.load(vp + keys.to(tl.int64)[:, None] * H * DV + h * DV + vcols[None, :],
-                      mask=mk[:, None] & (vcols < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(b_v.dtype), b_v, IEEE)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        kk = keys.to(tl.int64)[:, None]
+        acc, m_i, l_i = _attend(b_q, kp + kk * H * D + h * D + cols[None, :], vp + kk * H * DV + h * DV + vcols[None, :],
+                                mk[:, None] & cmask, mk[:, None] & vmask, mk[None, :], acc, m_i, l_i, scale, IEEE)
         j0 += BN
     j0 = 0
     end = tl.minimum(L, (mb + 1) * BM)
     while j0 < end:  # the document's own keys, causal
         keys = j0 + tl.arange(0, BN)
         mk = keys < L
-        s = _scores(b_q, k + (start + keys).to(tl.int64)[:, None] * H * D + h * D + cols[None, :], mk[:, None] & (cols < D)[None, :], scale, IEEE)
-        s = tl.where(mk[None, :] & (keys[None, :] <= rows[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        b_v = tl.load(v + (start + keys).to(tl.int64)[:, None] * H * DV + h * DV + vcols[None, :],
-                      mask=mk[:, None] & (vcols < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(b_v.dtype), b_v, IEEE)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        kk = (start + keys).to(tl.int64)[:, None]
+        acc, m_i, l_i = _attend(b_q, k + kk * H * D + h * D + cols[None, :], v + kk * H * DV + h * DV + vcols[None, :],
+                                mk[:, None] & cmask, mk[:, None] & vmask, mk[None, :] & (keys[None, :] <= rows[:, None]),
+                                acc, m_i, l_i, scale, IEEE)
         j0 += BN
     o_off = (start + rows).to(tl.int64)[:, None] * H * DV + h * DV + vcols[None, :]
     tl.store(o + o_off, acc / l_i[:, None], mask=mr[:, None] & (vcols < DV)[None, :])
