@@ -3,6 +3,7 @@ process-level pieces (the broadcast group, CUDA IPC handles). With a pool: test_
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -151,7 +152,16 @@ def test_pack_unpack_round_trip_keeps_dtypes_shapes_and_bits():
 def _receiver(port: int, backend: str, queue) -> None:
     sync = BroadcastGroup(1, 2, port=port, backend=backend, device="cuda:1" if backend == "nccl" else "cpu")
     upd = sync.recv()
-    queue.put((upd.version, upd.full, {k: v.cpu() for k, v in upd.state_dict().items()}))
+    queue.put((upd.version, upd.full, _as_bytes(upd.state_dict())))
+
+
+def _as_bytes(state: dict) -> bytes:
+    """A state dict as bytes for a queue: a tensor put on a queue is a shared-memory handle, and the
+    child may exit before the parent opens it (CI saw FileNotFoundError from the handle's vanished socket).
+    Each tensor is cloned: they are views of one received buffer, which torch.save refuses."""
+    buf = io.BytesIO()
+    torch.save({k: v.cpu().clone() for k, v in state.items()}, buf)
+    return buf.getvalue()
 
 
 def _collective_round_trip(backend: str) -> None:
@@ -168,7 +178,8 @@ def _collective_round_trip(backend: str) -> None:
         sync = BroadcastGroup(0, 2, port=port, backend=backend, device="cuda:0" if backend == "nccl" else "cpu",
                                     timeout_s=120)
         times = sync.send(WeightUpdate.from_state_dict(2, state, bucket_bytes=4096, full=False))
-        version, full, got = queue.get(timeout=120)
+        version, full, raw_state = queue.get(timeout=120)
+        got = torch.load(io.BytesIO(raw_state))
     finally:
         proc.join(timeout=60)
         if proc.is_alive():
@@ -203,7 +214,7 @@ def test_cuda_ipc_share_and_open():
     queue = ctx.Queue()
     proc = ctx.Process(target=_open_ipc, args=(share, queue))
     proc.start()
-    got = queue.get(timeout=120)
+    got = torch.load(io.BytesIO(queue.get(timeout=120)))
     proc.join(timeout=60)
     share.release()
     assert all(torch.equal(got[k], t.cpu()) for k, t in state.items())
@@ -213,7 +224,7 @@ def _open_ipc(share, queue) -> None:
     from k3rl.rollout.transport import open_cuda_ipc
 
     upd = open_cuda_ipc(share)
-    queue.put({k: v.cpu() for k, v in upd.state_dict().items()})
+    queue.put(_as_bytes(upd.state_dict()))
 
 
 def test_a_transport_receive_never_runs_beside_a_graph_capture(ray_cluster):
