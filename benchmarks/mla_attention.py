@@ -42,7 +42,7 @@ def _timed(fn, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**30
 
 
-def case(kind: str, args, tokens: int) -> dict:
+def case(kind: str, args, tokens: int, only: str | None = None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     H = args.heads
     if kind == "packed":
@@ -71,16 +71,48 @@ def case(kind: str, args, tokens: int) -> dict:
             x.grad = None
         call(kernel).backward(do)
 
+    kernels = (only,) if only else ("flash", "sdpa")
     for _ in range(args.warmup):
-        step("flash"), step("sdpa")
+        for kernel in kernels:
+            step(kernel)
     out = {"case": kind, "tokens": T, "prefix": P, "heads": H, "docs": len(lengths)}
     flops = 2 * H * (D + DV) * pairs * 3.5  # forward 1 + backward 2.5
-    for kernel in ("flash", "sdpa"):
+    for kernel in kernels:
         ms, peak = _timed(lambda kernel=kernel: step(kernel), args.iters)
         out[f"{kernel}_ms"], out[f"{kernel}_peak_gib"] = ms, peak
         out[f"{kernel}_tflops"] = flops / ms / 1e9
-    out["speedup"] = out["sdpa_ms"] / out["flash_ms"]
+    if not only:
+        out["speedup"] = out["sdpa_ms"] / out["flash_ms"]
     return out
+
+
+SWEEP = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 128, 8, 2)]
+
+
+def sweep(args) -> list[dict]:
+    """The kernel's launch shapes (BLOCK_M, BLOCK_N, num_warps, num_stages), each timed on the first packed
+    case and the shared case; a shape the GPU cannot hold (shared memory) is reported, not fatal."""
+    # imported here: the launch shape is the module's globals, set per row
+    from k3rl.kernels.attention import triton_flash as tf
+
+    kept = (tf.BLOCK_M, tf.BLOCK_N, dict(tf.LAUNCH))
+    rows = []
+    try:
+        for bm, bn, warps, stages in SWEEP:
+            tf.BLOCK_M, tf.BLOCK_N, tf.LAUNCH = bm, bn, {"num_warps": warps, "num_stages": stages}
+            row = {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+            for kind, tokens in (("packed", args.tokens[0]), ("shared", args.prefix)):
+                try:
+                    r = case(kind, args, tokens, only="flash")
+                    row[f"{kind}_ms"] = r["flash_ms"]
+                except Exception as e:  # noqa: BLE001 - triton's OutOfResources and its kin: the row says which
+                    row[f"{kind}_ms"] = None
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        tf.BLOCK_M, tf.BLOCK_N, tf.LAUNCH = kept
+    return rows
 
 
 def main(argv=None) -> list[dict]:
@@ -94,9 +126,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="first time the kernel's launch shapes (SWEEP)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/mla_attention.py times GPU kernels: run it on a CUDA machine")
+    swept = sweep(args) if args.sweep else None
     results = [case("packed", args, t) for t in args.tokens] + [case("shared", args, args.prefix)]
     print(f"{'case':>7} {'tokens':>7} {'prefix':>6} {'flash ms':>9} {'sdpa ms':>9} {'x':>5} "
           f"{'flash TF/s':>10} {'sdpa TF/s':>10} {'peak GiB flash/sdpa':>20}")
@@ -106,7 +140,8 @@ def main(argv=None) -> list[dict]:
               f"{r['flash_peak_gib']:>9.2f}/{r['sdpa_peak_gib']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results,
+                       "sweep": swept}, f, indent=1)
     return results
 
 
