@@ -11,8 +11,10 @@ Cases: `packed` (the documents of `--tokens` split into `--docs` equal documents
 prefix's keys and values once per branch, the kernel reads them in place). The report: median milliseconds
 of `--iters` timed calls after `--warmup` of each (alternated), the attention FLOPs a second
 (causal: 2 H (Dqk + Dv) x the attending pairs, the backward counted as 2.5 forwards) and each path's peak
-memory. Accuracy is tests/kernels/test_flash_attention.py's (run it first on a new GPU). Not run on a GPU yet
-(no device time in the session that wrote it). Needs k3rl installed (on the device: benchmarks/device_env.sh).
+memory. Both paths run under bf16 autocast, as the learner calls them (the SDPA path then runs PyTorch's
+fused bf16 kernels; without autocast it widens q, k, v to fp32). `--sweep` first times the kernel's launch
+shapes. Accuracy is tests/kernels/test_flash_attention.py's (run it first on a new GPU). Needs k3rl
+installed (on the device: benchmarks/device_env.sh). Numbers: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -61,7 +63,11 @@ def case(kind: str, args, tokens: int, only: str | None = None) -> dict:
     kp, vp = rand(max(P, 1), D), rand(max(P, 1), DV)
     do = torch.randn(1, T, H, DV, device="cuda", generator=gen)
 
-    def call(kernel):
+    def call(kernel):  # under the learner's bf16 autocast (without it the SDPA path widens to fp32)
+        with torch.autocast("cuda", torch.bfloat16):
+            return _call(kernel)
+
+    def _call(kernel):
         if P:
             return shared_prefix_attention(q, k, v, kp, vp, D**-0.5, cu, backend="triton", kernel=kernel)
         return causal_attention(q, k, v, D**-0.5, cu_seqlens=cu, backend="triton", kernel=kernel)
@@ -69,7 +75,7 @@ def case(kind: str, args, tokens: int, only: str | None = None) -> dict:
     def step(kernel):
         for x in (q, k, v, kp, vp):
             x.grad = None
-        call(kernel).backward(do)
+        call(kernel).float().backward(do)
 
     kernels = (only,) if only else ("flash", "sdpa")
     for _ in range(args.warmup):

@@ -33,7 +33,9 @@ def test_flash_attention_kernels_compile_for_sm90():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_attention_on_the_gpu_matches_the_fp32_reference_and_sdpa():
     """bf16 at MLA's head dims (192 / 128), 8 heads, packed documents with a shared prefix: the kernel's
-    output and gradients within bf16 tolerance of the fp32 reference, no further from it than SDPA's."""
+    output and gradients within bf16 tolerance of the fp32 reference, no further from it than SDPA's. Both
+    bf16 paths run under the learner's bf16 autocast: without it the SDPA path widens its inputs to fp32
+    (its error was then 6e-7, not a bf16 kernel's)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths, P, H = [700, 1, 333, 1024], 513, 8
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -47,8 +49,9 @@ def test_flash_attention_on_the_gpu_matches_the_fp32_reference_and_sdpa():
 
     def run(backend, kernel, cast):
         leaves = [x.detach().to(cast).requires_grad_() for x in (q, k, v, kp, vp)]
-        o = shared_prefix_attention(*leaves, 192**-0.5, cu, backend=backend, kernel=kernel)
-        o.backward(do)
+        with torch.autocast("cuda", torch.bfloat16, enabled=cast == torch.bfloat16):
+            o = shared_prefix_attention(*leaves, 192**-0.5, cu, backend=backend, kernel=kernel)
+        o.float().backward(do)
         return [o.float()] + [x.grad.float() for x in leaves]
 
     truth = run("torch", "sdpa", torch.float32)
