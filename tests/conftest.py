@@ -32,15 +32,23 @@ def module_ray():
 _BACKGROUND: dict = {}  # "runner": the runner process, "folder": its results
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests of background jobs last (in their order): their jobs then have the whole suite's time to run
+    beside it before a test waits for one."""
+    items[:] = [i for i in items if not i.get_closest_marker("background")] + \
+        [i for i in items if i.get_closest_marker("background")]
+
+
 def pytest_collection_finish(session):
     """Start the selected background jobs (tests marked `background`) in one runner process, in test order;
-    tell tests/kernels/interpreter_run.py which interpreter case files the selected tests run (one process)."""
+    start the process of the interpreter case files the selected tests run (tests/kernels/interpreter_run.py)."""
     if session.config.option.collectonly:
         return
     interpreter_run = sys.modules.get("interpreter_run")
     if interpreter_run is not None:
         interpreter_run.WANTED.update(mark.args[0] for item in session.items
                                       for mark in item.iter_markers("interpreter_cases"))
+        interpreter_run.start(sorted(interpreter_run.WANTED))
     jobs = [f"{item.path}:{mark.args[0]}" for item in session.items
             for mark in item.iter_markers("background")]
     if jobs:
@@ -54,6 +62,9 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
+    interpreter_run = sys.modules.get("interpreter_run")
+    if interpreter_run is not None:
+        interpreter_run.stop()
     if "runner" in _BACKGROUND:
         import shutil
 

@@ -35,6 +35,17 @@ pytestmark = pytest.mark.slow
 TASKS = 16  # held-out tasks per env and setting
 
 
+def play_all() -> dict:
+    """Every setting's episodes (about 2 minutes of one core): a background job (tests/background.py), run
+    beside the suite while it goes on; the tests assert on what it returns."""
+    return {"seen": play(0), "blank": play(0, blank_images=True),
+            "ran": play(1), "without": play(1, tool_available=False),
+            "summarized": play(2), "overflowed": play(2, ["rollout.context.strategy=none"])}
+
+
+BACKGROUND_JOBS = {"ablations": lambda out: play_all}
+
+
 @functools.cache
 def engine() -> EmbeddedEngine:
     torch.manual_seed(0)
@@ -76,9 +87,10 @@ def read_rate(episodes) -> float:
     return sum(t.reward >= 1 - 1e-6 for t in looked) / max(len(looked), 1)
 
 
-def test_screen_read_needs_the_screenshot(require_sandbox):
+@pytest.mark.background("ablations")
+def test_screen_read_needs_the_screenshot(require_sandbox, background_job):
     require_sandbox()
-    seen, blank = play(0), play(0, blank_images=True)
+    seen, blank = background_job[0]["seen"], background_job[0]["blank"]
     assert all(not t.error for t in seen + blank), [t.error for t in seen + blank if t.error]
     # it opens the requested panel and reads the value it shows
     assert sum(t.reward >= 0.5 - 1e-6 for t in seen) >= 12 and read_rate(seen) >= 0.6, [t.reward for t in seen]
@@ -89,17 +101,18 @@ def test_screen_read_needs_the_screenshot(require_sandbox):
         ([t.reward for t in seen], [t.reward for t in blank])
 
 
-def test_python_mul_needs_the_sandboxed_tool(require_sandbox):
+@pytest.mark.background("ablations")
+def test_python_mul_needs_the_sandboxed_tool(require_sandbox, background_job):
     require_sandbox()
-    ran, without = play(1), play(1, tool_available=False)
+    ran, without = background_job[0]["ran"], background_job[0]["without"]
     assert success(ran) >= 0.5, [t.reward for t in ran]
     assert success(without) == 0.0, [t.reward for t in without]
 
 
-def test_long_horizon_needs_compaction(require_sandbox):
+@pytest.mark.background("ablations")
+def test_long_horizon_needs_compaction(require_sandbox, background_job):
     require_sandbox()
-    summarized = play(2)
-    overflowed = play(2, ["rollout.context.strategy=none"])
+    summarized, overflowed = background_job[0]["summarized"], background_job[0]["overflowed"]
     # compaction carries the trails to their end: most episodes answer after a summary, and the last code,
     # which only the trail's last file holds, earns its half (the first code, carried through the policy's
     # notes and summaries, earns the other: half of the episodes have both)

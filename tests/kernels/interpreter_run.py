@@ -2,9 +2,11 @@
 (a process that already imported the kernels compiled them for a GPU).
 
 Each test marked `@pytest.mark.interpreter_cases("x_interpret_cases.py")` calls `run_interpreted("x_...")`.
-The first such call runs every case file the session selected in ONE process (torch and triton import once,
-not once a file: about 3 s each here) and keeps each file's outcome; the others read theirs. `WANTED` is
-filled at collection (tests/conftest.py)."""
+Every case file the session selected runs in ONE process (torch and triton import once, not once a file:
+about 3 s each here), which `start` launches when collection ends (tests/conftest.py), beside the suite at
+a lower priority: its 2-4 minutes of one core use what the suite leaves idle instead of being waited for.
+The first test to ask waits for it and keeps each file's outcome; the others read theirs. A file asked for
+that the launched process does not cover (a test run alone) runs on demand, as before."""
 
 import json
 import os
@@ -17,37 +19,83 @@ import xml.etree.ElementTree as ET
 HERE = pathlib.Path(__file__).parent
 WANTED: set[str] = set()  # the case files of the session's selected tests
 _OUTCOMES: dict[str, tuple[bool, str]] = {}  # case file -> (every case ran and passed, what to show if not)
+_STARTED: dict = {}  # "proc", "files", "tmp": the process `start` launched, until its outcomes are read
+
+
+def start(files: list[str]) -> None:
+    """Launch the process of `files` now (nice 10); `run_interpreted` reads its outcome when first asked."""
+    if not files or _STARTED:
+        return
+    tmp = tempfile.TemporaryDirectory()
+    log = open(pathlib.Path(tmp.name) / "log", "w")  # a file, not a pipe: nobody reads it until the end
+    proc = subprocess.Popen(["nice", "-n", "10", *_command(files, pathlib.Path(tmp.name) / "cases.xml")],
+                            stdout=log, stderr=subprocess.STDOUT, env=_ENV, cwd=HERE)
+    log.close()
+    _STARTED.update(proc=proc, files=list(files), tmp=tmp)
+
+
+def stop() -> None:
+    """End a launched process nobody waited for (a session stopped early)."""
+    proc = _STARTED.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    if "tmp" in _STARTED:
+        _STARTED.pop("tmp").cleanup()
+    _STARTED.clear()
 
 
 def run_interpreted(cases_file: str) -> None:
     """pytest `cases_file` (beside this module) under the interpreter; every case must run and pass."""
+    if cases_file not in _OUTCOMES and cases_file in _STARTED.get("files", ()):
+        _collect_started()
     if cases_file not in _OUTCOMES:
         _run_together(sorted((WANTED - _OUTCOMES.keys()) | {cases_file}))
     ok, report = _OUTCOMES[cases_file]
     assert ok, report
 
 
+_ENV = dict(os.environ, TRITON_INTERPRET="1")
+
+
+def _command(files: list[str], report_xml: pathlib.Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
+            f"--junit-xml={report_xml}"]  # fmt: skip
+
+
+def _collect_started() -> None:
+    proc, files, tmp = _STARTED["proc"], _STARTED["files"], _STARTED["tmp"]
+    try:
+        proc.wait(timeout=1800)
+        log = (pathlib.Path(tmp.name) / "log").read_text(errors="replace")
+        _record(files, pathlib.Path(tmp.name) / "cases.xml", proc.returncode, log, "")
+    finally:
+        stop()
+
+
 def _run_together(files: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         report_xml = pathlib.Path(tmp) / "cases.xml"
-        run = subprocess.run(
-            [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-             f"--junit-xml={report_xml}"],
-            capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=1800, cwd=HERE,
-        )  # fmt: skip
-        cases = ET.parse(report_xml).getroot().iter("testcase") if report_xml.exists() else []
-        by_file: dict[str, list[tuple[str, str]]] = {f: [] for f in files}  # file -> (case, "" or what went wrong)
-        for case in cases:
-            file = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
-            bad = [f"{e.tag}: {e.get('message', '')}\n{(e.text or '')[-3000:]}" for e in case
-                   if e.tag in ("failure", "error", "skipped")]
-            by_file.setdefault(file, []).append((case.get("name", ""), "\n".join(bad)))
+        run = subprocess.run(_command(files, report_xml), capture_output=True, text=True, env=_ENV, timeout=1800,
+                             cwd=HERE)
+        _record(files, report_xml, run.returncode, run.stdout, run.stderr)
+
+
+def _record(files: list[str], report_xml: pathlib.Path, returncode: int, stdout: str, stderr: str) -> None:
+    """Each file's outcome from the run's junit report."""
+    cases = ET.parse(report_xml).getroot().iter("testcase") if report_xml.exists() else []
+    by_file: dict[str, list[tuple[str, str]]] = {f: [] for f in files}  # file -> (case, "" or what went wrong)
+    for case in cases:
+        file = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+        bad = [f"{e.tag}: {e.get('message', '')}\n{(e.text or '')[-3000:]}" for e in case
+               if e.tag in ("failure", "error", "skipped")]
+        by_file.setdefault(file, []).append((case.get("name", ""), "\n".join(bad)))
     for file in files:
         results = by_file.get(file, [])
         bad = [f"{name}: {what}" for name, what in results if what]
         ok = bool(results) and not bad
         _OUTCOMES[file] = (ok, "\n\n".join(bad)[-6000:] if bad else
-                           f"{file}: no case ran (exit {run.returncode})\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+                           f"{file}: no case ran (exit {returncode})\n{stdout[-4000:]}\n{stderr[-2000:]}")
 
 
 def run_sm90_check(script: str, timeout: float = 600) -> dict[str, int]:
