@@ -33,10 +33,13 @@ _BACKGROUND: dict = {}  # "runner": the runner process, "folder": its results
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests of background jobs last (in their order): their jobs then have the whole suite's time to run
-    beside it before a test waits for one."""
-    items[:] = [i for i in items if not i.get_closest_marker("background")] + \
-        [i for i in items if i.get_closest_marker("background")]
+    """Tests that wait for work started at collection last (in their order): the interpreter cases' tests,
+    then those of background jobs. That work then has the whole suite's time to run beside it before a
+    test waits for it."""
+    def rank(item) -> int:
+        return 2 if item.get_closest_marker("background") else 1 if item.get_closest_marker("interpreter_cases") else 0
+
+    items.sort(key=rank)  # stable: the order within each rank is kept
 
 
 def pytest_collection_finish(session):

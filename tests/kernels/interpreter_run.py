@@ -4,9 +4,10 @@
 Each test marked `@pytest.mark.interpreter_cases("x_interpret_cases.py")` calls `run_interpreted("x_...")`.
 Every case file the session selected runs in ONE process (torch and triton import once, not once a file:
 about 3 s each here), which `start` launches when collection ends (tests/conftest.py), beside the suite at
-a lower priority: its 2-4 minutes of one core use what the suite leaves idle instead of being waited for.
-The first test to ask waits for it and keeps each file's outcome; the others read theirs. A file asked for
-that the launched process does not cover (a test run alone) runs on demand, as before."""
+a lower priority (nice 5: about a quarter of a core when the suite keeps both busy); the tests that ask run
+last (tests/conftest.py), so its 2-4 minutes of one core pass while the suite goes on. The first to ask
+waits for it and keeps each file's outcome; the others read theirs. A file asked for that the launched
+process does not cover (a test run alone) runs on demand, as before."""
 
 import json
 import os
@@ -23,12 +24,12 @@ _STARTED: dict = {}  # "proc", "files", "tmp": the process `start` launched, unt
 
 
 def start(files: list[str]) -> None:
-    """Launch the process of `files` now (nice 10); `run_interpreted` reads its outcome when first asked."""
+    """Launch the process of `files` now (nice 5); `run_interpreted` reads its outcome when first asked."""
     if not files or _STARTED:
         return
     tmp = tempfile.TemporaryDirectory()
     log = open(pathlib.Path(tmp.name) / "log", "w")  # a file, not a pipe: nobody reads it until the end
-    proc = subprocess.Popen(["nice", "-n", "10", *_command(files, pathlib.Path(tmp.name) / "cases.xml")],
+    proc = subprocess.Popen(["nice", "-n", "5", *_command(files, pathlib.Path(tmp.name) / "cases.xml")],
                             stdout=log, stderr=subprocess.STDOUT, env=_ENV, cwd=HERE)
     log.close()
     _STARTED.update(proc=proc, files=list(files), tmp=tmp)
