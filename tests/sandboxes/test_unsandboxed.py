@@ -23,10 +23,12 @@ def test_exec_files_and_limits_as_host_processes(tmp_path):
         r = sb.exec(["python3", "-"], stdin="print(6 * 7)")
         assert r.ok and r.stdout == "42\n"
         # the timeout kills the command's whole process group, children included
+        # (a duration no other process has: `pgrep -f "sleep 30"` also found a "sleep 300" of the machine's)
+        nap = f"30.{os.getpid():07d}"
         t0 = time.monotonic()
-        r = sb.exec("sleep 30 & sleep 30; wait", timeout=1)
+        r = sb.exec(f"sleep {nap} & sleep {nap}; wait", timeout=1)
         assert r.timed_out and r.exit_code == 137 and time.monotonic() - t0 < 10
-        assert subprocess.run(["pgrep", "-f", "sleep 30"], capture_output=True).stdout == b""
+        assert subprocess.run(["pgrep", "-f", f"sleep {nap}$"], capture_output=True).stdout == b""
         r = sb.exec("python3 -c \"print('x' * 1000)\"")
         assert r.truncated and r.stdout.startswith("x" * 64) and "64 of 1001 bytes" in r.stdout
         base = sb.base
