@@ -65,12 +65,9 @@ def case(kind: str, args, tokens: int, only: str | None = None) -> dict:
 
     def call(kernel):  # under the learner's bf16 autocast (without it the SDPA path widens to fp32)
         with torch.autocast("cuda", torch.bfloat16):
-            return _call(kernel)
-
-    def _call(kernel):
-        if P:
-            return shared_prefix_attention(q, k, v, kp, vp, D**-0.5, cu, backend="triton", kernel=kernel)
-        return causal_attention(q, k, v, D**-0.5, cu_seqlens=cu, backend="triton", kernel=kernel)
+            if P:
+                return shared_prefix_attention(q, k, v, kp, vp, D**-0.5, cu, backend="triton", kernel=kernel)
+            return causal_attention(q, k, v, D**-0.5, cu_seqlens=cu, backend="triton", kernel=kernel)
 
     def step(kernel):
         for x in (q, k, v, kp, vp):

@@ -29,60 +29,47 @@ def start(files: list[str]) -> None:
         return
     tmp = tempfile.TemporaryDirectory()
     log = open(pathlib.Path(tmp.name) / "log", "w")  # a file, not a pipe: nobody reads it until the end
-    proc = subprocess.Popen(["nice", "-n", "5", *_command(files, pathlib.Path(tmp.name) / "cases.xml")],
-                            stdout=log, stderr=subprocess.STDOUT, env=_ENV, cwd=HERE)
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-W",
+               "ignore::RuntimeWarning", f"--junit-xml={pathlib.Path(tmp.name) / 'cases.xml'}"]
+    proc = subprocess.Popen(["nice", "-n", "5", *command], stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, TRITON_INTERPRET="1"), cwd=HERE)
     log.close()
     _STARTED.update(proc=proc, files=list(files), tmp=tmp)
 
 
 def stop() -> None:
     """End a launched process nobody waited for (a session stopped early)."""
-    proc = _STARTED.pop("proc", None)
+    proc, tmp = _STARTED.pop("proc", None), _STARTED.pop("tmp", None)
+    _STARTED.clear()
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait()
-    if "tmp" in _STARTED:
-        _STARTED.pop("tmp").cleanup()
-    _STARTED.clear()
+    if tmp is not None:
+        tmp.cleanup()
 
 
 def run_interpreted(cases_file: str) -> None:
     """pytest `cases_file` (beside this module) under the interpreter; every case must run and pass."""
-    if cases_file not in _OUTCOMES and cases_file in _STARTED.get("files", ()):
-        _collect_started()
     if cases_file not in _OUTCOMES:
-        _run_together(sorted((WANTED - _OUTCOMES.keys()) | {cases_file}))
+        if cases_file not in _STARTED.get("files", ()):  # not launched at collection (or another file was)
+            if _STARTED:
+                _collect_started()
+            start(sorted((WANTED - _OUTCOMES.keys()) | {cases_file}))
+        _collect_started()
     ok, report = _OUTCOMES[cases_file]
     assert ok, report
 
 
-_ENV = dict(os.environ, TRITON_INTERPRET="1")
-
-
-def _command(files: list[str], report_xml: pathlib.Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-            f"--junit-xml={report_xml}"]  # fmt: skip
-
-
 def _collect_started() -> None:
-    proc, files, tmp = _STARTED["proc"], _STARTED["files"], _STARTED["tmp"]
+    proc, files, folder = _STARTED["proc"], _STARTED["files"], pathlib.Path(_STARTED["tmp"].name)
     try:
         proc.wait(timeout=1800)
-        log = (pathlib.Path(tmp.name) / "log").read_text(errors="replace")
-        _record(files, pathlib.Path(tmp.name) / "cases.xml", proc.returncode, log, "")
+        _record(files, folder / "cases.xml", proc.returncode, (folder / "log").read_text(errors="replace"))
     finally:
         stop()
 
 
-def _run_together(files: list[str]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        report_xml = pathlib.Path(tmp) / "cases.xml"
-        run = subprocess.run(_command(files, report_xml), capture_output=True, text=True, env=_ENV, timeout=1800,
-                             cwd=HERE)
-        _record(files, report_xml, run.returncode, run.stdout, run.stderr)
-
-
-def _record(files: list[str], report_xml: pathlib.Path, returncode: int, stdout: str, stderr: str) -> None:
+def _record(files: list[str], report_xml: pathlib.Path, returncode: int, log: str) -> None:
     """Each file's outcome from the run's junit report."""
     cases = ET.parse(report_xml).getroot().iter("testcase") if report_xml.exists() else []
     by_file: dict[str, list[tuple[str, str]]] = {f: [] for f in files}  # file -> (case, "" or what went wrong)
@@ -96,7 +83,7 @@ def _record(files: list[str], report_xml: pathlib.Path, returncode: int, stdout:
         bad = [f"{name}: {what}" for name, what in results if what]
         ok = bool(results) and not bad
         _OUTCOMES[file] = (ok, "\n\n".join(bad)[-6000:] if bad else
-                           f"{file}: no case ran (exit {returncode})\n{stdout[-4000:]}\n{stderr[-2000:]}")
+                           f"{file}: no case ran (exit {returncode})\n{log[-6000:]}")
 
 
 def run_sm90_check(script: str, timeout: float = 600) -> dict[str, int]:
